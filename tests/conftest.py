@@ -1,0 +1,30 @@
+"""Shared fixtures: deterministic seeds, tiny configs and the shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The real corpora of ../shared/data (skips with a message where absent)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found next to the project ({SHARED_DATA.name}); see README")
+    return SHARED_DATA
