@@ -150,24 +150,44 @@ class RelationalConfig(PreTrainedConfig):
         _check_int("qk_rank", self.qk_rank, 1, self.head_dim)
         _check_int("max_position_embeddings", self.max_position_embeddings, 1)
         if self.position_encoding not in _POSITION_ENCODINGS:
-            raise ValueError(f"`position_encoding` must be one of {_POSITION_ENCODINGS}, got {self.position_encoding!r}.")
+            raise ValueError(
+                f"`position_encoding` must be one of {_POSITION_ENCODINGS}, got {self.position_encoding!r}."
+            )
         if self.position_encoding == "rope" and self.qk_rank % 2 != 0:
-            raise ValueError(f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}.")
+            raise ValueError(
+                f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}."
+            )
         if self.gauge not in _GAUGES:
             raise ValueError(f"`gauge` must be one of {_GAUGES}, got {self.gauge!r}.")
         if self.gauge == "pivot":
             if self.qk_rank > self.hidden_size:
-                raise ValueError(f"`qk_rank` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.qk_rank}.")
+                raise ValueError(
+                    f"`qk_rank` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.qk_rank}."
+                )
             if self.head_dim > self.hidden_size:
-                raise ValueError(f"`head_dim` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.head_dim}.")
+                raise ValueError(
+                    f"`head_dim` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.head_dim}."
+                )
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"`hidden_act` must be one of {_ACTIVATIONS}, got {self.hidden_act!r}.")
         _check_float("initializer_range", self.initializer_range, 0.0, 1.0, low_open=True, high_open=False)
-        _check_float("pivot_scale", abs(self.pivot_scale) if isinstance(self.pivot_scale, (int, float)) else self.pivot_scale,
-                     0.0, float("inf"), low_open=True, high_open=True)
+        _check_float(
+            "pivot_scale",
+            abs(self.pivot_scale) if isinstance(self.pivot_scale, (int, float)) else self.pivot_scale,
+            0.0,
+            float("inf"),
+            low_open=True,
+            high_open=True,
+        )
         _check_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, low_open=True, high_open=True)
         _check_float("attention_dropout", self.attention_dropout, 0.0, 1.0, low_open=False, high_open=True)
-        for name in ("attention_bias", "attention_output_bias", "value_parallel_removal", "tie_word_embeddings", "use_cache"):
+        for name in (
+            "attention_bias",
+            "attention_output_bias",
+            "value_parallel_removal",
+            "tie_word_embeddings",
+            "use_cache",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -179,6 +199,11 @@ class RelationalConfig(PreTrainedConfig):
         rope = self.rope_parameters
         if not isinstance(rope, dict) or "rope_type" not in rope:
             raise ValueError(f"`rope_parameters` must be a dict with a 'rope_type' key, got {rope!r}.")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_types = ("default", *ROPE_INIT_FUNCTIONS)
+        if rope["rope_type"] not in rope_types:
+            raise ValueError(f"`rope_parameters['rope_type']` must be one of {rope_types}, got {rope['rope_type']!r}.")
         theta = rope.get("rope_theta", 10000.0)
         _check_float("rope_parameters['rope_theta']", theta, 0.0, float("inf"), low_open=True, high_open=True)
 

@@ -18,6 +18,8 @@ This file travels to the Hub (``trust_remote_code``): it imports only torch, tra
 from __future__ import annotations
 
 import copy
+import json
+import os
 from collections.abc import Callable
 
 import torch
@@ -192,8 +194,15 @@ def _solve_right(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 def qk_to_pivot_gauge(
-    wq: torch.Tensor, wk: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None, *,
-    num_kv_heads: int, rank: int, rope: bool, scale: float,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    bq: torch.Tensor | None,
+    bk: torch.Tensor | None,
+    *,
+    num_kv_heads: int,
+    rank: int,
+    rope: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Move a QK pair to the pivot gauge with the same bilinear forms G_QK = W_Q W_K^T (and rotary scores).
 
@@ -224,13 +233,23 @@ def qk_to_pivot_gauge(
     if bq is not None:
         bq_new = (bq.double().view(num_kv_heads, g, 1, rank) @ a_inv_t.unsqueeze(1)).reshape(-1).to(bq.dtype)
     return (
-        q_new.reshape(-1, d).to(dtype), k_new.reshape(-1, d).to(dtype), bq_new, bk_new,
-        fixed_index.reshape(num_kv_heads * rank, -1), fixed_value.reshape(num_kv_heads * rank, -1),
+        q_new.reshape(-1, d).to(dtype),
+        k_new.reshape(-1, d).to(dtype),
+        bq_new,
+        bk_new,
+        fixed_index.reshape(num_kv_heads * rank, -1),
+        fixed_value.reshape(num_kv_heads * rank, -1),
     )
 
 
 def vo_to_pivot_gauge(
-    wv: torch.Tensor, wo: torch.Tensor, bv: torch.Tensor | None, *, num_kv_heads: int, head_dim: int, scale: float,
+    wv: torch.Tensor,
+    wo: torch.Tensor,
+    bv: torch.Tensor | None,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Move a VO pair to the pivot gauge W_V[P] = c I with the same maps G_VO = W_V W_O.
 
@@ -251,8 +270,11 @@ def vo_to_pivot_gauge(
     bv_new = None if bv is None else (bv.double().view(num_kv_heads, 1, head_dim) @ b).reshape(-1).to(bv.dtype)
     fixed_index, fixed_value = identity_pivot_layout(pivots, scale)
     return (
-        v_new.reshape(-1, d).to(wv.dtype), o_new.to(wo.dtype), bv_new,
-        fixed_index.reshape(num_kv_heads * head_dim, -1), fixed_value.reshape(num_kv_heads * head_dim, -1),
+        v_new.reshape(-1, d).to(wv.dtype),
+        o_new.to(wo.dtype),
+        bv_new,
+        fixed_index.reshape(num_kv_heads * head_dim, -1),
+        fixed_value.reshape(num_kv_heads * head_dim, -1),
     )
 
 
@@ -407,9 +429,16 @@ class RelationalAttention(nn.Module):
             )
             self.k_proj.set_layout(idx, val)
         if isinstance(self.v_proj, GaugeFixedLinear):
-            v, o, bv, idx, val = vo_to_pivot_gauge(v, o, bv, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=scale)
+            v, o, bv, idx, val = vo_to_pivot_gauge(
+                v, o, bv, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=scale
+            )
             self.v_proj.set_layout(idx, val)
-        for name, w, b in (("q_proj", q, bq), ("k_proj", k, bk), ("v_proj", v, bv), ("o_proj", o, weights.get("o_bias"))):
+        for name, w, b in (
+            ("q_proj", q, bq),
+            ("k_proj", k, bk),
+            ("v_proj", v, bv),
+            ("o_proj", o, weights.get("o_bias")),
+        ):
             module = getattr(self, name)
             if isinstance(module, GaugeFixedLinear):
                 module.set_full_weight(w)
@@ -561,6 +590,16 @@ class RelationalPreTrainedModel(PreTrainedModel):
             return
         super()._initialize_weights(module, is_custom_code)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after checking a local checkpoint directory: a missing, unreadable or
+        truncated safetensors file, or a tensor whose shape disagrees with the config, raises one clear error that
+        names the file and the problem."""
+        path = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", "") or "")
+        if os.path.isdir(path):
+            _check_checkpoint_dir(cls, path)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, initializer_range) for every factor; in the pivot gauge the free factors are drawn as usual and
@@ -594,6 +633,54 @@ class RelationalPreTrainedModel(PreTrainedModel):
             return  # initialised with its parent (attention or MLP), which knows the partner factor
         else:
             super()._init_weights(module)
+
+
+def _check_checkpoint_dir(cls: type[PreTrainedModel], path: str) -> None:
+    """Validate the safetensors weights of a local checkpoint directory against its config (see from_pretrained)."""
+    from safetensors import safe_open
+    from transformers.initialization import no_init_weights
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            extra = (
+                " (relational checkpoints are stored as safetensors only)"
+                if any(f.endswith(".bin") for f in os.listdir(path))
+                else ""
+            )
+            raise OSError(f"{file}: weights file is missing{extra}")
+        try:
+            with safe_open(file, framework="pt") as st:
+                for key in st.keys():
+                    shapes[key] = tuple(st.get_slice(key).get_shape())
+        except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
+            raise OSError(f"{file}: not a readable safetensors file, it may be truncated or corrupt ({err})") from None
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return  # transformers reports the missing config itself
+    config = RelationalConfig.from_pretrained(path)
+    with torch.device("meta"), no_init_weights():
+        reference = cls(config)
+    expected = {_strip_prefix(k): tuple(v.shape) for k, v in reference.state_dict().items()}
+    for key, shape in shapes.items():
+        want = expected.get(_strip_prefix(key))
+        if want is not None and want != shape:
+            owner = files[0] if len(files) == 1 else "a shard of model.safetensors"
+            raise ValueError(
+                f"{os.path.join(path, owner)}: tensor {key!r} has shape {list(shape)} but config.json implies "
+                f"{list(want)}; the weights do not belong to this config"
+            )
+
+
+def _strip_prefix(key: str) -> str:
+    return key[len("model.") :] if key.startswith("model.") else key
 
 
 def _all_initialized(module: nn.Module) -> bool:

@@ -1,0 +1,54 @@
+"""The `relational-hf` command: train | convert | redundancy | analyze | push | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(sub: argparse._SubParsersAction) -> None:
+    from .training import pretrain
+
+    p = sub.add_parser(
+        "train",
+        help="train a relational LM (no arguments: built-in corpus, about 3 minutes on CPU)",
+        description=pretrain.__doc__,
+    )
+    pretrain.add_train_arguments(p)
+
+    def run(args):
+        result = pretrain.run_train(args)
+        print(pretrain.format_result(result, args.architecture))
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [_train]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relational-hf", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+        print(f"relational-hf {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
