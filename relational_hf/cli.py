@@ -24,7 +24,15 @@ def _train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [_train]
+def _push(sub: argparse._SubParsersAction) -> None:
+    from .hub import add_push_arguments, run_push
+
+    p = sub.add_parser("push", help="publish a checkpoint with a generated model card to the Hub")
+    add_push_arguments(p)
+    p.set_defaults(func=run_push, log_level=logging.INFO)
+
+
+COMMANDS = [_train, _push]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         print(f"relational-hf {args.command}: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Failure modes for tests of failed uploads: set `fail_commits` (the commit endpoi
 should set `failure_status` to a status it does not retry, such as 507.
 
 The `hub_server` fixture starts a server, points `huggingface_hub` at it (environment and the
-module-level constants that the library reads once at import) and stops it at teardown.
+module-level constants that the library reads once at import) and stops it at teardown. A test module
+uses it with `from hub_server import hub_server` (tests/ is on sys.path under pytest's default import mode).
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class LocalHub:
         self.failure_status = failure_status
         self.repos: dict[tuple[str, str], Repo] = {}
         self.lfs_objects: dict[str, bytes] = {}
+        self.lfs_uploads: list[str] = []  # oid of every accepted LFS PUT, in order
         self.tokens_seen: set[str] = set()
         self.lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
@@ -283,6 +285,8 @@ class _Handler(BaseHTTPRequestHandler):
                     if err.code:
                         headers["X-Error-Code"] = err.code
                     headers["X-Error-Message"] = err.message
+                except (KeyError, TypeError, ValueError) as err:  # a malformed request; 400 is not retried
+                    status, payload, headers = 400, {"error": f"bad request: {err!r}"}, {}
                 self._send(status, payload, headers, head)
                 return
         self._send(404, {"error": f"no route for {method} {url.path}"}, {}, head)
@@ -443,6 +447,7 @@ class _Handler(BaseHTTPRequestHandler):
         if hashlib.sha256(self.body).hexdigest() != oid:
             raise HubError(400, "uploaded content does not match its sha256 oid")
         hub.lfs_objects[oid] = self.body
+        hub.lfs_uploads.append(oid)
         return 200, b"", {}
 
     def _lfs_verify(self, hub: LocalHub, oid: str) -> tuple:
@@ -531,7 +536,7 @@ def hub_server(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPat
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_URL_HOSTS", constants.HF_URL_HOSTS | {"127.0.0.1"})
+    monkeypatch.setattr(constants, "HF_URL_HOSTS", getattr(constants, "HF_URL_HOSTS", frozenset()) | {"127.0.0.1"})
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HOME", str(home))
@@ -539,7 +544,8 @@ def hub_server(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPat
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
     monkeypatch.setattr(hf_api.api, "endpoint", endpoint)
-    monkeypatch.setattr(_http, "_HUB_ORIGINS", _http._HUB_ORIGINS | {_http._url_origin(endpoint)})
+    if hasattr(_http, "_HUB_ORIGINS"):  # hosts whose redirects keep the auth header, fixed at import
+        monkeypatch.setattr(_http, "_HUB_ORIGINS", _http._HUB_ORIGINS | {_http._url_origin(endpoint)})
     close_session()  # the next request opens a client that sees the environment above
     try:
         yield hub

@@ -347,3 +347,16 @@ def test_trainer_label_smoothing_shifts_labels_for_relational_models(tmp_path):
 def test_version_and_public_names():
     for name in ("RelationalConfig", "RelationalModel", "RelationalForCausalLM", "RelationalForSequenceClassification"):
         assert hasattr(relational_hf, name)
+
+
+def test_inference_weight_cache_follows_parameter_updates():
+    model = RelationalForCausalLM(tiny_config()).eval()
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with torch.no_grad():
+        before = model(ids).logits
+        model.model.layers[0].self_attn.k_proj.weight.add_(0.05)  # an optimizer-like in-place update
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+        cached = model(ids).logits
+    fresh = model(ids).logits  # with autograd: assembled from scratch
+    assert not torch.allclose(before, cached)
+    torch.testing.assert_close(cached, fresh.detach(), rtol=0, atol=0)

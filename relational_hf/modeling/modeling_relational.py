@@ -150,7 +150,21 @@ class GaugeFixedLinear(nn.Module):
         self.register_buffer("fixed_value", torch.zeros(out_features, fixed_per_row))
 
     def full_weight(self) -> torch.Tensor:
-        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries."""
+        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries.
+
+        Without autograd (inference, decoding) the assembled weight is cached until the parameter or the layout
+        changes (tracked by tensor version counters), so decoding reads one weight per step like a plain Linear."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self._assemble()
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.fixed_index._version,
+               self.free_index._version, self.fixed_value._version, self.fixed_value.data_ptr())
+        cached = self.__dict__.get("_weight_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, self._assemble().detach())
+            self.__dict__["_weight_cache"] = cached
+        return cached[1]
+
+    def _assemble(self) -> torch.Tensor:
         w = self.weight.new_zeros(self.out_features, self.in_features)
         w = w.scatter(1, self.free_index, self.weight)
         return w.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))

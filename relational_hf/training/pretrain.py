@@ -77,7 +77,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     train.add_argument("--block-size", type=int, default=128, help="context length in tokens")
     train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--max-steps", type=int, default=1500, help="optimizer steps (the time limit may stop earlier)")
+    train.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (the time limit may stop earlier)")
     train.add_argument("--max-minutes", type=float, default=2.5, help="stop training after this many minutes")
     train.add_argument("--learning-rate", type=float, default=3e-3)
     train.add_argument("--warmup-steps", type=int, default=30)

@@ -1,0 +1,67 @@
+"""Shared plumbing for the benchmark scripts: machine description, timing statistics, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    return info
+
+
+def summary(values: list[float]) -> dict:
+    """Median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes (device synchronised)."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write results/<name>.json atomically and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), **payload}
+    fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+    return path

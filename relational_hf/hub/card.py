@@ -1,0 +1,162 @@
+"""Model cards for checkpoints published with relational-hf.
+
+The card is a `huggingface_hub.ModelCard`: YAML metadata the Hub indexes (library, tags, license,
+datasets, base model, pipeline tag, and a `model-index` built from `EvalResult`s) above a README
+rendered from `templates/model_card.md`. The architecture section is read from the checkpoint's
+`config.json`, so it describes relational checkpoints and plain Llama-family ones alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+TEMPLATES = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
+RELATIONAL_MODEL_TYPE = "relational-transformer"
+TAGS = ("relational-hf", RELATIONAL_MODEL_TYPE)
+
+# config.json keys shown in the architecture table, in this order, when present.
+ARCHITECTURE_KEYS = (
+    ("model_type", "Model type"),
+    ("hidden_size", "Hidden size"),
+    ("intermediate_size", "MLP width"),
+    ("num_hidden_layers", "Layers"),
+    ("num_attention_heads", "Attention heads"),
+    ("num_key_value_heads", "Key/value heads"),
+    ("head_dim", "Head dimension"),
+    ("qk_rank", "QK rank"),
+    ("gauge", "Gauge"),
+    ("position_encoding", "Position encoding"),
+    ("value_parallel_removal", "Value-space parallel removal"),
+    ("vocab_size", "Vocabulary size"),
+    ("max_position_embeddings", "Context length"),
+    ("tie_word_embeddings", "Tied embeddings"),
+    ("dtype", "Weights dtype"),
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's `config.json` as a dict; ValueError naming the problem if it is missing or invalid."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{checkpoint_dir} has no config.json: save the model with save_pretrained() first")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return config
+
+
+def stored_parameters(checkpoint_dir: str | Path) -> int | None:
+    """Number of values stored in the checkpoint's `*.safetensors` files (tied weights count once).
+
+    Reads only the safetensors headers (an 8-byte little-endian length, then a JSON table of shapes).
+    None when the directory holds no safetensors file.
+    """
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    total = 0
+    for path in files:
+        with path.open("rb") as handle:
+            (header_size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_size))
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return total if files else None
+
+
+def _architecture_rows(config: dict[str, Any], parameters: int | None) -> list[tuple[str, str]]:
+    rows = [(label, _format(config[key])) for key, label in ARCHITECTURE_KEYS if key in config]
+    known = {key for key, _ in ARCHITECTURE_KEYS}
+    rows += [(key, _format(value)) for key, value in config.items() if "gauge" in key and key not in known]
+    if parameters is not None:
+        rows.append(("Stored parameters", f"{parameters:,}"))
+    return rows
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (dict, list)):
+        return f"`{json.dumps(value)}`".replace("|", "\\|")
+    return str(value).replace("|", "\\|")  # a bare | would end the markdown table cell
+
+
+def _eval_results(eval_results: Sequence[dict[str, Any]]) -> list[EvalResult]:
+    results = []
+    for index, result in enumerate(eval_results):
+        try:
+            results.append(EvalResult(**result))
+        except TypeError as err:
+            raise ValueError(f"eval_results[{index}] is not a valid EvalResult: {err}") from err
+    return results
+
+
+def build_model_card(
+    checkpoint_dir: str | Path,
+    repo_id: str,
+    *,
+    base_model: str | None = None,
+    datasets: str | Sequence[str] | None = None,
+    license: str = "apache-2.0",
+    training_settings: dict[str, Any] | None = None,
+    eval_results: list[dict[str, Any]] | None = None,
+    parameter_table: str | None = None,
+) -> ModelCard:
+    """Build the model card of the checkpoint in `checkpoint_dir`, to be published as `repo_id`.
+
+    Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, the tags `relational-hf`,
+    `relational-transformer` and the config's `model_type`, plus `license`, `datasets`, `base_model`
+    and a `model-index` from `eval_results` (each a dict of `huggingface_hub.EvalResult` fields:
+    `task_type`, `dataset_type`, `dataset_name`, `metric_type`, `metric_value`, optional others).
+    Sections: an architecture summary from `config.json` (sizes, `qk_rank`, gauge, position encoding,
+    value-space parallel removal, stored parameter count, whichever apply), the parameter-reduction
+    table `parameter_table` (markdown, e.g. `redundancy_report(model).to_markdown()`), the training
+    settings, the evaluation results, and how to load the model with the plugin and without it.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config = read_config(checkpoint_dir)
+    model_type = str(config.get("model_type", "unknown"))
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets or []) or None
+    results = _eval_results(eval_results or [])
+    model_title = repo_id.split("/")[-1]
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        base_model=base_model,
+        datasets=datasets,
+        tags=[*TAGS, model_type],
+        model_name=model_title if results else None,
+        eval_results=results or None,
+    )
+    content = TEMPLATES.get_template("model_card.md").render(
+        card_data=card_data.to_yaml(),
+        base_model=base_model,
+        datasets=datasets,
+        repo_id=repo_id,
+        model_title=model_title,
+        model_type=model_type,
+        is_relational=model_type == RELATIONAL_MODEL_TYPE,
+        has_remote_code="auto_map" in config,
+        has_tokenizer=any((checkpoint_dir / name).is_file() for name in TOKENIZER_FILES),
+        architecture=_architecture_rows(config, stored_parameters(checkpoint_dir)),
+        parameter_table=parameter_table.strip() if parameter_table else None,
+        training_settings=[(name, _format(value)) for name, value in (training_settings or {}).items()],
+        evaluation=results,
+    )
+    return ModelCard(content)
