@@ -112,7 +112,7 @@ def run(sizes: dict, seqs: list[int], batch: int, repeats: int, decode_tokens: i
         for seq in seqs:
             models = {n: build(n, dims, dtype, device) for n in names}
             params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
-            for n, m in models.items():  # warm-up round (allocations, kernels)
+            for m in models.values():  # warm-up round (allocations, kernels)
                 measure(m, batch, seq, 4, device)
             samples = {n: [] for n in names}
             for r in range(repeats):

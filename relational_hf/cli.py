@@ -47,11 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    level = logging.INFO if args.verbose else getattr(args, "log_level", logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         print(f"relational-hf {args.command}: error: {err}", file=sys.stderr)
         return 2
