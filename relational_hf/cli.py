@@ -32,7 +32,45 @@ def _push(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_push, log_level=logging.INFO)
 
 
-COMMANDS = [_train, _push]
+def _bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run the quick versions of the benchmarks in benchmarks/ (a source checkout)")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: every benchmarks/*.py with a --quick flag)")
+    p.add_argument("--dir", default=None, help="the benchmarks folder (default: ./benchmarks or the checkout's)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    candidates = (
+        [Path(args.dir)]
+        if args.dir
+        else [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[1] / "benchmarks"]
+    )
+    folder = next((c for c in candidates if (c / "common.py").is_file()), None)
+    if folder is None:
+        raise FileNotFoundError("no benchmarks folder found (run from a source checkout or pass --dir)")
+    scripts = sorted(p for p in folder.glob("*.py") if p.name != "common.py" and "--quick" in p.read_text())
+    if args.names:
+        scripts = [s for s in scripts if s.stem in args.names]
+        missing = set(args.names) - {s.stem for s in scripts}
+        if missing:
+            raise ValueError(
+                f"unknown benchmark(s) {sorted(missing)}; available: {sorted(p.stem for p in folder.glob('*.py'))}"
+            )
+    failed = []
+    for script in scripts:
+        print(f"== {script.stem} --quick", flush=True)
+        if subprocess.run([sys.executable, script.name, "--quick"], cwd=folder).returncode != 0:
+            failed.append(script.stem)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = [_train, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
