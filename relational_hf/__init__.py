@@ -18,12 +18,17 @@ register()
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # The trainer pulls in accelerate/datasets; import it only when asked for.
-    if name in ("RelationalTrainer", "RelationalTrainingArguments"):
-        from . import training
+_SUBPACKAGES = ("symmetry", "directional", "convert", "training", "hub", "dynamics", "architectures")
 
-        return getattr(training, name)
+
+def __getattr__(name: str):
+    # Toolkits and the trainer pull in more dependencies; import them only when asked for.
+    import importlib
+
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in ("RelationalTrainer", "RelationalTrainingArguments"):
+        return getattr(importlib.import_module(".training", __name__), name)
     raise AttributeError(f"module 'relational_hf' has no attribute {name!r}")
 
 

@@ -70,7 +70,25 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [_train, _push, _bench]
+def _convert(sub: argparse._SubParsersAction) -> None:
+    from .convert import add_convert_arguments, run_convert
+
+    p = sub.add_parser(
+        "convert", help="convert a Llama/Mistral/Qwen2 checkpoint into a relational one (exact, or sliced)"
+    )
+    add_convert_arguments(p)
+    p.set_defaults(func=run_convert, log_level=logging.INFO)
+
+
+def _redundancy(sub: argparse._SubParsersAction) -> None:
+    from .symmetry import add_redundancy_arguments, run_redundancy
+
+    p = sub.add_parser("redundancy", help="count a model's continuous symmetries and its invariant descriptors")
+    add_redundancy_arguments(p)
+    p.set_defaults(func=run_redundancy)
+
+
+COMMANDS = [_train, _convert, _redundancy, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import ArchitectureAdapter, AttentionWeights, LayerRoles, UnsupportedModelError
+from .base import (
+    ArchitectureAdapter,
+    AttentionSlots,
+    AttentionWeights,
+    LayerRoles,
+    MLPSlots,
+    NormSlots,
+    TensorSlot,
+    UnsupportedModelError,
+)
 from .gpt2 import GPT2Adapter
 from .llama import LlamaFamilyAdapter
 from .relational import RelationalAdapter
@@ -35,8 +44,12 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
 __all__ = [
     "ADAPTERS",
     "ArchitectureAdapter",
+    "AttentionSlots",
     "AttentionWeights",
     "LayerRoles",
+    "MLPSlots",
+    "NormSlots",
+    "TensorSlot",
     "UnsupportedModelError",
     "get_adapter",
 ]

@@ -229,6 +229,12 @@ class ArchitectureAdapter:
             return None if slot is None else slot.get()
 
         return AttentionWeights(
-            get(slots.q), get(slots.k), get(slots.v), get(slots.o),
-            get(slots.q_bias), get(slots.k_bias), get(slots.v_bias), get(slots.o_bias),
+            get(slots.q),
+            get(slots.k),
+            get(slots.v),
+            get(slots.o),
+            get(slots.q_bias),
+            get(slots.k_bias),
+            get(slots.v_bias),
+            get(slots.o_bias),
         )

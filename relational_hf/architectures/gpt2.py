@@ -45,19 +45,29 @@ class GPT2Adapter(ArchitectureAdapter):
         attn, d = layer.attention, self.config.n_embd
         w, b = attn.c_attn.weight, attn.c_attn.bias
         return AttentionSlots(
-            q=TensorSlot(w, _columns(0, d)), k=TensorSlot(w, _columns(d, d)), v=TensorSlot(w, _columns(2 * d, d)),
+            q=TensorSlot(w, _columns(0, d)),
+            k=TensorSlot(w, _columns(d, d)),
+            v=TensorSlot(w, _columns(2 * d, d)),
             o=TensorSlot(attn.c_proj.weight, _transpose),
-            q_bias=TensorSlot(b, _entries(0, d)), k_bias=TensorSlot(b, _entries(d, d)),
-            v_bias=TensorSlot(b, _entries(2 * d, d)), o_bias=TensorSlot(attn.c_proj.bias),
-            num_heads=self.num_heads(), num_kv_heads=self.num_kv_heads(),
-            qk_dim=self.head_dim(), head_dim=self.head_dim(), rotary_dim=0,
+            q_bias=TensorSlot(b, _entries(0, d)),
+            k_bias=TensorSlot(b, _entries(d, d)),
+            v_bias=TensorSlot(b, _entries(2 * d, d)),
+            o_bias=TensorSlot(attn.c_proj.bias),
+            num_heads=self.num_heads(),
+            num_kv_heads=self.num_kv_heads(),
+            qk_dim=self.head_dim(),
+            head_dim=self.head_dim(),
+            rotary_dim=0,
         )
 
     def mlp_slots(self, layer: LayerRoles) -> MLPSlots:
         mlp = layer.mlp
         return MLPSlots(
-            up=TensorSlot(mlp.c_fc.weight, _transpose), down=TensorSlot(mlp.c_proj.weight, _transpose),
-            up_bias=TensorSlot(mlp.c_fc.bias), down_bias=TensorSlot(mlp.c_proj.bias), gated=False,
+            up=TensorSlot(mlp.c_fc.weight, _transpose),
+            down=TensorSlot(mlp.c_proj.weight, _transpose),
+            up_bias=TensorSlot(mlp.c_fc.bias),
+            down_bias=TensorSlot(mlp.c_proj.bias),
+            gated=False,
         )
 
     def embedding_slots(self) -> list[TensorSlot]:

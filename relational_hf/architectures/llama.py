@@ -44,12 +44,19 @@ class LlamaFamilyAdapter(ArchitectureAdapter):
         attn = layer.attention
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return AttentionSlots(
-            q=_slot(attn.q_proj.weight), k=_slot(attn.k_proj.weight),
-            v=_slot(attn.v_proj.weight), o=_slot(attn.o_proj.weight),
-            q_bias=_slot(attn.q_proj.bias), k_bias=_slot(attn.k_proj.bias),
-            v_bias=_slot(attn.v_proj.bias), o_bias=_slot(attn.o_proj.bias),
-            num_heads=self.num_heads(), num_kv_heads=self.num_kv_heads(),
-            qk_dim=self.head_dim(), head_dim=self.head_dim(), rotary_dim=self.rotary_dim(),
+            q=_slot(attn.q_proj.weight),
+            k=_slot(attn.k_proj.weight),
+            v=_slot(attn.v_proj.weight),
+            o=_slot(attn.o_proj.weight),
+            q_bias=_slot(attn.q_proj.bias),
+            k_bias=_slot(attn.k_proj.bias),
+            v_bias=_slot(attn.v_proj.bias),
+            o_bias=_slot(attn.o_proj.bias),
+            num_heads=self.num_heads(),
+            num_kv_heads=self.num_kv_heads(),
+            qk_dim=self.head_dim(),
+            head_dim=self.head_dim(),
+            rotary_dim=self.rotary_dim(),
             q_norm=None if q_norm is None else _slot(q_norm.weight),
             k_norm=None if k_norm is None else _slot(k_norm.weight),
         )
@@ -57,8 +64,12 @@ class LlamaFamilyAdapter(ArchitectureAdapter):
     def mlp_slots(self, layer: LayerRoles) -> MLPSlots:
         mlp = layer.mlp
         return MLPSlots(
-            up=_slot(mlp.up_proj.weight), down=_slot(mlp.down_proj.weight), gate=_slot(mlp.gate_proj.weight),
-            up_bias=_slot(mlp.up_proj.bias), gate_bias=_slot(mlp.gate_proj.bias), down_bias=_slot(mlp.down_proj.bias),
+            up=_slot(mlp.up_proj.weight),
+            down=_slot(mlp.down_proj.weight),
+            gate=_slot(mlp.gate_proj.weight),
+            up_bias=_slot(mlp.up_proj.bias),
+            gate_bias=_slot(mlp.gate_proj.bias),
+            down_bias=_slot(mlp.down_proj.bias),
             gated=True,
         )
 

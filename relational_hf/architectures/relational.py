@@ -41,10 +41,19 @@ class RelationalAdapter(ArchitectureAdapter):
     def attention_slots(self, layer: LayerRoles) -> AttentionSlots:
         attn, c = layer.attention, self.config
         return AttentionSlots(
-            q=_slot(attn.q_proj), k=_slot(attn.k_proj), v=_slot(attn.v_proj), o=_slot(attn.o_proj),
-            q_bias=_bias(attn.q_proj), k_bias=_bias(attn.k_proj), v_bias=_bias(attn.v_proj), o_bias=_bias(attn.o_proj),
-            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-            qk_dim=c.qk_rank, head_dim=c.head_dim, rotary_dim=self.rotary_dim(),
+            q=_slot(attn.q_proj),
+            k=_slot(attn.k_proj),
+            v=_slot(attn.v_proj),
+            o=_slot(attn.o_proj),
+            q_bias=_bias(attn.q_proj),
+            k_bias=_bias(attn.k_proj),
+            v_bias=_bias(attn.v_proj),
+            o_bias=_bias(attn.o_proj),
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            qk_dim=c.qk_rank,
+            head_dim=c.head_dim,
+            rotary_dim=self.rotary_dim(),
             qk_gauge_fixed=isinstance(attn.k_proj, GaugeFixedLinear),
             vo_gauge_fixed=isinstance(attn.v_proj, GaugeFixedLinear),
             value_parallel_removal=c.value_parallel_removal,
@@ -53,8 +62,11 @@ class RelationalAdapter(ArchitectureAdapter):
     def mlp_slots(self, layer: LayerRoles) -> MLPSlots:
         mlp = layer.mlp
         return MLPSlots(
-            up=_slot(mlp.up_proj), down=_slot(mlp.down_proj), gate=_slot(mlp.gate_proj),
-            gated=True, scale_fixed=isinstance(mlp.up_proj, GaugeFixedLinear),
+            up=_slot(mlp.up_proj),
+            down=_slot(mlp.down_proj),
+            gate=_slot(mlp.gate_proj),
+            gated=True,
+            scale_fixed=isinstance(mlp.up_proj, GaugeFixedLinear),
         )
 
 

@@ -1,0 +1,316 @@
+"""Exact conversion of Llama-family checkpoints (Llama, Mistral, Qwen2) into relational models in the pivot gauge.
+
+Steps (DESIGN.md 2.2, 4): fold every RMSNorm gain into the maps that read it (q/k/v, gate/up, the head), keep the
+gain-free norms, then let the relational modules move each QK pair, VO pair and SwiGLU to the pivot gauge
+(`RelationalAttention.set_full_weights`, `RelationalMLP.set_full_weights`). The function is unchanged, so the
+converter checks it: logits of source and result on random tokens must agree to `tolerance` (fp32), otherwise
+`ConversionError`. The stored parameter count drops by exactly the orbit dimensions of the fixed groups
+(QK RoPE commutant: r per key head, VO GL(d_h): d_h^2 per key/value head, SwiGLU scales: d_ff per layer) relative
+to the source minus its norm gains; a tied head behind a non-trivial final gain has to be untied (+V d).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from transformers.initialization import no_init_weights
+
+from ..architectures import UnsupportedModelError, get_adapter
+from ..modeling import RelationalConfig, RelationalForCausalLM
+from ..symmetry.groups import symmetry_groups
+from .slicing import SliceReport, perplexity, slice_relational
+
+logger = logging.getLogger(__name__)
+
+_FIXED_GROUPS = ("qk_gauge", "vo_gauge", "mlp_scale")
+
+
+class ConversionError(ValueError):
+    """The converted model failed the converter's own checks (logits or parameter count)."""
+
+
+@dataclass
+class ConversionReport:
+    """What `to_relational` produced and checked (`untie_extra`: V d parameters added by untying the head)."""
+
+    source_class: str
+    source_parameters: int
+    source_norm_gain_parameters: int
+    removed_orbit_dimensions: dict[str, int]
+    untied_head: bool
+    relational_parameters: int
+    max_logit_difference: float
+    verified_sequence_length: int
+    untie_extra: int = 0
+    remaining_symmetries: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    slicing: SliceReport | None = None
+
+    @property
+    def expected_parameters(self) -> int:
+        """source - norm gains - removed orbit dimensions (+ V d when the tied head had to be untied)."""
+        removed = sum(self.removed_orbit_dimensions.values())
+        return self.source_parameters - self.source_norm_gain_parameters - removed + self.untie_extra
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["expected_parameters"] = self.expected_parameters
+        return out
+
+    def to_markdown(self) -> str:
+        removed = sum(self.removed_orbit_dimensions.values())
+        lines = [
+            f"## Conversion of `{self.source_class}` to the relational pivot gauge",
+            "",
+            f"- source parameters: {self.source_parameters:,} (norm gains {self.source_norm_gain_parameters:,})",
+            f"- orbit dimensions removed: {removed:,} ("
+            + ", ".join(f"{k} {v:,}" for k, v in self.removed_orbit_dimensions.items())
+            + ")",
+            f"- relational parameters: {self.relational_parameters:,}" + (" (head untied)" if self.untied_head else ""),
+            f"- max |logit difference| on random tokens (fp32, length {self.verified_sequence_length}): "
+            f"{self.max_logit_difference:.3g}",
+        ]
+        if self.remaining_symmetries:
+            lines.append("- symmetries left: " + ", ".join(f"{k} {v:,}" for k, v in self.remaining_symmetries.items()))
+        if self.slicing is not None:
+            lines += ["", self.slicing.to_markdown()]
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _sliding_window(config) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+    return getattr(config, "sliding_window", None)
+
+
+def _token_id(value, vocab: int):
+    values = value if isinstance(value, list) else [value]
+    if all(v is None or 0 <= v < vocab for v in values):
+        return value
+    return None
+
+
+def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | None = None) -> RelationalConfig:
+    """The RelationalConfig (pivot gauge, RoPE, full qk_rank) that represents a gain-folded Llama-family `model`."""
+    adapter = get_adapter(model)
+    c = model.config
+    layer = adapter.layers()[0]
+    attn = layer.attention
+    vocab = c.vocab_size
+    return RelationalConfig(
+        vocab_size=vocab,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=adapter.num_heads(),
+        num_key_value_heads=adapter.num_kv_heads(),
+        head_dim=adapter.head_dim(),
+        qk_rank=adapter.head_dim(),
+        position_encoding="rope",
+        rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
+        max_position_embeddings=c.max_position_embeddings,
+        gauge="pivot",
+        pivot_scale=pivot_scale,
+        attention_bias=attn.q_proj.bias is not None,
+        attention_output_bias=attn.o_proj.bias is not None,
+        hidden_act=c.hidden_act,
+        tie_word_embeddings=tie,
+        initializer_range=getattr(c, "initializer_range", 0.02),
+        rms_norm_eps=c.rms_norm_eps,
+        pad_token_id=_token_id(getattr(c, "pad_token_id", None), vocab),
+        bos_token_id=_token_id(getattr(c, "bos_token_id", None), vocab),
+        eos_token_id=_token_id(getattr(c, "eos_token_id", None), vocab),
+    )
+
+
+def _check_supported(model: nn.Module) -> None:
+    adapter = get_adapter(model)
+    name = type(model).__name__
+    if adapter.family != "llama" or adapter.output_head() is None:
+        raise UnsupportedModelError(f"unsupported: {name} (to_relational converts Llama, Mistral and Qwen2 causal LMs)")
+    layer = adapter.layers()[0]
+    attn, mlp = layer.attention, layer.mlp
+    if getattr(attn, "q_norm", None) is not None:
+        raise UnsupportedModelError(f"unsupported: {name} (QK-norm with per-dimension gains has no relational form)")
+    if mlp.up_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
+        raise UnsupportedModelError(f"unsupported: {name} (MLP biases; the relational SwiGLU has none)")
+    biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
+    if len(biases) > 1:
+        raise UnsupportedModelError(f"unsupported: {name} (q/k/v biases must be all present or all absent)")
+    if adapter.rotary_dim() != adapter.head_dim():
+        raise UnsupportedModelError(
+            f"unsupported: {name} (partial rotary: the relational model rotates all of qk_rank)"
+        )
+    if model.config.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        raise UnsupportedModelError(f"unsupported: {name} (activation {model.config.hidden_act!r})")
+
+
+def _new_relational(config: RelationalConfig) -> RelationalForCausalLM:
+    """A relational model whose weights are all about to be overwritten (no random initialisation)."""
+    with no_init_weights():
+        model = RelationalForCausalLM(config)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.float().eval()
+
+
+@torch.no_grad()
+def _fold_and_load(source: nn.Module, target: RelationalForCausalLM, untie: bool) -> None:
+    src, dst = get_adapter(source), get_adapter(target)
+    for ls, ld in zip(src.layers(), dst.layers(), strict=True):
+        w = src.attention_weights(ls)
+        g_attn = ls.attention_norm.weight.detach().double()
+        weights = {
+            "q": w.q.double() * g_attn,
+            "k": w.k.double() * g_attn,
+            "v": w.v.double() * g_attn,
+            "o": w.o.double(),
+        }
+        for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
+            if getattr(w, key) is not None:
+                weights[key] = getattr(w, key).double()
+        ld.attention.set_full_weights({k: v.float() for k, v in weights.items()})
+        g_mlp = ls.mlp_norm.weight.detach().double()
+        mlp = ls.mlp
+        ld.mlp.set_full_weights(
+            {
+                "gate": (mlp.gate_proj.weight.double() * g_mlp).float(),
+                "up": (mlp.up_proj.weight.double() * g_mlp).float(),
+                "down": mlp.down_proj.weight.float(),
+            }
+        )
+    dst.embedding().weight.copy_(src.embedding().weight.float())
+    if not target.config.tie_word_embeddings:
+        g_final = src.final_norm().weight.detach().double()
+        head = src.output_head().weight.double()
+        target.lm_head.weight.copy_((head * g_final).float() if (untie or not src.head_tied()) else head.float())
+
+
+@torch.no_grad()
+def max_logit_difference(
+    a: nn.Module, b: nn.Module, *, vocab_size: int, length: int, batch: int = 2, seed: int = 0
+) -> float:
+    """max |logits_a - logits_b| on random token ids (batch x length), both models in fp32 on a's device."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, length), generator=generator)
+    device = next(a.parameters()).device
+    la = a(ids.to(device)).logits.float()
+    lb = b(ids.to(device)).logits.float()
+    return float((la - lb).abs().max())
+
+
+def to_relational(
+    model: nn.Module,
+    slice_fraction: float = 0.0,
+    calibration_data: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    *,
+    eval_data: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    pivot_scale: float | None = None,
+    tolerance: float = 1e-4,
+    verify_length: int = 16,
+    return_report: bool = False,
+):
+    """Convert a Llama / Mistral / Qwen2 causal LM into a `RelationalForCausalLM` in the pivot gauge.
+
+    Exact stage: norm gains folded into their readers (W diag(g)), QK pairs (RoPE, any rope_parameters, GQA, q/k/v
+    biases), VO pairs and SwiGLU scales moved to the pivot gauge; a tied head stays tied when the final norm gain is
+    all ones, otherwise it is untied with the gain folded. The converter verifies max |logit difference| <=
+    `tolerance` on random tokens in fp32 and that the stored parameters are exactly source - norm gains - orbit
+    dimensions (+ V d if untied), raising `ConversionError` otherwise.
+
+    `slice_fraction` > 0: principal gauge of the residual stream from `calibration_data` (token ids (N, T) or a list
+    of (T,) / (1, T) tensors), then the lowest-variance fraction of the d directions is dropped (SliceGPT-style,
+    one rotation for the whole stream); with `eval_data` the report gives the perplexity before and after.
+    The result is fp32 and in eval mode. `return_report=True` returns (model, ConversionReport); the report is
+    also stored as `model.conversion_report`. Mistral's sliding window is not represented (the relational model
+    attends to the full context): a warning is issued and the check runs on sequences inside the window.
+    """
+    _check_supported(model)
+    if not 0.0 <= slice_fraction < 1.0:
+        raise ValueError(f"slice_fraction must be in [0, 1), got {slice_fraction}")
+    if slice_fraction > 0 and calibration_data is None:
+        raise ValueError("slice_fraction > 0 needs calibration_data (token ids) for the principal gauge")
+    adapter = get_adapter(model)
+    notes = []
+    window = _sliding_window(model.config)
+    length = verify_length
+    if window is not None:
+        length = min(length, window)
+        message = (
+            f"{type(model).__name__} uses sliding-window attention (window {window}); the relational model "
+            f"attends to the full context, so the two agree only on sequences of at most {window} tokens"
+        )
+        warnings.warn(message, stacklevel=2)
+        notes.append(message)
+
+    source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    source_was_training = source.training
+    source.eval()
+    gain_final = adapter.final_norm().weight.detach()
+    untie = adapter.head_tied() and not bool((gain_final == 1).all())
+    tie = adapter.head_tied() and not untie
+    if untie:
+        notes.append("tied head behind a non-trivial final norm gain: untied, gain folded into the head")
+    target = _new_relational(relational_config_for(model, tie=tie, pivot_scale=pivot_scale))
+    target.to(next(source.parameters()).device)
+    _fold_and_load(source, target, untie)
+
+    groups, _ = symmetry_groups(model)
+    removed: dict[str, int] = {}
+    remaining: dict[str, int] = {}
+    for g in groups:
+        bucket = removed if g.name in _FIXED_GROUPS else remaining
+        bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
+    remaining.pop("norm_gain", None)  # folded away: the relational norms have no gain
+    gains = (
+        sum(norm.weight.numel() for layer in adapter.layers() for norm in (layer.attention_norm, layer.mlp_norm))
+        + gain_final.numel()
+    )
+    diff = max_logit_difference(source, target, vocab_size=model.config.vocab_size, length=length)
+    source.train(source_was_training)
+    report = ConversionReport(
+        source_class=type(model).__name__,
+        source_parameters=sum(p.numel() for p in model.parameters()),
+        source_norm_gain_parameters=gains,
+        removed_orbit_dimensions=removed,
+        untied_head=untie,
+        relational_parameters=sum(p.numel() for p in target.parameters()),
+        max_logit_difference=diff,
+        verified_sequence_length=length,
+        remaining_symmetries=remaining,
+        notes=notes,
+        untie_extra=model.config.vocab_size * model.config.hidden_size if untie else 0,
+    )
+    if not diff <= tolerance:
+        raise ConversionError(f"converted model's logits differ from the source's by {diff:.3g} > {tolerance:g}")
+    if report.relational_parameters != report.expected_parameters:
+        raise ConversionError(
+            f"converted model stores {report.relational_parameters:,} parameters, expected {report.expected_parameters:,}"
+        )
+    logger.info(
+        "converted %s: %s parameters -> %s, max logit difference %.3g",
+        report.source_class,
+        f"{report.source_parameters:,}",
+        f"{report.relational_parameters:,}",
+        diff,
+    )
+    if slice_fraction > 0:
+        sliced, slice_report = slice_relational(target, slice_fraction, calibration_data)
+        if eval_data is not None:
+            slice_report.perplexity_before = perplexity(target, eval_data)
+            slice_report.perplexity_after = perplexity(sliced, eval_data)
+        report.slicing = slice_report
+        target = sliced
+    target.conversion_report = report
+    return (target, report) if return_report else target
+
+
+__all__ = ["ConversionError", "ConversionReport", "max_logit_difference", "relational_config_for", "to_relational"]

@@ -1,0 +1,188 @@
+"""Principal gauge of the residual stream and slicing (DESIGN.md 2.2), for relational models.
+
+A relational model's norms are gain-free, so x -> x R (R in O(d)) is an exact symmetry: embeddings and writers
+rotate, readers see n(x R) = n(x) R. The principal gauge takes R = eigenvectors of the calibration covariance
+C = sum over norm sites and tokens of n n^T (n = x / rms(x), what the readers read), descending, signs fixed.
+Slicing keeps the first d' columns Q_s of R: E <- E Q_s, writers <- Q_s^T W, readers <- W Q_s. Because an RMS norm
+over d' coordinates is sqrt(d'/d) times the one over d when the dropped directions carry little energy, readers are
+scaled by sqrt(d/d'); with a tied head the embedding and all writers are scaled by the same factor instead, which
+the norms do not see (scale invariance) and which gives the head its factor. At d' = d this is exact.
+One rotation serves the whole stream (the relational architecture has no per-layer shortcut maps, unlike SliceGPT).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.initialization import no_init_weights
+
+from ..architectures import get_adapter
+from ..modeling import RelationalConfig
+from ..modeling.modeling_relational import RelationalRMSNorm
+from ..symmetry.algebra import principal_rotation
+
+
+@dataclass
+class SliceReport:
+    """Slicing outcome: widths, stored parameters before/after, the share of calibration variance kept, and the
+    perplexity on held-out tokens before/after (None when no evaluation data was given)."""
+
+    fraction: float
+    hidden_size_before: int
+    hidden_size_after: int
+    parameters_before: int
+    parameters_after: int
+    variance_kept: float
+    perplexity_before: float | None = None
+    perplexity_after: float | None = None
+
+    @property
+    def parameter_reduction(self) -> float:
+        """Share of stored parameters removed, in [0, 1)."""
+        return 1.0 - self.parameters_after / self.parameters_before
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"Slicing {self.fraction:.0%} of the residual stream: d {self.hidden_size_before} -> {self.hidden_size_after},"
+            f" parameters {self.parameters_before:,} -> {self.parameters_after:,} ({self.parameter_reduction:.1%} fewer),"
+            f" calibration variance kept {self.variance_kept:.1%}",
+        ]
+        if self.perplexity_before is not None:
+            lines.append(f"- held-out perplexity {self.perplexity_before:.3f} -> {self.perplexity_after:.3f}")
+        return "\n".join(lines)
+
+
+def _batches(data: torch.Tensor | Sequence[torch.Tensor], batch_size: int):
+    if isinstance(data, torch.Tensor):
+        data = data if data.dim() == 2 else data[None]
+        for i in range(0, data.shape[0], batch_size):
+            yield data[i : i + batch_size]
+    else:
+        for seq in data:
+            yield seq.reshape(1, -1)
+
+
+@torch.no_grad()
+def residual_covariance(
+    model: nn.Module, calibration_data: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8
+) -> torch.Tensor:
+    """C = sum over every gain-free norm site (before attention, before the MLP, final) and token of n n^T,
+    n the normalised residual vector the readers see; (d, d) float64."""
+    norms = [m for m in model.modules() if isinstance(m, RelationalRMSNorm)]
+    d = model.config.hidden_size
+    cov = torch.zeros(d, d, dtype=torch.float64)
+    device = next(model.parameters()).device
+
+    def hook(_module, _inputs, output):
+        flat = output.detach().reshape(-1, d).double().cpu()
+        cov.add_(flat.T @ flat)
+
+    handles = [m.register_forward_hook(hook) for m in norms]
+    try:
+        was_training = model.training
+        model.eval()
+        for batch in _batches(calibration_data, batch_size):
+            model(batch.to(device))
+        model.train(was_training)
+    finally:
+        for h in handles:
+            h.remove()
+    return cov
+
+
+def principal_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvectors of the covariance as columns (descending eigenvalues, largest entry of each column positive)
+    and the eigenvalues."""
+    rot, _ = principal_rotation(cov, torch.eye(cov.shape[0], dtype=torch.float64))
+    evals = torch.einsum("ij,ik,kj->j", rot, cov.double(), rot)
+    return rot, evals
+
+
+@torch.no_grad()
+def slice_relational(
+    model: nn.Module, fraction: float, calibration_data: torch.Tensor | Sequence[torch.Tensor]
+) -> tuple[nn.Module, SliceReport]:
+    """Rotate `model` (a relational causal LM) into the principal gauge of the calibration covariance and keep the
+    d' = d - round(fraction d) highest-variance directions. Returns (new model, SliceReport). d' must stay >= the
+    head width (the pivot gauge needs head_dim <= hidden_size)."""
+    config: RelationalConfig = model.config
+    d = config.hidden_size
+    d_new = d - int(round(fraction * d))
+    if d_new < max(config.head_dim, config.qk_rank) or d_new < 1:
+        raise ValueError(f"slicing {fraction} of d={d} leaves {d_new} < head_dim {config.head_dim}")
+    rot, evals = principal_basis(residual_covariance(model, calibration_data))
+    qs = rot[:, :d_new]  # (d, d')
+    rho = math.sqrt(d / d_new)  # reader factor
+    tied = config.tie_word_embeddings
+    beta = rho if tied else 1.0  # embedding/writer factor (tied head)
+    new_config = copy.deepcopy(config)
+    new_config.hidden_size = d_new
+    with no_init_weights():
+        sliced = type(model)(new_config)
+    if tied and sliced.lm_head.weight is not sliced.model.embed_tokens.weight:
+        sliced.lm_head.weight = sliced.model.embed_tokens.weight
+    sliced.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype).eval()
+    src, dst = get_adapter(model), get_adapter(sliced)
+    q = qs.to(next(model.parameters()).device)
+
+    def readers(w: torch.Tensor) -> torch.Tensor:
+        return (w.double() @ q) * rho  # (out, d) -> (out, d')
+
+    def writers(w: torch.Tensor) -> torch.Tensor:
+        return (q.T @ w.double()) * beta  # (d, in) -> (d', in)
+
+    for ls, ld in zip(src.layers(), dst.layers(), strict=True):
+        w = ls.attention.full_weights()
+        new = {"q": readers(w["q"]), "k": readers(w["k"]), "v": readers(w["v"]), "o": writers(w["o"])}
+        for key in ("q_bias", "k_bias", "v_bias"):
+            if key in w:
+                new[key] = w[key].double()
+        if "o_bias" in w:
+            new["o_bias"] = (w["o_bias"].double() @ q) * beta
+        ld.attention.set_full_weights({k: v.float() for k, v in new.items()})
+        m = ls.mlp.full_weights()
+        ld.mlp.set_full_weights(
+            {"gate": readers(m["gate"]).float(), "up": readers(m["up"]).float(), "down": writers(m["down"]).float()}
+        )
+    dst.embedding().weight.copy_((src.embedding().weight.double() @ q) * beta)
+    if not tied:
+        sliced.lm_head.weight.copy_(readers(model.lm_head.weight))
+    total = float(evals.clamp_min(0).sum())
+    report = SliceReport(
+        fraction=fraction,
+        hidden_size_before=d,
+        hidden_size_after=d_new,
+        parameters_before=sum(p.numel() for p in model.parameters()),
+        parameters_after=sum(p.numel() for p in sliced.parameters()),
+        variance_kept=float(evals[:d_new].clamp_min(0).sum()) / total if total > 0 else 1.0,
+    )
+    return sliced, report
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, data: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8) -> float:
+    """exp of the mean next-token negative log-likelihood over all predicted tokens of `data` (token ids)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for batch in _batches(data, batch_size):
+        batch = batch.to(device)
+        logits = model(batch).logits[:, :-1].float()
+        targets = batch[:, 1:]
+        nll += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            )
+        )
+        count += targets.numel()
+    model.train(was_training)
+    return math.exp(nll / max(count, 1))
+
+
+__all__ = ["SliceReport", "perplexity", "principal_basis", "residual_covariance", "slice_relational"]

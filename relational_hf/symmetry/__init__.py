@@ -1,0 +1,54 @@
+"""Symmetry toolkit (DESIGN.md section 2): groups per architecture, redundancy report, invariants, canonical
+gauges (dressing) and projected updates (optimisation on the quotient).
+
+Where things are:
+- `algebra`    Lie subalgebras (GL, RoPE commutant, CO), Sylvester/Lyapunov solves, balanced SVD, principal gauge;
+- `groups`     one class per symmetry group and `symmetry_groups(model)`, built through the architecture adapter;
+- `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
+- `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`;
+- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`;
+- `cli`        the `relational-hf redundancy` command's hooks.
+"""
+
+from .canonical import CanonicalizationReport, apply_random_symmetry, canonicalize
+from .cli import add_redundancy_arguments, run_redundancy
+from .groups import SymmetryGroup, symmetry_groups
+from .invariants import HeadDescriptors, head_descriptors
+from .projection import (
+    ProjectedOptimizer,
+    ProjectionStats,
+    UpdateProjector,
+    orbit_balance,
+    orbit_drift,
+    vertical_horizontal_split,
+)
+from .report import (
+    RedundancyReport,
+    plot_head_similarity,
+    plot_redundancy_by_layer,
+    redundancy_report,
+    redundancy_report_from_config,
+)
+
+__all__ = [
+    "CanonicalizationReport",
+    "HeadDescriptors",
+    "ProjectedOptimizer",
+    "ProjectionStats",
+    "RedundancyReport",
+    "SymmetryGroup",
+    "UpdateProjector",
+    "add_redundancy_arguments",
+    "apply_random_symmetry",
+    "canonicalize",
+    "head_descriptors",
+    "orbit_balance",
+    "orbit_drift",
+    "plot_head_similarity",
+    "plot_redundancy_by_layer",
+    "redundancy_report",
+    "redundancy_report_from_config",
+    "run_redundancy",
+    "symmetry_groups",
+    "vertical_horizontal_split",
+]

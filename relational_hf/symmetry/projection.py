@@ -1,0 +1,338 @@
+"""Optimisation on the quotient (DESIGN.md 2.3): vertical/horizontal split of updates, projected optimiser, balance.
+
+The vertical space at theta is V = { xi(X) : X in the Lie algebra of every included group } (xi summed over groups).
+The vertical part of an update delta is xi(X*) with X* the least-squares solution of xi^T xi X = xi^T delta; the
+horizontal part is delta - xi(X*), orthogonal to V. xi^T xi couples groups that share tensors (a QK gauge and the
+norm gain in front of it both move W_Q), so X* is found by preconditioned conjugate gradients whose preconditioner
+is block diagonal: each group's own exact Gram inverse, i.e. the per-head Sylvester solves
+(W_Q^T W_Q) X + X (W_K^T W_K) = Y through eigendecompositions of the small SPD Grams (+ eps I), restricted to the
+surviving subalgebra (RoPE commutant, CO(d_h), GQA-shared), the diagonal solves of gains and MLP scales, and so on.
+When the groups touch disjoint tensors one iteration is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .algebra import DEFAULT_EPS
+from .groups import Algebra, ParamDict, ResidualRotation, SymmetryGroup, symmetry_groups
+
+logger = logging.getLogger(__name__)
+
+
+def _dot(a: list[Algebra], b: list[Algebra]) -> float:
+    return float(sum((x * y).sum() for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)))
+
+
+def _axpy(alpha: float, x: list[Algebra], y: list[Algebra]) -> list[Algebra]:
+    return [[yi + alpha * xi for xi, yi in zip(xs, ys, strict=True)] for xs, ys in zip(x, y, strict=True)]
+
+
+@dataclass
+class ProjectionStats:
+    """Diagnostics of one projection: norms of the update and of its vertical part, CG iterations, the final
+    relative residual of the normal equations (in the preconditioner's norm)."""
+
+    update_norm: float
+    vertical_norm: float
+    iterations: int
+    residual: float
+
+    @property
+    def vertical_share(self) -> float:
+        """|vertical| / |update| (0 for a zero update)."""
+        return self.vertical_norm / self.update_norm if self.update_norm > 0 else 0.0
+
+
+class UpdateProjector:
+    """Splits parameter updates of `model` into vertical (along symmetry orbits) and horizontal parts.
+
+    groups: the groups to project out (default: every group with a linear action on trainable parameters, except
+    the residual rotation unless `residual=True`; the residual rotation couples every tensor of the model and its
+    Gram needs a d x d eigendecomposition per step). Groups touching a frozen parameter, or one outside
+    `allowed_params`, are skipped (a projection must not move what the optimiser does not own).
+    tol / max_iter: stopping rule of the conjugate gradients (relative residual in the preconditioner's norm).
+    eps: relative regulariser of the Gram solves (rank-deficient heads stay finite).
+    dtype: dtype of the parameter-sized arithmetic (default float64 when a projected parameter is float64, else
+    float32); the small Gram factorisations always run in float64.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: list[SymmetryGroup] | None = None,
+        *,
+        residual: bool = False,
+        tol: float = 1e-8,
+        max_iter: int = 50,
+        eps: float = DEFAULT_EPS,
+        allowed_params: Iterable[torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if groups is None:
+            groups, _ = symmetry_groups(model)
+            groups = [g for g in groups if residual or not isinstance(g, ResidualRotation)]
+        allowed = None if allowed_params is None else {id(p) for p in allowed_params}
+        kept, skipped = [], []
+        for g in groups:
+            ok = g.linear and all(
+                s.param.requires_grad and (allowed is None or id(s.param) in allowed) for s in g.slots()
+            )
+            (kept if ok else skipped).append(g)
+        if skipped:
+            logger.info(
+                "update projection skips %d group(s) on frozen or foreign parameters: %s",
+                len(skipped),
+                ", ".join(g.key for g in skipped[:5]),
+            )
+        self.groups = kept
+        self.tol, self.max_iter, self.eps = tol, max_iter, eps
+        self.params: dict[int, nn.Parameter] = {}
+        for g in self.groups:
+            for s in g.slots():
+                self.params[id(s.param)] = s.param
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        if dtype is None:
+            wide = any(p.dtype == torch.float64 for p in self.params.values())
+            dtype = torch.float64 if wide else torch.float32
+        self.dtype = dtype
+        self.last_stats: ProjectionStats | None = None
+
+    # --- the normal equations ----------------------------------------------------------------------------------
+    def _zeros(self) -> ParamDict:
+        return {k: torch.zeros(p.shape, dtype=self.dtype, device=p.device) for k, p in self.params.items()}
+
+    def _xi(self, x: list[Algebra]) -> ParamDict:
+        out = self._zeros()
+        for g, xg in zip(self.groups, x, strict=True):
+            g.vertical(xg, out)
+        return out
+
+    def _xi_t(self, delta: ParamDict) -> list[Algebra]:
+        return [g.adjoint(delta) for g in self.groups]
+
+    def _precondition(self, y: list[Algebra]) -> list[Algebra]:
+        return [g.precondition(yg) for g, yg in zip(self.groups, y, strict=True)]
+
+    def _solve(self, full: ParamDict) -> tuple[list[Algebra], int, float]:
+        """Preconditioned CG on xi^T xi X = xi^T delta; returns (X, iterations, relative residual)."""
+        b = self._xi_t(full)
+        x = [[torch.zeros_like(t) for t in bg] for bg in b]
+        r = b
+        z = self._precondition(r)
+        p = z
+        rz = _dot(r, z)
+        b_norm = math.sqrt(max(rz, 0.0))
+        iterations, rel = 0, 0.0
+        if b_norm > 0:
+            for iterations in range(1, self.max_iter + 1):  # noqa: B007 - the count is reported
+                ap = self._xi_t(self._xi(p))
+                pap = _dot(p, ap)
+                if not pap > 0:
+                    break
+                alpha = rz / pap
+                x = _axpy(alpha, p, x)
+                r = _axpy(-alpha, ap, r)
+                z = self._precondition(r)
+                rz_new = _dot(r, z)
+                rel = math.sqrt(max(rz_new, 0.0)) / b_norm
+                if rel <= self.tol:
+                    break
+                p = _axpy(rz_new / rz, p, z)
+                rz = rz_new
+        return x, iterations, rel
+
+    @torch.no_grad()
+    def vertical_part(self, delta: ParamDict) -> ParamDict:
+        """xi(X*) for the update `delta` (dict id(param) -> tensor shaped like the parameter), in `self.dtype`."""
+        if not self.groups:
+            self.last_stats = ProjectionStats(0.0, 0.0, 0, 0.0)
+            return {}
+        full = self._zeros()
+        for k in full:
+            if k in delta:
+                full[k].copy_(delta[k])
+        try:
+            for g in self.groups:
+                g.prepare(self.eps, self.dtype)
+            x, iterations, rel = self._solve(full)
+            vertical = self._xi(x)
+        finally:
+            for g in self.groups:
+                g.release()
+        update_norm = math.sqrt(sum(float((t * t).sum()) for t in full.values()))
+        vertical_norm = math.sqrt(sum(float((t * t).sum()) for t in vertical.values()))
+        self.last_stats = ProjectionStats(update_norm, vertical_norm, iterations, rel)
+        return vertical
+
+    # --- public, name-keyed ------------------------------------------------------------------------------------
+    def split(self, update: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(vertical, horizontal) parts of an update given as {parameter name: tensor} (names of
+        `model.named_parameters()`); entries the groups do not touch are entirely horizontal."""
+        by_name = {n: k for k, n in self.names.items()}
+        delta = {by_name[n]: t for n, t in update.items() if n in by_name and by_name[n] in self.params}
+        vert = self.vertical_part(delta)
+        vertical, horizontal = {}, {}
+        for n, t in update.items():
+            k = by_name.get(n)
+            v = vert.get(k) if k is not None else None
+            vertical[n] = torch.zeros_like(t) if v is None else v.to(t.dtype)
+            horizontal[n] = t - vertical[n]
+        return vertical, horizontal
+
+    def balance(self) -> dict[str, torch.Tensor]:
+        """The balance (moment map) of every included group, keyed by group key; see `orbit_balance`."""
+        return {g.key: torch.cat([t.reshape(-1) for t in g.balance()]) for g in self.groups}
+
+
+def vertical_horizontal_split(
+    model: nn.Module, update: Mapping[str, torch.Tensor], *, residual: bool = False, tol: float = 1e-8
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split an update {parameter name: tensor} of `model` at its current weights theta into the vertical part
+    xi(X*) (along the symmetry orbits, X* the least-squares fit of DESIGN 2.3) and the horizontal part
+    delta - xi(X*), orthogonal to every vertical direction. Builds an `UpdateProjector`; keep one for repeated use."""
+    return UpdateProjector(model, residual=residual, tol=tol).split(update)
+
+
+@torch.no_grad()
+def orbit_balance(model: nn.Module, groups: list[SymmetryGroup] | None = None) -> dict[str, torch.Tensor]:
+    """Balance (moment map) per group, mu(theta) = xi^T(theta) projected onto the group's algebra:
+    QK gauge: sum over the query heads of a key/value head of W~_Q^T W~_Q - W~_K^T W~_K (biases as extra rows),
+    shape (H_kv, r, r); VO: W~_V^T W~_V - sum_h W_O^h W_O^h^T, (H_kv, d_h, d_h); norm gain: g^2 - sum |reader
+    column|^2; MLP scale: |W_up row k|^2 - |W_down column k|^2. Exact gradient flow of an invariant loss conserves
+    it; a horizontal step changes it only at second order in the step size; the difference to an earlier balance
+    is the orbit drift."""
+    if groups is None:
+        groups, _ = symmetry_groups(model)
+    out = {}
+    for g in groups:
+        if g.linear and not isinstance(g, ResidualRotation):
+            parts = g.balance()
+            out[g.key] = parts[0] if len(parts) == 1 else torch.cat([t.reshape(-1) for t in parts])
+    return out
+
+
+def orbit_drift(reference: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """|mu_now - mu_ref|_F per group key (from two `orbit_balance` results), plus "total" (root sum of squares)."""
+    out = {k: float((current[k] - reference[k]).norm()) for k in reference if k in current}
+    out["total"] = math.sqrt(sum(v * v for v in out.values()))
+    return out
+
+
+class ProjectedOptimizer(torch.optim.Optimizer):
+    """Wraps any torch optimiser so that every step is horizontal: after the inner step the update
+    delta = theta_new - theta_old is replaced by delta - P_V(delta) (DESIGN 2.3), P_V the orthogonal projection onto
+    the vertical space of the model's symmetry groups at theta_old.
+
+    It is a `torch.optim.Optimizer` (LR schedulers, HF Trainer and accelerate accept it) that delegates
+    `param_groups`, `state`, `zero_grad`, `add_param_group` and the state dict to the wrapped optimiser; the
+    state dict adds one entry with the projection settings. `last_stats` holds the last step's `ProjectionStats`.
+    Keyword arguments go to `UpdateProjector`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, **projector_kwargs: Any) -> None:
+        # Not calling Optimizer.__init__: the wrapped optimiser owns parameters and state.
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        owned = [p for group in optimizer.param_groups for p in group["params"]]
+        self.projector = UpdateProjector(model, allowed_params=owned, **projector_kwargs)
+        self.projected_steps = 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def last_stats(self) -> ProjectionStats | None:
+        return self.projector.last_stats
+
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """Inner step, then replace its update by the horizontal part."""
+        params, dtype = self.projector.params, self.projector.dtype
+        with torch.no_grad():
+            old = {k: p.detach().clone() for k, p in params.items()}
+        loss = self.optimizer.step(closure)
+        with torch.no_grad():
+            new = {k: p.detach().to(dtype) for k, p in params.items()}
+            vertical = self.projector.vertical_part({k: new[k] - old[k].to(dtype) for k in params})
+            for k, v in vertical.items():
+                params[k].copy_((new[k] - v).to(params[k].dtype))
+        self.projected_steps += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        out = dict(self.optimizer.state_dict())
+        out["symmetry_projection"] = {
+            "projected_steps": self.projected_steps,
+            "tol": self.projector.tol,
+            "max_iter": self.projector.max_iter,
+            "eps": self.projector.eps,
+            "groups": [g.key for g in self.projector.groups],
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("symmetry_projection", None)
+        self.optimizer.load_state_dict(state_dict)
+        if extra is not None:
+            self.projected_steps = int(extra.get("projected_steps", 0))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"ProjectedOptimizer({self.optimizer!r}, groups={len(self.projector.groups)})"
+
+
+__all__ = [
+    "ProjectedOptimizer",
+    "ProjectionStats",
+    "UpdateProjector",
+    "orbit_balance",
+    "orbit_drift",
+    "vertical_horizontal_split",
+]
