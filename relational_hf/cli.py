@@ -88,7 +88,19 @@ def _redundancy(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_redundancy)
 
 
-COMMANDS = [_train, _convert, _redundancy, _push, _bench]
+def _analyze(sub: argparse._SubParsersAction) -> None:
+    from .directional import analyze
+
+    p = sub.add_parser(
+        "analyze",
+        help="update geometry, component sweeps and compression diagnostics of a model",
+        description=analyze.__doc__,
+    )
+    analyze.add_analyze_arguments(p)
+    p.set_defaults(func=analyze.run_analyze)
+
+
+COMMANDS = [_train, _convert, _redundancy, _analyze, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

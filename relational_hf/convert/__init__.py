@@ -7,7 +7,7 @@
 
 from .cli import add_convert_arguments, run_convert
 from .relational import ConversionError, ConversionReport, max_logit_difference, relational_config_for, to_relational
-from .slicing import SliceReport, perplexity, principal_basis, residual_covariance, slice_relational
+from .slicing import SliceReport, principal_basis, residual_covariance, slice_relational
 
 __all__ = [
     "ConversionError",
@@ -15,7 +15,6 @@ __all__ = [
     "SliceReport",
     "add_convert_arguments",
     "max_logit_difference",
-    "perplexity",
     "principal_basis",
     "relational_config_for",
     "residual_covariance",

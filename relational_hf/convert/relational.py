@@ -24,7 +24,8 @@ from transformers.initialization import no_init_weights
 from ..architectures import UnsupportedModelError, get_adapter
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
-from .slicing import SliceReport, perplexity, slice_relational
+from ..training.metrics import perplexity
+from .slicing import SliceReport, slice_relational
 
 logger = logging.getLogger(__name__)
 

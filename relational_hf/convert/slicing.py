@@ -164,25 +164,4 @@ def slice_relational(
     return sliced, report
 
 
-@torch.no_grad()
-def perplexity(model: nn.Module, data: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8) -> float:
-    """exp of the mean next-token negative log-likelihood over all predicted tokens of `data` (token ids)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    nll, count = 0.0, 0
-    for batch in _batches(data, batch_size):
-        batch = batch.to(device)
-        logits = model(batch).logits[:, :-1].float()
-        targets = batch[:, 1:]
-        nll += float(
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-            )
-        )
-        count += targets.numel()
-    model.train(was_training)
-    return math.exp(nll / max(count, 1))
-
-
-__all__ = ["SliceReport", "perplexity", "principal_basis", "residual_covariance", "slice_relational"]
+__all__ = ["SliceReport", "principal_basis", "residual_covariance", "slice_relational"]

@@ -256,10 +256,12 @@ def encode(tokenizer, text: str, chunk_chars: int = 200_000) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def lm_blocks(ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Non-overlapping (N, block_size) blocks of a token stream (the ragged tail is dropped)."""
+def lm_blocks(ids: torch.Tensor, block_size: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Non-overlapping (N, block_size) blocks of a 1-D token stream, from at most `max_tokens` tokens (tail dropped)."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
     n = ids.numel() // block_size
     if n == 0:
         raise ValueError(f"text of {ids.numel()} tokens is shorter than one block of {block_size}")

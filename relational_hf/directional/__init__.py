@@ -1,0 +1,60 @@
+"""Directional decomposition (DESIGN.md section 3): split every update y a layer writes into the part parallel to a
+reference z and the perpendicular rest, measure it, edit it, and use it to diagnose compression.
+
+- `sites`: where updates are read and edited (forward hooks on the adapter's roles; the eager attention kernel);
+- `statistics`, `decompose`: what is measured, per layer and site;
+- `edits`, `evaluation`: `scale_components` and the perplexity sweeps;
+- `compression`: compressors and the layer-local counterfactual error;
+- `plots`, `analyze`: figures and the `relational-hf analyze` command.
+"""
+
+from ..training.data import lm_blocks as token_blocks
+from .analyze import add_analyze_arguments, run_analyze
+from .compression import (
+    COMPRESSION_SETTINGS,
+    CompressionReport,
+    CompressionResult,
+    LayerCompressionError,
+    compress,
+    compression_error,
+    compression_report,
+    prune_weights,
+    quantize_weights,
+)
+from .decompose import collect_updates, decompose, decompose_dataset
+from .edits import scale_components
+from .evaluation import SweepResult, perplexity, sweep_all, sweep_components
+from .plots import plot_compression, plot_parallel_profile, plot_sweeps
+from .sites import EDIT_SITES, SITES, VALUE_SITES
+from .statistics import DirectionalReport, LayerStatistics
+
+__all__ = [
+    "COMPRESSION_SETTINGS",
+    "EDIT_SITES",
+    "SITES",
+    "VALUE_SITES",
+    "CompressionReport",
+    "CompressionResult",
+    "DirectionalReport",
+    "LayerCompressionError",
+    "LayerStatistics",
+    "SweepResult",
+    "add_analyze_arguments",
+    "collect_updates",
+    "compress",
+    "compression_error",
+    "compression_report",
+    "decompose",
+    "decompose_dataset",
+    "perplexity",
+    "plot_compression",
+    "plot_parallel_profile",
+    "plot_sweeps",
+    "prune_weights",
+    "quantize_weights",
+    "run_analyze",
+    "scale_components",
+    "sweep_all",
+    "sweep_components",
+    "token_blocks",
+]

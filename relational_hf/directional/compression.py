@@ -1,0 +1,452 @@
+"""Compression diagnostics (DESIGN.md section 3): the layer-local counterfactual error of a compressed model, split
+along the dense update, and the built-in compressors it is meant to compare.
+
+Counterfactual: run the dense model and record each layer's input h and update delta_dense = layer(h) - h; feed the
+compressed layer the same h, delta_compressed = layer~(h) - h; e = delta_compressed - delta_dense. Relative to
+delta_dense (not h): e_par = (e.delta_dense / |delta_dense|^2) delta_dense, e_perp = e - e_par.
+
+Compressors act on the linear maps of every decoder layer (attention and MLP; embeddings and the output head stay
+dense) and return a compressed deep copy. Quantisation is a fake-quant round trip (the dequantised weights are stored
+in the model's dtype), which has exactly the numerical effect of serving those integer weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+from torch import nn
+from tqdm.auto import tqdm
+from transformers.pytorch_utils import Conv1D
+
+from ..architectures import get_adapter
+from ..modeling import GaugeFixedLinear
+from ..modeling.modeling_relational import parallel_component
+from .decompose import model_device, unpack_batch
+from .evaluation import perplexity
+from .sites import first_input, main_output, replace_first_input
+from .statistics import select_tokens
+
+COMPRESSION_SETTINGS: tuple[str, ...] = (
+    "int8",
+    "int4",
+    "magnitude",
+    "magnitude-2:4",
+    "magnitude-4:8",
+    "wanda",
+    "wanda-2:4",
+    "wanda-4:8",
+)
+PRUNING_SCORES: tuple[str, ...] = ("magnitude", "wanda")
+PRUNING_PATTERNS: tuple[str, ...] = ("unstructured", "2:4", "4:8")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The weight matrices of the decoder layers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WeightMatrix:
+    """One stored weight seen as (outputs x inputs): nn.Linear (out, in), Transformers' Conv1D (in, out), and the
+    free entries of a GaugeFixedLinear (out, in - m; its fixed pivot entries are gauge constants, not data)."""
+
+    module: nn.Module
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The weight as (outputs, inputs), a view of the parameter."""
+        w = self.module.weight
+        return w.T if isinstance(self.module, Conv1D) else w
+
+    @torch.no_grad()
+    def write(self, rows: torch.Tensor) -> None:
+        """Store new (outputs, inputs) values in the parameter."""
+        self.rows.copy_(rows.to(self.module.weight.dtype))
+
+    def input_norms(self, norms: torch.Tensor) -> torch.Tensor:
+        """Per-entry ||x_j|| (outputs, inputs) for the input-feature norms of this map (in,)."""
+        if isinstance(self.module, GaugeFixedLinear):
+            return norms[self.module.free_index]
+        return norms.expand_as(self.rows)
+
+
+def weight_matrices(model: nn.Module) -> list[WeightMatrix]:
+    """The linear maps of every decoder layer's attention and MLP, found through the architecture adapter."""
+    found = []
+    for roles in get_adapter(model).layers():
+        for part in (roles.attention, roles.mlp):
+            for module in part.modules():
+                if isinstance(module, (nn.Linear, Conv1D, GaugeFixedLinear)):
+                    found.append(WeightMatrix(module))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantisation and pruning
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def fake_quantize(rows: torch.Tensor, bits: int, group_size: int = 128) -> torch.Tensor:
+    """Symmetric group-wise round trip of a weight (outputs, inputs): per row and group g of `group_size` consecutive
+    inputs, scale_g = max|w_g| / (2^(b-1) - 1), w~ = clamp(round(w / scale_g), -2^(b-1), 2^(b-1) - 1) * scale_g."""
+    if bits < 2 or group_size < 1:
+        raise ValueError(f"need bits >= 2 and group_size >= 1, got bits={bits}, group_size={group_size}")
+    out_features, in_features = rows.shape
+    qmax = 2 ** (bits - 1) - 1
+    w = F.pad(rows.float(), (0, (-in_features) % group_size)).view(out_features, -1, group_size)  # (out, G, g)
+    scale = w.abs().amax(-1, keepdim=True) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(w / scale), -qmax - 1, qmax)
+    return (q * scale).view(out_features, -1)[:, :in_features].to(rows.dtype)
+
+
+def pruning_mask(
+    score: torch.Tensor, pattern: str = "unstructured", sparsity: float = 0.5, per_row: bool = False
+) -> torch.Tensor:
+    """Keep-mask (bool, like score (outputs, inputs)) removing the lowest scores.
+
+    "unstructured": the round(sparsity * n) lowest of the whole matrix (per_row: of each row, n its length);
+    "N:M": in each row, of every M consecutive inputs the M - N lowest (a ragged tail group keeps its highest).
+    """
+    keep = torch.ones(score.shape, dtype=torch.bool, device=score.device)
+    if pattern == "unstructured":
+        if not 0.0 <= sparsity <= 1.0:
+            raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
+        flat = score if per_row else score.reshape(1, -1)
+        k = round(sparsity * flat.shape[1])
+        if k:
+            drop = flat.topk(k, dim=1, largest=False).indices
+            keep.view(flat.shape).scatter_(1, drop, False)
+        return keep
+    if pattern not in PRUNING_PATTERNS:
+        raise ValueError(f"unknown pruning pattern {pattern!r}; allowed patterns: {', '.join(PRUNING_PATTERNS)}")
+    n, m = (int(p) for p in pattern.split(":"))
+    out_features, in_features = score.shape
+    padded = F.pad(score.float(), (0, (-in_features) % m), value=math.inf).view(out_features, -1, m)  # (out, G, M)
+    drop = padded.topk(m - n, dim=-1, largest=False).indices
+    mask = torch.ones_like(padded, dtype=torch.bool).scatter_(-1, drop, False)
+    return mask.view(out_features, -1)[:, :in_features]
+
+
+@torch.no_grad()
+def input_feature_norms(model: nn.Module, calibration_ids: torch.Tensor, batch_size: int = 8) -> list[torch.Tensor]:
+    """||x_j||_2 over all calibration tokens for each input feature j of each map in `weight_matrices(model)`."""
+    matrices = weight_matrices(model)
+    sums = [None] * len(matrices)
+
+    def hook_for(i: int):
+        def hook(module, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # (tokens, in)
+            sums[i] = x.square().sum(0) if sums[i] is None else sums[i] + x.square().sum(0)
+
+        return hook
+
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    with ExitStack() as stack:
+        for i, matrix in enumerate(matrices):
+            stack.callback(matrix.module.register_forward_pre_hook(hook_for(i)).remove)
+        try:
+            for start in range(0, calibration_ids.shape[0], batch_size):
+                model(input_ids=calibration_ids[start : start + batch_size].to(device), use_cache=False)
+        finally:
+            model.train(was_training)
+    return [s.sqrt() for s in sums]
+
+
+def quantize_weights(model: nn.Module, bits: int = 8, group_size: int = 128) -> nn.Module:
+    """A deep copy of `model` whose decoder-layer weights went through `fake_quantize(w, bits, group_size)`."""
+    compressed = copy.deepcopy(model)
+    for matrix in weight_matrices(compressed):
+        matrix.write(fake_quantize(matrix.rows.detach(), bits, group_size))
+    return compressed
+
+
+def prune_weights(
+    model: nn.Module,
+    score: str = "magnitude",
+    pattern: str = "unstructured",
+    sparsity: float = 0.5,
+    calibration_ids: torch.Tensor | None = None,
+) -> nn.Module:
+    """A deep copy of `model` with decoder-layer weights pruned by `pruning_mask`.
+
+    score "magnitude": |W_ij|, unstructured over each whole matrix; "wanda": |W_ij| * ||x_j||_2 (input-feature norms on
+    `calibration_ids`, required), unstructured per output row as in Wanda. N:M patterns act per row for both.
+    """
+    if score not in PRUNING_SCORES:
+        raise ValueError(f"unknown pruning score {score!r}; allowed scores: {', '.join(PRUNING_SCORES)}")
+    if pattern not in PRUNING_PATTERNS:
+        raise ValueError(f"unknown pruning pattern {pattern!r}; allowed patterns: {', '.join(PRUNING_PATTERNS)}")
+    compressed = copy.deepcopy(model)
+    matrices = weight_matrices(compressed)
+    norms: list[torch.Tensor | None] = [None] * len(matrices)
+    if score == "wanda":
+        if calibration_ids is None:
+            raise ValueError("score 'wanda' needs calibration_ids (activation norms)")
+        norms = input_feature_norms(compressed, calibration_ids)
+    for matrix, norm in zip(matrices, norms):
+        w = matrix.rows.detach()
+        s = w.abs().float() if norm is None else w.abs().float() * matrix.input_norms(norm)
+        matrix.write(w * pruning_mask(s, pattern, sparsity, per_row=score == "wanda"))
+    return compressed
+
+
+def compress(
+    model: nn.Module, setting: str, calibration_ids: torch.Tensor | None = None, group_size: int = 128
+) -> nn.Module:
+    """A compressed deep copy for a setting of `COMPRESSION_SETTINGS`: "int8"/"int4" group-wise quantisation, or
+    "<score>[-N:M]" pruning ("magnitude", "wanda"; no pattern: 50% unstructured)."""
+    (setting,) = settings_from([setting])
+    if setting in ("int8", "int4"):
+        return quantize_weights(model, bits=int(setting[3:]), group_size=group_size)
+    score, _, pattern = setting.partition("-")
+    return prune_weights(model, score, pattern or "unstructured", 0.5, calibration_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layer-local counterfactual error
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerCompressionError:
+    """Means over real tokens of |e_par|/|delta_dense|, |e_perp|/|delta_dense| and |e|/|delta_dense| in one layer."""
+
+    layer: int
+    count: int
+    parallel: float
+    perpendicular: float
+    total: float
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict."""
+        return asdict(self)
+
+
+class _Counterfactual:
+    """Hooks of the two passes of `compression_error`: record each dense layer's input h and output, then feed each
+    compressed layer that h and accumulate, per layer, the token count and the sums of |e_par|, |e_perp|, |e| over
+    |delta_dense|."""
+
+    def __init__(self, layers: Iterable[int]) -> None:
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.valid: torch.Tensor | None = None
+        self.sums = {i: torch.zeros(4, dtype=torch.float64) for i in layers}
+
+    def record_input(self, i: int):
+        def hook(module, args, kwargs):
+            self.inputs[i] = first_input(args, kwargs)
+
+        return hook
+
+    def record_output(self, i: int):
+        def hook(module, args, output):
+            self.outputs[i] = main_output(output)
+
+        return hook
+
+    def feed_dense_input(self, i: int):
+        def hook(module, args, kwargs):
+            return replace_first_input(args, kwargs, self.inputs[i])
+
+        return hook
+
+    def measure(self, i: int):
+        def hook(module, args, output):
+            h, dense_out = self.inputs[i], self.outputs[i]
+            delta = select_tokens(dense_out - h, self.valid)  # delta_dense (N, d)
+            e = select_tokens(main_output(output) - dense_out, self.valid)  # delta_compressed - delta_dense (N, d)
+            e_par = parallel_component(e, delta)
+            norm = delta.norm(dim=-1).double().clamp_min(_TINY)
+            self.sums[i] += torch.stack(
+                [
+                    torch.tensor(float(e.shape[0]), dtype=torch.float64),
+                    (e_par.norm(dim=-1).double() / norm).sum(),
+                    ((e - e_par).norm(dim=-1).double() / norm).sum(),
+                    (e.norm(dim=-1).double() / norm).sum(),
+                ]
+            )
+
+        return hook
+
+    def results(self) -> list[LayerCompressionError]:
+        out = []
+        for i, sums in self.sums.items():
+            count, par, perp, total = sums.tolist()
+            n = max(count, 1.0)
+            out.append(LayerCompressionError(i, int(count), par / n, perp / n, total / n))
+        return out
+
+
+@torch.no_grad()
+def compression_error(
+    dense_model: nn.Module,
+    compressed_model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    batch_size: int = 8,
+) -> list[LayerCompressionError]:
+    """Per layer, the error of the compressed layer fed the dense layer's input h (layer-local counterfactual):
+    e = delta_compressed - delta_dense (= layer~(h) - layer(h)), split along delta_dense; returns the means over
+    real tokens of |e_par|/|delta_dense|, |e_perp|/|delta_dense| and |e|/|delta_dense|. input_ids (N, T),
+    attention_mask (N, T) with 0 at padding; both models run in eval mode (training flags restored)."""
+    dense_layers, compressed_layers = get_adapter(dense_model).layers(), get_adapter(compressed_model).layers()
+    if len(dense_layers) != len(compressed_layers):
+        raise ValueError(f"the models have {len(dense_layers)} and {len(compressed_layers)} layers")
+    state = _Counterfactual(roles.index for roles in dense_layers)
+    flags = (dense_model.training, compressed_model.training)
+    dense_model.eval()
+    compressed_model.eval()
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            mask = None if attention_mask is None else attention_mask[start : start + batch_size]
+            ids = input_ids[start : start + batch_size]
+            state.valid = None if mask is None else mask.bool()
+            with ExitStack() as stack:  # pass 1: the dense layers' inputs and outputs
+                for roles in dense_layers:
+                    pre = roles.block.register_forward_pre_hook(state.record_input(roles.index), with_kwargs=True)
+                    stack.callback(pre.remove)
+                    stack.callback(roles.block.register_forward_hook(state.record_output(roles.index)).remove)
+                dense_ids, dense_mask = unpack_batch(
+                    {"input_ids": ids, "attention_mask": mask}, model_device(dense_model)
+                )
+                dense_model(input_ids=dense_ids, attention_mask=dense_mask, use_cache=False)
+            with ExitStack() as stack:  # pass 2: each compressed layer fed the dense input
+                for roles in compressed_layers:
+                    pre = roles.block.register_forward_pre_hook(state.feed_dense_input(roles.index), with_kwargs=True)
+                    stack.callback(pre.remove)
+                    stack.callback(roles.block.register_forward_hook(state.measure(roles.index)).remove)
+                ids, mask = unpack_batch({"input_ids": ids, "attention_mask": mask}, model_device(compressed_model))
+                compressed_model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        dense_model.train(flags[0])
+        compressed_model.train(flags[1])
+    return state.results()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report: rank settings by error, correlate with perplexity
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _finite_or_none(x: float) -> float | None:
+    """x, or None for nan/inf (JSON has no nan)."""
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class CompressionResult:
+    """One compression setting: its per-layer errors and the compressed model's perplexity."""
+
+    setting: str
+    layers: list[LayerCompressionError]
+    perplexity: float
+
+    def mean(self, kind: str) -> float:
+        """Mean over layers of the per-layer error `kind` ("parallel", "perpendicular" or "total")."""
+        return sum(getattr(layer, kind) for layer in self.layers) / max(len(self.layers), 1)
+
+    def to_dict(self) -> dict:
+        """Setting, perplexity, the layer-mean errors and the per-layer errors (JSON-ready)."""
+        return {
+            "setting": self.setting,
+            "perplexity": self.perplexity,
+            **{kind: self.mean(kind) for kind in ("parallel", "perpendicular", "total")},
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+
+@dataclass
+class CompressionReport:
+    """Compression settings with their errors, the dense perplexity, rankings and Spearman correlations."""
+
+    dense_perplexity: float
+    results: list[CompressionResult]
+
+    def ranking(self, by: str = "perpendicular") -> list[str]:
+        """Settings from the smallest to the largest mean error `by` ("perpendicular" or "total")."""
+        return [r.setting for r in sorted(self.results, key=lambda r: r.mean(by))]
+
+    def spearman(self, by: str = "perpendicular") -> tuple[float, float]:
+        """(rho, p-value) of scipy.stats.spearmanr between the mean error `by` and the perplexity over settings
+        (nan where fewer than 3 settings or a constant column make it undefined)."""
+        if len(self.results) < 3:
+            return math.nan, math.nan
+        result = spearmanr([r.mean(by) for r in self.results], [r.perplexity for r in self.results])
+        return float(result.statistic), float(result.pvalue)
+
+    def to_dict(self) -> dict:
+        """Dense perplexity, the settings, both rankings and both Spearman correlations (JSON-ready, nan -> None)."""
+        out = {"dense_perplexity": self.dense_perplexity, "settings": [r.to_dict() for r in self.results]}
+        for by in ("perpendicular", "total"):
+            rho, p = self.spearman(by)
+            out[f"ranking_{by}"] = self.ranking(by)
+            out[f"spearman_{by}"] = {"rho": _finite_or_none(rho), "p_value": _finite_or_none(p)}
+        return out
+
+    def to_markdown(self) -> str:
+        """Settings ranked by perpendicular error, then the two Spearman correlations."""
+        lines = [
+            "| setting | mean |e_par|/|delta| | mean |e_perp|/|delta| | mean |e|/|delta| | perplexity |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        by_name = {r.setting: r for r in self.results}
+        for name in self.ranking("perpendicular"):
+            r = by_name[name]
+            lines.append(
+                f"| {name} | {r.mean('parallel'):.4f} | {r.mean('perpendicular'):.4f} | {r.mean('total'):.4f} "
+                f"| {r.perplexity:.3f} |"
+            )
+        lines.append(f"\ndense perplexity {self.dense_perplexity:.3f}")
+        for by in ("perpendicular", "total"):
+            rho, p = self.spearman(by)
+            lines.append(f"Spearman(mean {by} error, perplexity) = {rho:.3f} (p = {p:.3g})")
+        return "\n".join(lines)
+
+
+def compression_report(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    settings: Sequence[str] = COMPRESSION_SETTINGS,
+    calibration_ids: torch.Tensor | None = None,
+    eval_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    group_size: int = 128,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> CompressionReport:
+    """For each setting: compress (Wanda calibrates on `calibration_ids`, default input_ids), measure
+    `compression_error` on input_ids and the compressed perplexity on `eval_ids` (default input_ids, with
+    attention_mask only when eval_ids is not given)."""
+    calibration_ids = input_ids if calibration_ids is None else calibration_ids
+    eval_mask = attention_mask if eval_ids is None else None
+    eval_ids = input_ids if eval_ids is None else eval_ids
+    results = []
+    for setting in tqdm(list(settings), desc="compression", disable=not progress, leave=False):
+        compressed = compress(model, setting, calibration_ids, group_size)
+        errors = compression_error(model, compressed, input_ids, attention_mask, batch_size)
+        results.append(CompressionResult(setting, errors, perplexity(compressed, eval_ids, eval_mask, batch_size)))
+        del compressed
+    return CompressionReport(perplexity(model, eval_ids, eval_mask, batch_size), results)
+
+
+def settings_from(names: Iterable[str]) -> list[str]:
+    """Validate compression setting names (ValueError naming the allowed ones)."""
+    names = list(names)
+    for name in names:
+        if name not in COMPRESSION_SETTINGS:
+            raise ValueError(
+                f"unknown compression setting {name!r}; allowed settings: {', '.join(COMPRESSION_SETTINGS)}"
+            )
+    return names
