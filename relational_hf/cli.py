@@ -100,7 +100,25 @@ def _analyze(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=analyze.run_analyze)
 
 
-COMMANDS = [_train, _convert, _redundancy, _analyze, _push, _bench]
+def _finetune(sub: argparse._SubParsersAction) -> None:
+    from .training import finetune
+
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a checkpoint (full or LoRA) with projection / parallel suppression",
+        description=finetune.__doc__,
+    )
+    finetune.add_finetune_arguments(p)
+
+    def run(args):
+        result = finetune.run_finetune(args)
+        if result.main_process:
+            print(finetune.format_finetune_result(result))
+
+    p.set_defaults(func=run)
+
+
+COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

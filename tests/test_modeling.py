@@ -360,3 +360,21 @@ def test_inference_weight_cache_follows_parameter_updates():
     fresh = model(ids).logits  # with autograd: assembled from scratch
     assert not torch.allclose(before, cached)
     torch.testing.assert_close(cached, fresh.detach(), rtol=0, atol=0)
+
+
+def test_gauge_setters_act_on_a_model_loaded_with_from_pretrained(tmp_path):
+    """Transformers flags loaded tensors as initialised; the gauge setters must still write them."""
+    RelationalForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    attn = loaded.model.layers[0].self_attn
+    weights = {k: v.detach().clone() for k, v in attn.full_weights().items()}
+    weights["k"] = weights["k"] * 2.0  # a different QK form
+    attn.set_full_weights(weights)
+    r = loaded.config.qk_rank
+
+    def forms(w):  # per head G_QK = W_Q W_K^T (d x d), invariant under the per-head QK gauge
+        q, k = w["q"].view(-1, r, w["q"].shape[-1]), w["k"].view(-1, r, w["k"].shape[-1])
+        return q.transpose(1, 2) @ k
+
+    torch.testing.assert_close(forms(attn.full_weights()), forms(weights), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(forms(attn.full_weights()), forms(loaded.model.layers[1].self_attn.full_weights()))

@@ -18,6 +18,8 @@ from typing import Any
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..modeling.modeling_relational import GAUGE_LAYOUT_BUFFERS
+
 TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
     trim_blocks=True,
@@ -64,7 +66,8 @@ def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
 
 
 def stored_parameters(checkpoint_dir: str | Path) -> int | None:
-    """Number of values stored in the checkpoint's `*.safetensors` files (tied weights count once).
+    """Number of parameter values stored in the checkpoint's `*.safetensors` files (tied weights count once; the
+    gauge-layout buffers of pivot-gauge layers are not parameters and are left out).
 
     Reads only the safetensors headers (an 8-byte little-endian length, then a JSON table of shapes).
     None when the directory holds no safetensors file.
@@ -75,7 +78,11 @@ def stored_parameters(checkpoint_dir: str | Path) -> int | None:
         with path.open("rb") as handle:
             (header_size,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(header_size))
-        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+        total += sum(
+            math.prod(entry["shape"])
+            for name, entry in header.items()
+            if name != "__metadata__" and name.rsplit(".", 1)[-1] not in GAUGE_LAYOUT_BUFFERS
+        )
     return total if files else None
 
 

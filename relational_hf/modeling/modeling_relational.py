@@ -130,12 +130,18 @@ def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor,
     return fixed_index, value
 
 
+# Buffers that record a gauge layout (which entries are fixed, and to what): saved with the weights, not parameters.
+GAUGE_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
+
+
 class GaugeFixedLinear(nn.Module):
     """A linear map whose weight W (out x in) has, in every output row, m entries fixed by a gauge choice.
 
     Forward map (free parameters -> weight): W[o, fixed_index[o]] = fixed_value[o], W[o, free_index[o]] = weight[o].
     Only `weight` (out x (in - m)) is stored as a parameter; the indices and fixed values are buffers saved with
-    the checkpoint. `set_full_weight` is the right inverse for a W already in the gauge.
+    the checkpoint. `set_full_weight` is the right inverse for a W already in the gauge. The setters write with a
+    plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose tensors Transformers
+    flags as initialised).
     """
 
     def __init__(self, in_features: int, out_features: int, fixed_per_row: int, bias: bool = False) -> None:
@@ -156,8 +162,15 @@ class GaugeFixedLinear(nn.Module):
         changes (tracked by tensor version counters), so decoding reads one weight per step like a plain Linear."""
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return self._assemble()
-        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.fixed_index._version,
-               self.free_index._version, self.fixed_value._version, self.fixed_value.data_ptr())
+        key = (
+            self.weight._version,
+            self.weight.data_ptr(),
+            self.weight.dtype,
+            self.fixed_index._version,
+            self.free_index._version,
+            self.fixed_value._version,
+            self.fixed_value.data_ptr(),
+        )
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._assemble().detach())
@@ -176,9 +189,9 @@ class GaugeFixedLinear(nn.Module):
         mask = torch.ones(self.out_features, self.in_features, dtype=torch.bool, device=fixed_index.device)
         mask.scatter_(1, fixed_index, False)
         free = torch.arange(self.in_features, device=mask.device).expand_as(mask)[mask]
-        init.copy_(self.fixed_index, fixed_index)
-        init.copy_(self.free_index, free.view(self.out_features, -1))
-        init.copy_(self.fixed_value, fixed_value.reshape(self.out_features, self.fixed_per_row).to(self.fixed_value))
+        self.fixed_index.copy_(fixed_index)
+        self.free_index.copy_(free.view(self.out_features, -1))
+        self.fixed_value.copy_(fixed_value.reshape(self.out_features, self.fixed_per_row).to(self.fixed_value))
 
     @torch.no_grad()
     def set_full_weight(self, w: torch.Tensor, check: bool = True) -> None:
@@ -188,7 +201,7 @@ class GaugeFixedLinear(nn.Module):
             err = (fixed - self.fixed_value.float()).abs().max().item() if fixed.numel() else 0.0
             if err > 1e-4 * max(1.0, self.fixed_value.abs().max().item()):
                 raise ValueError(f"weight is not in this module's pivot gauge (pivot entries off by {err:.3g})")
-        init.copy_(self.weight, torch.gather(w, 1, self.free_index).to(self.weight))
+        self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.full_weight(), self.bias)
@@ -457,9 +470,9 @@ class RelationalAttention(nn.Module):
             if isinstance(module, GaugeFixedLinear):
                 module.set_full_weight(w)
             else:
-                init.copy_(module.weight, w.to(module.weight))
+                module.weight.copy_(w.to(module.weight))
             if module.bias is not None:
-                init.copy_(module.bias, (b if b is not None else torch.zeros_like(module.bias)).to(module.bias))
+                module.bias.copy_((b if b is not None else torch.zeros_like(module.bias)).to(module.bias))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full (Linear-layout) q/k/v/o weights and biases this module computes with."""
@@ -531,9 +544,9 @@ class RelationalMLP(nn.Module):
             self.up_proj.set_layout(idx, val)
             self.up_proj.set_full_weight(up)
         else:
-            init.copy_(self.up_proj.weight, up.to(self.up_proj.weight))
-        init.copy_(self.gate_proj.weight, weights["gate"].to(self.gate_proj.weight))
-        init.copy_(self.down_proj.weight, down.to(self.down_proj.weight))
+            self.up_proj.weight.copy_(up.to(self.up_proj.weight))
+        self.gate_proj.weight.copy_(weights["gate"].to(self.gate_proj.weight))
+        self.down_proj.weight.copy_(down.to(self.down_proj.weight))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full gate/up/down weights (Linear layout)."""

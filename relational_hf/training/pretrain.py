@@ -65,7 +65,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     model.add_argument("--intermediate-size", type=int, default=None, help="SwiGLU width; default: 3 x hidden")
     model.add_argument("--qk-rank", type=int, default=None, help="rank of each QK form (relational); default: head_dim")
     model.add_argument("--gauge", choices=["pivot", "free"], default="pivot", help="relational parameterisation")
-    model.add_argument("--position-encoding", choices=["rope", "none"], default="rope")
+    model.add_argument(
+        "--position-encoding",
+        choices=["rope", "none"],
+        default="rope",
+        help="rotary positions on the QK coordinates, or none",
+    )
     model.add_argument(
         "--value-parallel-removal",
         action="store_true",
@@ -76,13 +81,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"where the model goes (default: {DEFAULT_OUTPUT_DIR})"
     )
     train.add_argument("--block-size", type=int, default=128, help="context length in tokens")
-    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     train.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (the time limit may stop earlier)")
     train.add_argument("--max-minutes", type=float, default=2.5, help="stop training after this many minutes")
-    train.add_argument("--learning-rate", type=float, default=3e-3)
-    train.add_argument("--warmup-steps", type=int, default=30)
-    train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--learning-rate", type=float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
+    train.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps")
+    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    train.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and sampling")
     train.add_argument("--save-steps", type=int, default=250, help="trainer checkpoint interval (for --resume)")
     train.add_argument(
         "--resume", action="store_true", help="continue from the last trainer checkpoint in --output-dir"
@@ -98,7 +103,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     train.add_argument(
         "--parallel-suppression", type=float, default=0.0, help="lambda of the soft parallel-suppression loss (0 = off)"
     )
-    train.add_argument("--parallel-suppression-site", choices=["residual", "value"], default="residual")
+    train.add_argument(
+        "--parallel-suppression-site",
+        choices=["residual", "value"],
+        default="residual",
+        help="where the suppression loss reads cos^2(y, z): residual updates vs the incoming hidden state, or each "
+        "head's pre-W_O output vs its own value",
+    )
     return parser
 
 
@@ -113,7 +124,7 @@ class TrainResult:
     sample: str
 
 
-class _TimeLimit(TrainerCallback):
+class TimeLimitCallback(TrainerCallback):
     """Stops training once the wall-clock budget is spent (the model is still evaluated and saved)."""
 
     def __init__(self, seconds: float) -> None:
@@ -231,7 +242,7 @@ def run_train(args: argparse.Namespace) -> TrainResult:
         model=model,
         args=training_args,
         train_dataset=train_set,
-        callbacks=[_TimeLimit(args.max_minutes * 60.0 - (time.monotonic() - started))],
+        callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
         **extra,
     )
     resume = None
@@ -246,7 +257,8 @@ def run_train(args: argparse.Namespace) -> TrainResult:
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
     val_ppl = perplexity(model, val_blocks)
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
-    save_atomically(model, tokenizer, args.output_dir)
+    if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
+        save_atomically(model, tokenizer, args.output_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed)
     return TrainResult(
         str(args.output_dir), n_params, val_ppl, uni_ppl, trainer.state.global_step, time.monotonic() - started, sample

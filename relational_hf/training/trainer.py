@@ -1,0 +1,237 @@
+"""`RelationalTrainer`: Transformers' `Trainer` with optimisation on the quotient and soft parallel suppression.
+
+What it adds to `Trainer` (each off by default, so with the defaults it computes exactly what `Trainer` computes):
+
+- `symmetry_projection="update"`: the optimiser built by `Trainer` is wrapped in
+  `relational_hf.symmetry.ProjectedOptimizer`, which replaces every step delta by its horizontal part
+  delta - P_V(delta) (DESIGN.md section 2.3). The wrapper is a `torch.optim.Optimizer`, so Accelerate, the LR
+  scheduler and checkpointing (`optimizer.pt`) see one optimiser and resuming restores it exactly.
+- `parallel_suppression_coef=lambda > 0`: the loss becomes task loss + lambda * mean cos^2(y, z) over the sites
+  of `parallel_suppression_site` (DESIGN.md section 3; `suppression.ParallelSuppression`). The term is normalised
+  like the task loss: when the Trainer divides the summed token loss by the number of label tokens of the whole
+  accumulated (and, with `average_tokens_across_devices`, all-process) batch, the summed cos^2 is divided by the
+  number of token positions of that same batch, and multiplied by the number of processes where the task loss is;
+  otherwise both are per-micro-batch means that the Trainer divides by the accumulation steps. So gradient
+  accumulation k x b gives the gradient of batch k b, and DDP's gradient average gives the gradient of the global
+  batch.
+- logs, at every logging step: `task_loss` and `parallel_suppression` (their sum is the Trainer's `loss`),
+  `parallel_ratio` (mean |y_par| / |y_perp| at the suppression sites, measured on the micro-batches of the logging
+  step) and `orbit_drift` (change of the balance W_Q^T W_Q - W_K^T W_K, W_V^T W_V - W_O W_O^T since the start of
+  training, `relational_hf.symmetry`), so they reach every reporting integration (TensorBoard, W&B, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_pt_utils import nested_gather
+from transformers.trainer_utils import _is_peft_model
+from transformers.training_args import IntervalStrategy
+
+from .arguments import RelationalTrainingArguments
+from .suppression import ParallelSuppression, token_positions
+
+logger = logging.getLogger(__name__)
+
+#: Written next to optimizer.pt in every checkpoint: the trainer's own state (the balance reference of orbit_drift).
+STATE_NAME = "relational_trainer_state.pt"
+
+
+class RelationalTrainer(Trainer):
+    """`transformers.Trainer` with `symmetry_projection`, `parallel_suppression_coef`/`_site` and their logging.
+
+    Takes the same arguments as `Trainer`; `args` should be a `RelationalTrainingArguments` (a plain
+    `TrainingArguments` means projection "none" and no suppression). The model must be one an architecture adapter
+    knows (`relational_hf.architectures.get_adapter`) when projection or suppression is on.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.symmetry_projection = getattr(self.args, "symmetry_projection", "none")
+        self.suppression_coef = float(getattr(self.args, "parallel_suppression_coef", 0.0))
+        self.suppression_site = getattr(self.args, "parallel_suppression_site", "residual")
+        self.suppression: ParallelSuppression | None = None
+        if self.suppression_coef > 0:
+            if self.args.n_gpu > 1:
+                raise ValueError(
+                    "parallel suppression does not support torch.nn.DataParallel (several GPUs in one process); "
+                    "launch one process per GPU with torchrun or accelerate launch (DDP)"
+                )
+            self.suppression = ParallelSuppression(self.model, self.suppression_site)
+        if self.symmetry_projection == "update" and _is_peft_model(self.model):
+            raise ValueError(
+                "symmetry_projection='update' projects updates of the model's full weights, which a PEFT (LoRA) model "
+                "keeps frozen; use full fine-tuning with projection, or projection 'none' with LoRA"
+            )
+        self._batch_positions: torch.Tensor | None = None  # token positions of the current accumulated batch
+        self._measure_ratio = False
+        self._sums: torch.Tensor | None = None  # task loss, suppression term, ratio sum, ratio count (on device)
+        self._sums_last_step = 0
+        self._balance_reference: Any = None
+
+    # ---- optimiser ----------------------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """`Trainer.create_optimizer`, wrapped in `ProjectedOptimizer` when `symmetry_projection == "update"`."""
+        optimizer = super().create_optimizer(model)
+        if self.symmetry_projection == "update" and not _is_projected(optimizer):
+            from ..symmetry import ProjectedOptimizer
+
+            self.optimizer = optimizer = ProjectedOptimizer(optimizer, self.model)
+        if self._balance_reference is None:
+            self._balance_reference = _balance_snapshot(self.model)
+        return optimizer
+
+    # ---- loss -----------------------------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """`Trainer.get_batch_samples`, also counting the token positions of the accumulated batch (all processes when
+        `average_tokens_across_devices`), the denominator of the suppression term."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.suppression is not None and batch_samples:
+            positions = sum(token_positions(batch) for batch in batch_samples).to(device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                positions = self.accelerator.gather(positions).sum()
+            self._batch_positions = positions
+        self._measure_ratio = self.suppression is not None and self._logs_next_step()
+        return batch_samples, num_items_in_batch
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """`Trainer.training_step` with the suppression hooks installed for the forward and the backward pass."""
+        if self.suppression is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.suppression.installed():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        """Task loss (`Trainer.compute_loss`) plus, in training with suppression on, lambda * mean cos^2(y, z)
+        normalised like the task loss (see the module docstring)."""
+        if self.suppression is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.suppression.start(inputs.get("attention_mask"), measure_ratio=self._measure_ratio)
+        try:
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        finally:
+            batch = self.suppression.stop()
+        scaled = self._loss_is_scaled(num_items_in_batch)
+        if scaled and self._batch_positions is not None:
+            term = batch.energy_sum / self._batch_positions.to(batch.energy_sum.device).clamp_min(1)
+            if (  # the rescaling Trainer.compute_loss applies to the task loss
+                self.args.average_tokens_across_devices
+                and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+                and num_items_in_batch is not None
+            ):
+                term = term * (self.accelerator.num_processes // self.get_tp_size())
+        else:
+            term = batch.mean_energy
+        term = self.suppression_coef * term
+        divisor = 1 if scaled else self.current_gradient_accumulation_steps
+        values = torch.stack([loss.detach().float() / divisor, term.detach().float() / divisor])
+        values = torch.cat([values, torch.stack([batch.ratio_sum, batch.ratio_count]).float().to(values.device)])
+        self._sums = values if self._sums is None else self._sums + values
+        total = loss + term.to(loss.dtype)
+        return (total, outputs) if return_outputs else total
+
+    def _loss_is_scaled(self, num_items_in_batch) -> bool:
+        """True when the task loss is already normalised over the accumulated batch (the rule of
+        `Trainer.training_step`), False when it is a per-micro-batch mean."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+            self.compute_loss_func is not None
+        )
+
+    def _logs_next_step(self) -> bool:
+        """Whether the optimiser step about to run is a logging step (`DefaultFlowCallback`'s rule)."""
+        step = self.state.global_step + 1
+        if step == 1 and self.args.logging_first_step:
+            return True
+        if self.args.logging_strategy == IntervalStrategy.STEPS:
+            return step % max(1, int(self.state.logging_steps or 1)) == 0
+        return self.args.logging_strategy != IntervalStrategy.NO
+
+    # ---- logging --------------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log`, adding at training logging steps task_loss, parallel_suppression, parallel_ratio (with
+        suppression on) and orbit_drift (for models with a balance to track)."""
+        if "loss" in logs:
+            logs.update(self._training_metrics())
+        super().log(logs, start_time)
+
+    def _training_metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        steps = self.state.global_step - self._sums_last_step
+        if self.suppression is not None and steps > 0:
+            sums = torch.zeros(4, device=self.args.device) if self._sums is None else self._sums.to(self.args.device)
+            gathered = nested_gather(sums, self.args.parallel_mode).view(-1, 4).double().cpu()
+            metrics["task_loss"] = gathered[:, 0].mean().item() / steps
+            metrics["parallel_suppression"] = gathered[:, 1].mean().item() / steps
+            count = gathered[:, 3].sum().item()
+            if count > 0:
+                metrics["parallel_ratio"] = gathered[:, 2].sum().item() / count
+        self._sums = None
+        self._sums_last_step = self.state.global_step
+        drift = _orbit_drift(self.model, self._balance_reference)
+        if drift is not None:
+            metrics["orbit_drift"] = drift
+        return metrics
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save and self._balance_reference is not None:
+            torch.save({"balance_reference": self._balance_reference}, os.path.join(output_dir, STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = None if checkpoint is None else os.path.join(checkpoint, STATE_NAME)
+        if path is not None and os.path.isfile(path):
+            self._balance_reference = torch.load(path, map_location="cpu", weights_only=True)["balance_reference"]
+        self._sums_last_step = self.state.global_step
+
+
+def _is_projected(optimizer: torch.optim.Optimizer) -> bool:
+    from ..symmetry import ProjectedOptimizer
+
+    return isinstance(optimizer, ProjectedOptimizer)
+
+
+def _balance_snapshot(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The balance mu(theta) of every symmetry group of `model` (`relational_hf.symmetry.orbit_balance`, on the
+    CPU), or None for a PEFT model, a model no architecture adapter knows, or one without a group to track."""
+    from ..architectures import UnsupportedModelError
+    from ..symmetry import orbit_balance
+
+    if _is_peft_model(model):  # the base weights are frozen: nothing moves along their orbits
+        return None
+    try:
+        balance = orbit_balance(model)
+    except UnsupportedModelError:
+        return None
+    return {key: value.detach().float().cpu() for key, value in balance.items()} or None
+
+
+def _orbit_drift(model: nn.Module, reference: dict[str, torch.Tensor] | None) -> float | None:
+    """Total orbit drift |mu(theta_now) - mu(theta_start)| (`relational_hf.symmetry.orbit_drift`), or None."""
+    if not reference:
+        return None
+    from ..symmetry import orbit_drift
+
+    return orbit_drift(reference, _balance_snapshot(model) or {})["total"]
+
+
+__all__ = ["RelationalTrainer", "RelationalTrainingArguments", "STATE_NAME"]
