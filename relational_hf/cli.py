@@ -118,7 +118,17 @@ def _finetune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _push, _bench]
+def _dynamics(sub: argparse._SubParsersAction) -> None:
+    from .dynamics import add_dynamics_arguments, cli, run_dynamics
+
+    p = sub.add_parser(
+        "dynamics", help="figures of recorded training trajectories (raw vs quotient motion)", description=cli.__doc__
+    )
+    add_dynamics_arguments(p)
+    p.set_defaults(func=run_dynamics)
+
+
+COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _dynamics, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -287,10 +287,13 @@ class ProjectedOptimizer(torch.optim.Optimizer):
             old = {k: p.detach().clone() for k, p in params.items()}
         loss = self.optimizer.step(closure)
         with torch.no_grad():
-            new = {k: p.detach().to(dtype) for k, p in params.items()}
-            vertical = self.projector.vertical_part({k: new[k] - old[k].to(dtype) for k in params})
+            delta = {k: p.detach().to(dtype) - old[k].to(dtype) for k, p in params.items()}
+            # P_V is taken at the parameters the update starts from (theta_old), as in DESIGN 2.3
+            for k, p in params.items():
+                p.copy_(old[k])
+            vertical = self.projector.vertical_part(delta)
             for k, v in vertical.items():
-                params[k].copy_((new[k] - v).to(params[k].dtype))
+                params[k].copy_((old[k].to(dtype) + delta[k] - v).to(params[k].dtype))
         self.projected_steps += 1
         return loss
 
