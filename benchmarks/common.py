@@ -63,5 +63,6 @@ def write_json(name: str, payload: dict) -> Path:
     fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return path
