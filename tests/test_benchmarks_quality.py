@@ -1,0 +1,187 @@
+"""benchmarks/quality.py: the Llama-equivalent interpolation on known curves, the analysis labels, and a smoke run of
+the whole pipeline at tiny settings that checks the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common  # noqa: F401  (quality imports it by name)
+        import quality
+
+        yield quality
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+# A Llama curve exactly linear in log2(parameters): every doubling lowers the loss by 0.1 nats.
+PARAMS = [1e5, 2e5, 4e5, 8e5]
+LOSSES = [2.0, 1.9, 1.8, 1.7]
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected", "status"),
+    [
+        (1.9, 2e5, "interpolated"),  # a measured point
+        (1.85, 2e5 * math.sqrt(2), "interpolated"),  # halfway between 2e5 and 4e5 in log-parameters
+        (1.76, 4e5 * 2**0.4, "interpolated"),
+        (2.0, 1e5, "interpolated"),  # the ends are inside the range
+        (1.7, 8e5, "interpolated"),
+        (1.65, 8e5 * math.sqrt(2), "extrapolated_above_largest"),  # last segment extended by half a doubling
+        (2.05, 1e5 / math.sqrt(2), "extrapolated_below_smallest"),
+        (1.5, None, "beyond_largest"),  # would need 4x the largest Llama: more than the 2x limit
+        (2.2, None, "beyond_smallest"),
+    ],
+)
+def test_llama_equivalent_on_a_log_linear_curve(quality, loss, expected, status):
+    eq, got = quality.llama_equivalent(PARAMS, LOSSES, loss)
+    assert got == status
+    if expected is None:
+        assert eq is None
+    else:
+        assert eq == pytest.approx(expected, rel=1e-9)
+
+
+def test_llama_equivalent_ignores_input_order_and_inverts_llama_loss_at(quality):
+    order = [2, 0, 3, 1]
+    for loss in (1.95, 1.83, 1.71):
+        a, _ = quality.llama_equivalent(PARAMS, LOSSES, loss)
+        b, _ = quality.llama_equivalent([PARAMS[i] for i in order], [LOSSES[i] for i in order], loss)
+        assert a == pytest.approx(b, rel=1e-12)
+        assert quality.llama_loss_at(PARAMS, LOSSES, a) == pytest.approx(loss, abs=1e-12)
+
+
+def test_llama_equivalent_on_a_non_monotone_curve_uses_the_isotonic_fit(quality):
+    # 4e5 is worse than 2e5: pooled to 1.85 for both; a loss on the plateau maps to its smallest model
+    losses = [2.0, 1.8, 1.9, 1.7]
+    assert quality.isotonic_decreasing(losses) == pytest.approx([2.0, 1.85, 1.85, 1.7])
+    assert quality.llama_equivalent(PARAMS, losses, 1.85)[0] == pytest.approx(2e5)
+    assert quality.llama_equivalent(PARAMS, losses, 1.775)[0] == pytest.approx(math.sqrt(4e5 * 8e5))
+    assert quality.llama_equivalent([1e5, 2e5], [1.8, 1.8], 1.8) == (None, "undefined")
+    assert quality.llama_equivalent(PARAMS, LOSSES, float("nan")) == (None, "undefined")
+
+
+def _runs(contender, size, params, losses):
+    return [
+        {
+            "contender": contender,
+            "size": size,
+            "seed": i,
+            "parameters": params,
+            "formula_parameters": params,
+            "val_loss": v,
+        }
+        for i, v in enumerate(losses)
+    ]
+
+
+def test_analyse_ratios_and_noise_labels(quality):
+    sizes = {"a": {}, "b": {}, "c": {}, "d": {}}
+    runs = []
+    for size, n, loss in zip(sizes, PARAMS, LOSSES):
+        runs += _runs("llama", size, int(n), [loss - 0.002, loss, loss + 0.002])
+    # 2e5 parameters at Llama-4e5 loss: ratio 2, far outside the seed noise
+    runs += _runs("better", "b", 200_000, [1.798, 1.8, 1.802])
+    # 2e5 parameters, 0.001 nats off the Llama curve with a spread of 0.01: inside the noise
+    runs += _runs("same", "b", 200_000, [1.891, 1.901, 1.911])
+    out = quality.analyse(runs, sizes)
+    better, same = out["comparisons"]["better"]["b"], out["comparisons"]["same"]["b"]
+    assert better["efficiency_ratio"] == pytest.approx(2.0)
+    assert better["llama_equivalent_parameters"] == 400_000
+    assert better["status"] == "interpolated"
+    assert better["verdict"] == "below the Llama curve (better)"
+    assert better["loss_minus_llama_same_size"] == pytest.approx(-0.1)
+    assert same["verdict"] == "within seed noise"
+    assert same["same_size_within_noise"] is True
+    assert out["goal"]["met_by"] == ["better"]
+    assert out["llama_curve"]["monotone"] is True
+    assert out["results"]["llama"]["a"]["val_loss"]["std"] == pytest.approx(0.002)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor(quality):
+    steps, peak = 100, 1e-2
+    lrs = [quality.lr_at(s, steps, peak) for s in range(steps)]
+    assert lrs[0] < lrs[4] == pytest.approx(peak)
+    assert max(lrs) == pytest.approx(peak)
+    assert lrs[-1] == pytest.approx(quality.OPTIMIZER["min_lr_fraction"] * peak)
+    assert all(a >= b - 1e-15 for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_wikitext_documents_split_at_top_level_headings(quality):
+    text = " \n = First = \n \n text one \n = = Section = = \n more \n = Second = \n text two \n"
+    docs = quality.wikitext_documents(text)
+    assert len(docs) == 2
+    assert "".join(docs) == text
+    assert "Section" in docs[0] and docs[1].startswith(" = Second = ")
+
+
+def test_quick_run_writes_the_documented_json(quality, shared_data, tmp_path, monkeypatch):
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    threads = torch.get_num_threads()
+    contenders = ["llama", "relational_pivot", "relational_free_projected", "relational_thin4_gqa"]
+    argv = [
+        "--quick",
+        "--corpus",
+        "shakespeare",
+        "--steps",
+        "6",
+        "--workers",
+        "1",
+        "--contenders",
+        ",".join(contenders),
+    ]
+    (payload,) = quality.main(argv)
+    assert torch.get_num_threads() == threads  # the run restores the caller's thread count
+
+    data = json.loads((tmp_path / "quality_shakespeare_quick.json").read_text())
+    assert (tmp_path / "quality_shakespeare_quick.png").stat().st_size > 0
+    assert data["results"] == json.loads(json.dumps(payload["results"]))
+    for key in ("machine", "command", "corpus", "budget", "optimizer", "lr_sweep", "sizes", "contenders", "skipped"):
+        assert key in data
+    assert "partial" not in data
+    assert data["corpus"]["vocab_size"] == 65  # character level, as nanoGPT
+    assert data["budget"]["tokens_per_run"] == 6 * quality.BATCH_SIZE * quality.CONTEXT
+    assert data["optimizer"]["peak_lr"] == data["lr_sweep"]["chosen_lr"]
+    assert data["optimizer"]["peak_lr"] in quality.BUDGETS["quick"]["sweep_lrs"]
+    ran = [c for c in contenders if c not in data["skipped"]]
+    assert set(data["results"]) == set(ran)
+    assert all(data["skipped"].values())  # a skipped contender says why
+    assert len(data["runs"]) == len(ran) * len(quality.QUICK_SIZES) * 2
+    for run in data["runs"]:
+        assert run["parameters"] == run["formula_parameters"]  # stored count = relational_hf.params' formula
+        assert run["tokens"] == data["budget"]["tokens_per_run"]
+    for contender in ran:
+        for size in quality.QUICK_SIZES:
+            loss = data["results"][contender][size]["val_loss"]
+            assert loss["n"] == 2 and math.isfinite(loss["mean"]) and loss["std"] is not None
+            if contender != "llama":
+                row = data["comparisons"][contender][size]
+                for key in ("llama_equivalent_parameters", "efficiency_ratio", "status", "verdict"):
+                    assert key in row
+    # thin keys with GQA store fewer parameters than the pivot model of the same size
+    assert (
+        data["results"]["relational_thin4_gqa"]["q32"]["parameters"]
+        < data["results"]["relational_pivot"]["q32"]["parameters"]
+    )
+
+    # --resume keeps every run made with the same settings and only trains what is new
+    argv = [*argv[:-1], ",".join([*contenders, "relational_pivot_vpr"]), "--resume"]
+    (again,) = quality.main(argv)
+    assert again["reused_runs"] == len(data["runs"])
+    assert again["lr_sweep"] == data["lr_sweep"]
+    assert again["results"]["llama"] == payload["results"]["llama"]
+    assert again["results"]["relational_pivot_vpr"]["q16"]["val_loss"]["n"] == 2
