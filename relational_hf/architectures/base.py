@@ -238,3 +238,25 @@ class ArchitectureAdapter:
             get(slots.v_bias),
             get(slots.o_bias),
         )
+
+
+class LlamaLayoutMixin:
+    """Structure shared by Llama-like stacks: `model.model.layers[i]` with `self_attn`, `mlp`, `input_layernorm`,
+    `post_attention_layernorm`, and `embed_tokens` / `norm` on the base model."""
+
+    model: nn.Module
+
+    def base_model(self) -> nn.Module:
+        return getattr(self.model, "model", self.model)
+
+    def layers(self) -> list[LayerRoles]:
+        return [
+            LayerRoles(i, layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+            for i, layer in enumerate(self.base_model().layers)
+        ]
+
+    def embedding(self) -> nn.Embedding:
+        return self.base_model().embed_tokens
+
+    def final_norm(self) -> nn.Module | None:
+        return self.base_model().norm

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, MLPSlots, TensorSlot
+from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, LlamaLayoutMixin, MLPSlots, TensorSlot
 
 _CLASS_PREFIXES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 
 
-class LlamaFamilyAdapter(ArchitectureAdapter):
+class LlamaFamilyAdapter(LlamaLayoutMixin, ArchitectureAdapter):
     family = "llama"
 
     @classmethod
@@ -19,21 +19,6 @@ class LlamaFamilyAdapter(ArchitectureAdapter):
             return False
         base = getattr(model, "model", model)
         return hasattr(base, "layers") and hasattr(base, "embed_tokens")
-
-    def base_model(self) -> nn.Module:
-        return getattr(self.model, "model", self.model)
-
-    def layers(self) -> list[LayerRoles]:
-        return [
-            LayerRoles(i, layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
-            for i, layer in enumerate(self.base_model().layers)
-        ]
-
-    def embedding(self) -> nn.Embedding:
-        return self.base_model().embed_tokens
-
-    def final_norm(self) -> nn.Module | None:
-        return self.base_model().norm
 
     def rotary_dim(self) -> int:
         rope = getattr(self.config, "rope_parameters", None) or {}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..modeling import GaugeFixedLinear, RelationalConfig
-from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, MLPSlots, TensorSlot
+from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, LlamaLayoutMixin, MLPSlots, TensorSlot
 
 
-class RelationalAdapter(ArchitectureAdapter):
+class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
     family = "relational"
 
     @classmethod
@@ -16,21 +16,6 @@ class RelationalAdapter(ArchitectureAdapter):
         return isinstance(getattr(model, "config", None), RelationalConfig) or (
             getattr(getattr(model, "config", None), "model_type", None) == RelationalConfig.model_type
         )
-
-    def base_model(self) -> nn.Module:
-        return getattr(self.model, "model", self.model)
-
-    def layers(self) -> list[LayerRoles]:
-        return [
-            LayerRoles(i, layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
-            for i, layer in enumerate(self.base_model().layers)
-        ]
-
-    def embedding(self) -> nn.Embedding:
-        return self.base_model().embed_tokens
-
-    def final_norm(self) -> nn.Module | None:
-        return self.base_model().norm
 
     def qk_dim(self) -> int:
         return self.config.qk_rank
