@@ -104,13 +104,17 @@ CONTENDERS = {
         dict(gauge="free"),
     ),
     "relational_free": ("control: relational, free gauge, plain AdamW (not in the default grid)", dict(gauge="free")),
+    "relational_free_vpr": (
+        "control: relational, free gauge, plain AdamW, value-space parallel removal (not in the default grid)",
+        dict(gauge="free", value_parallel_removal=True),
+    ),
     "llama_fixed_gains": (
         "control: Llama with every RMSNorm gain frozen at 1, like the relational model's gain-free norms (not in the "
         "default grid; its frozen gains are still counted)",
         None,
     ),
 }
-CONTROLS = {"relational_free", "llama_fixed_gains"}
+CONTROLS = {"relational_free", "relational_free_vpr", "llama_fixed_gains"}
 DEFAULT_CONTENDERS = [c for c in CONTENDERS if c not in CONTROLS]
 PROJECTED = {"relational_free_projected"}
 
@@ -520,8 +524,14 @@ def _stats(values: list[float]) -> dict:
 def analyse(runs: list[dict], sizes: dict) -> dict:
     """Per contender and size: parameters and val loss mean ± std; for relational points the Llama-equivalent
     parameter count, the efficiency ratio, and whether the difference from Llama lies inside the seed noise."""
+    known = list(CONTENDERS)
+
+    def order(r: dict) -> tuple:  # contenders in CONTENDERS order (others after, by name), sizes small to large, seeds
+        c = r["contender"]
+        return (known.index(c) if c in known else len(known), c, list(sizes).index(r["size"]), r["seed"])
+
     table: dict = {}
-    for r in runs:
+    for r in sorted(runs, key=order):
         entry = table.setdefault(r["contender"], {}).setdefault(
             r["size"], {"parameters": r["parameters"], "losses": []}
         )
@@ -534,7 +544,7 @@ def analyse(runs: list[dict], sizes: dict) -> dict:
                 "formula_parameters": e["formula_parameters"],
                 "val_loss": _stats(e["losses"]),
             }
-            for s, e in sorted(by_size.items(), key=lambda kv: list(sizes).index(kv[0]))
+            for s, e in by_size.items()
         }
         for c, by_size in table.items()
     }
@@ -850,6 +860,7 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
     payload.update(analyse(runs, sizes))
     payload["runs"] = sorted(runs, key=lambda r: (r["contender"], list(sizes).index(r["size"]), r["seed"]))
     payload["wall_seconds"] = time.monotonic() - started  # this invocation (not reused runs)
+    payload["run_seconds_total"] = sum(r["seconds"] for r in runs)  # every run, reused ones included
     path = common.write_json(name, payload)
     plot(payload, common.RESULTS / f"{name}.png")
     logger.info("wrote %s (%.0f s)", path, payload["wall_seconds"])
