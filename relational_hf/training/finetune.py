@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
 from .data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
 from .metrics import perplexity
-from .pretrain import TimeLimitCallback, save_atomically
+from .pretrain import TimeLimitCallback, last_checkpoint, save_atomically
 from .trainer import RelationalTrainer
 
 logger = logging.getLogger(__name__)
@@ -257,14 +257,7 @@ def run_finetune(args: argparse.Namespace) -> FinetuneResult:
         train_dataset=RandomBlockDataset(train_ids, args.block_size, samples, seed=args.seed),
         callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
     )
-    resume = None
-    if args.resume:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
-        if resume is None:
-            raise FileNotFoundError(f"--resume: no trainer checkpoint under {trainer_dir}")
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=last_checkpoint(trainer_dir) if args.resume else None)
     ppl_after = perplexity(model, val_blocks, progress=True)
 
     merged_dir = str(output_dir / "merged") if args.merge else None

@@ -136,6 +136,16 @@ class TimeLimitCallback(TrainerCallback):
         return control
 
 
+def last_checkpoint(trainer_dir: Path) -> str:
+    """The newest trainer checkpoint under `trainer_dir` (for --resume); a clear error when there is none."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"--resume: no trainer checkpoint under {trainer_dir}")
+    return found
+
+
 def build_model(args: argparse.Namespace, vocab_size: int, tokenizer) -> torch.nn.Module:
     """The model the flags describe (relational, or Transformers' Llama with the same dimensions)."""
     intermediate = args.intermediate_size or 3 * args.hidden_size
@@ -245,14 +255,7 @@ def run_train(args: argparse.Namespace) -> TrainResult:
         callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
         **extra,
     )
-    resume = None
-    if args.resume:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
-        if resume is None:
-            raise FileNotFoundError(f"--resume: no trainer checkpoint under {trainer_dir}")
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=last_checkpoint(trainer_dir) if args.resume else None)
 
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
     val_ppl = perplexity(model, val_blocks)
