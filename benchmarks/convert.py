@@ -156,7 +156,7 @@ def train_small(dims: dict, train_ids: torch.Tensor, steps: int, batch: int, con
     from relational_hf.training.data import RandomBlockDataset
 
     torch.manual_seed(seed)
-    # untied head: a trained tied head sits behind a non-unit final gain, which the converter must untie (+V d)
+    # untied head: slicing folds a varying final gain into the head anyway (a tied head would be untied, +V d)
     config = LlamaConfig(**dims, vocab_size=259, max_position_embeddings=context, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)

@@ -28,6 +28,7 @@ Writes benchmarks/results/quality_<corpus>[_quick|_long].json and .png.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -237,6 +238,16 @@ def model_config(contender: str, dims: dict, vocab_size: int):
     return RelationalConfig(**{**base, **over})
 
 
+def model_signature(contender: str, dims: dict, vocab_size: int) -> str:
+    """A short hash of the contender's full model config at this size: --resume reuses a run only when it matches,
+    so runs made before a change to the architecture's defaults are trained again."""
+    config = model_config(contender, dims, vocab_size).to_dict()
+    for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
+        config.pop(key, None)
+    text = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha1(f"{contender}:{text}".encode()).hexdigest()[:12]
+
+
 def build_model(contender: str, dims: dict, vocab_size: int) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
@@ -359,6 +370,7 @@ def train_one(job: dict) -> dict:
         "lr": job["lr"],
         "parameters": params,
         "formula_parameters": formula_parameters(job["contender"], model.config),
+        "model_signature": model_signature(job["contender"], job["dims"], job["vocab_size"]),
         "val_loss": val_loss,
         "train_loss_last_5pct": statistics.fmean(tail) if tail else float("nan"),
         "diverged": diverged,
@@ -716,9 +728,26 @@ def load_previous(name: str, steps: int, vocab_size: int, sizes: dict) -> dict:
         logger.warning("--resume: %s was made with other settings; starting afresh", path)
         return {"runs": [], "lr_sweep": None}
     runs = [
-        r for r in old.get("runs", []) if old["sizes"].get(r["size"]) == sizes.get(r["size"]) and r["steps"] == steps
+        r
+        for r in old.get("runs", [])
+        if old["sizes"].get(r["size"]) == sizes.get(r["size"])
+        and r["steps"] == steps
+        and _same_model(r, sizes[r["size"]], vocab_size)
     ]
+    stale = len(old.get("runs", [])) - len(runs)
+    if stale:
+        logger.info("--resume: %d earlier runs are for other sizes, steps or model configs; they run again", stale)
     return {"runs": runs, "lr_sweep": old.get("lr_sweep")}
+
+
+def _same_model(run: dict, dims: dict, vocab_size: int) -> bool:
+    """The run was made with today's model config. Runs written before signatures were recorded are kept only for
+    Transformers' Llama (its config did not change); relational runs from then predate `final_norm_gain`."""
+    if run["contender"] not in CONTENDERS:
+        return False
+    if "model_signature" not in run:
+        return CONTENDERS[run["contender"]][1] is None
+    return run["model_signature"] == model_signature(run["contender"], dims, vocab_size)
 
 
 def lr_sweep(runner: Runner, job: dict, size: str, dims: dict, lrs: list[float]) -> tuple[dict, list[dict]]:

@@ -19,7 +19,7 @@ def orbit_dimensions_fixed(config: RelationalConfig) -> dict[str, int]:
 
 def relational_parameter_count(config: RelationalConfig) -> int:
     """Stored parameters of a relational model:
-    V d (embedding) [+ V d untied head] + L [ d (H r + H_kv r + H_kv d_h) + H d_h d + 3 d d_ff
+    V d (embedding) [+ V d untied head] [+ d final gain] + L [ d (H r + H_kv r + H_kv d_h) + H d_h d + 3 d d_ff
     + biases (H r + H_kv r + H_kv d_h if attention_bias) + (d if attention_output_bias) ] - fixed orbit dimensions."""
     d, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     h, hkv, dh, r, f = (
@@ -34,12 +34,14 @@ def relational_parameter_count(config: RelationalConfig) -> int:
         layer += h * r + hkv * r + hkv * dh
     if config.attention_output_bias:
         layer += d
-    total = V * d * (1 if config.tie_word_embeddings else 2) + L * layer
+    total = V * d * (1 if config.tie_word_embeddings else 2) + L * layer + (d if config.final_norm_gain else 0)
     return total - sum(orbit_dimensions_fixed(config).values())
 
 
 def llama_parameter_count(config: RelationalConfig) -> int:
     """Parameters of Transformers' Llama with the same dimensions (qk_rank = head_dim): the relational free-gauge
-    count plus the RMSNorm gains (2 d per layer + d final)."""
-    free = RelationalConfig(**{**config.to_dict(), "gauge": "free", "qk_rank": config.head_dim})
+    count without a final gain plus the RMSNorm gains (2 d per layer + d final)."""
+    free = RelationalConfig(
+        **{**config.to_dict(), "gauge": "free", "qk_rank": config.head_dim, "final_norm_gain": False}
+    )
     return relational_parameter_count(free) + (2 * config.num_hidden_layers + 1) * config.hidden_size

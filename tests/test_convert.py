@@ -58,22 +58,23 @@ def test_conversion_is_exact_and_saves_exactly_the_orbit_dimensions(name):
     assert (relational(ids).logits - expected).abs().max().item() < 1e-4
     assert report.max_logit_difference < 1e-4
     tied = source.config.tie_word_embeddings
-    untie = tied  # the final gain was randomised above, so a tied head has to be untied
     stored = sum(p.numel() for p in relational.parameters())
     source_total = sum(p.numel() for p in source.parameters())
-    assert stored == source_total - GAINS - REMOVED + (VOCAB * D if untie else 0)
-    assert report.untied_head == untie and relational.config.tie_word_embeddings is False
+    # the final gain (randomised above) folds into an untied head and is kept in front of a tied one
+    assert stored == source_total - GAINS - REMOVED + (D if tied else 0)
+    assert report.kept_final_gain == (D if tied else 0)
+    assert relational.config.tie_word_embeddings == relational.config.final_norm_gain == tied
 
 
-def test_tied_head_with_unit_final_gain_stays_tied_and_keeps_gqa_and_biases():
-    source = build("llama_tied_bias")  # fresh gains are ones
-    perturb(source, scale=0.3)  # biases and per-layer gains random; final gain stays one
+def test_tied_head_stays_tied_behind_its_final_gain_and_keeps_gqa_and_biases():
+    source = _scaled(build("llama_tied_bias"))  # biases, per-layer and final gains random
     relational = to_relational(source)
     assert relational.config.tie_word_embeddings and relational.lm_head.weight is relational.model.embed_tokens.weight
+    assert torch.equal(relational.model.norm.weight, source.model.norm.weight)
     assert relational.config.num_key_value_heads == 2
     assert relational.config.attention_bias and relational.config.attention_output_bias
     stored = sum(p.numel() for p in relational.parameters())
-    assert stored == sum(p.numel() for p in source.parameters()) - GAINS - REMOVED
+    assert stored == sum(p.numel() for p in source.parameters()) - GAINS - REMOVED + D
     ids = token_ids()
     assert (relational(ids).logits - source(ids).logits).abs().max().item() < 1e-4
 
@@ -138,8 +139,8 @@ def test_converter_refuses_a_model_failing_its_own_check(monkeypatch):
 
     real = conversion._fold_and_load
 
-    def broken(source, target, untie):
-        real(source, target, untie)
+    def broken(source, target):
+        real(source, target)
         with torch.no_grad():
             target.model.layers[0].mlp.down_proj.weight.mul_(1.5)
 
@@ -165,6 +166,26 @@ def test_principal_gauge_alone_is_exact_and_slicing_shrinks_the_width():
     assert s.parameters_after == sum(p.numel() for p in sliced.parameters()) < s.parameters_before
     assert s.perplexity_before is not None and s.perplexity_after is not None and 0 < s.variance_kept < 1
     assert torch.isfinite(sliced(ids).logits).all()
+
+
+@pytest.mark.parametrize("constant", [False, True])
+def test_slicing_a_tied_head_folds_a_varying_final_gain_and_keeps_a_constant_one(constant):
+    """The residual rotation commutes with the final gain only where the gain is constant: a varying gain in front of
+    a tied head is folded into an untied head, a constant one stays (tied). Either way the rotation is exact."""
+    source = _scaled(build("llama_tied_bias"))
+    if constant:
+        with torch.no_grad():
+            source.model.norm.weight.fill_(1.7)
+    data = torch.randint(0, VOCAB, (12, 24), generator=torch.Generator().manual_seed(3))
+    exact = to_relational(source)
+    rotated, report = to_relational(source, slice_fraction=1e-6, calibration_data=data, return_report=True)
+    ids = token_ids()
+    assert (rotated(ids).logits - exact(ids).logits).abs().max().item() < 1e-4
+    assert report.slicing.head_untied is not constant
+    assert rotated.config.tie_word_embeddings is constant and rotated.config.final_norm_gain is constant
+    assert report.slicing.parameters_after == sum(p.numel() for p in rotated.parameters())
+    if constant:
+        assert torch.allclose(rotated.model.norm.weight, torch.full((D,), 1.7))
 
 
 def test_convert_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, capsys):

@@ -264,11 +264,39 @@ def test_value_parallel_removal_makes_head_outputs_orthogonal_to_own_value():
         ("rope_parameters", {"rope_type": "default", "rope_theta": -1.0}),
         ("pivot_scale", 0.0),
         ("tie_word_embeddings", 1),
+        ("final_norm_gain", "yes"),
     ],
 )
 def test_bad_config_field_raises_value_error_naming_it(field, value):
     with pytest.raises(ValueError, match=field.split("[")[0]):
         tiny_config(**{field: value})
+
+
+def test_final_gain_is_present_exactly_in_front_of_a_tied_head_unless_asked():
+    d = 32
+    for tie, asked, present in [(True, None, True), (False, None, False), (True, False, False), (False, True, True)]:
+        config = tiny_config(tie_word_embeddings=tie, final_norm_gain=asked)
+        model = RelationalForCausalLM(config)
+        assert config.final_norm_gain is present and (model.model.norm.weight is not None) is present
+        assert sum(p.numel() for p in model.parameters()) == relational_parameter_count(config)
+        if present:
+            assert torch.equal(model.model.norm.weight, torch.ones(d))  # the identity at initialisation
+    with_gain = relational_parameter_count(tiny_config())
+    assert with_gain - relational_parameter_count(tiny_config(final_norm_gain=False)) == d
+
+
+def test_checkpoint_saved_before_the_final_gain_field_loads_with_a_unit_gain(tmp_path):
+    """A tied checkpoint whose config predates `final_norm_gain` (no gain stored) loads with the gain at one: the
+    same function, and the gain then trains."""
+    old = trained(RelationalForCausalLM(tiny_config(final_norm_gain=False)))
+    old.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["final_norm_gain"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.final_norm_gain and torch.equal(loaded.model.norm.weight, torch.ones(32))
+    ids = torch.randint(3, VOCAB, (2, 10))
+    torch.testing.assert_close(loaded(ids).logits, old(ids).logits, rtol=0, atol=1e-6)
 
 
 def test_pivot_gauge_needs_head_dim_within_hidden_size():

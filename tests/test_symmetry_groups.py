@@ -25,6 +25,7 @@ from relational_hf.symmetry import (
     redundancy_report_from_config,
     symmetry_groups,
 )
+from relational_hf.symmetry.groups import ResidualRotation
 
 # ---- closed forms, worked out by hand for the zoo's configs ----------------------------------------------------
 # Common sizes: V = 128, d = 32, d_ff = 64, L = 2 layers, H = 4 query heads, d_h = r = 8; H_kv = 2 unless MHA.
@@ -184,6 +185,27 @@ def test_tied_head_with_clustered_final_gain_keeps_only_the_commutant_rotations(
     moved = apply_random_symmetry(copy.deepcopy(model), torch.Generator().manual_seed(3), scale=0.5)
     ids = token_ids()
     assert (moved(ids).logits - model(ids).logits).abs().max().item() < 1e-4
+
+
+def test_relational_final_gain_in_front_of_a_tied_head_breaks_the_residual_rotation():
+    """At gain one the residual rotation is a symmetry; once the (trainable) final gain varies it is not: the same
+    rotation changes the logits, and the report drops the group."""
+    model = build("relational_free")
+    assert model.config.tie_word_embeddings and model.model.norm.weight is not None
+    rotation = next(g for g in symmetry_groups(model)[0] if isinstance(g, ResidualRotation))
+    q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(2)))
+    ids = token_ids()
+    before = model(ids).logits
+    rotated = copy.deepcopy(model)
+    next(g for g in symmetry_groups(rotated)[0] if isinstance(g, ResidualRotation)).act(q)
+    assert (rotated(ids).logits - before).abs().max().item() < 1e-4  # gain one: a symmetry
+    with torch.no_grad():
+        for m in (model, rotated):
+            m.model.norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(4)))
+    assert (rotated(ids).logits - model(ids).logits).abs().max().item() > 1e-2  # varying gain: not a symmetry
+    report = redundancy_report(model, descriptors=False)
+    assert "residual_rotation" not in report.by_group and rotation.dimension() == D * (D - 1) // 2
+    assert any("final norm gain not foldable" in n for n in report.notes)
 
 
 def test_layernorm_centring_and_tied_head_are_reported_for_gpt2():

@@ -6,7 +6,9 @@ gain-free norms, then let the relational modules move each QK pair, VO pair and 
 converter checks it: logits of source and result on random tokens must agree to `tolerance` (fp32), otherwise
 `ConversionError`. The stored parameter count drops by exactly the orbit dimensions of the fixed groups
 (QK RoPE commutant: r per key head, VO GL(d_h): d_h^2 per key/value head, SwiGLU scales: d_ff per layer) relative
-to the source minus its norm gains; a tied head behind a non-trivial final gain has to be untied (+V d).
+to the source minus its folded norm gains: every layer's gains fold into their readers, and the final gain folds
+into an untied head; in front of a tied head it is kept (`RelationalConfig.final_norm_gain`, d values), because it
+cannot fold into a matrix that is also the input embedding.
 """
 
 from __future__ import annotations
@@ -38,26 +40,26 @@ class ConversionError(ValueError):
 
 @dataclass
 class ConversionReport:
-    """What `to_relational` produced and checked (`untie_extra`: V d parameters added by untying the head)."""
+    """What `to_relational` produced and checked (`kept_final_gain`: the d final-norm gain values kept in front of a
+    tied head, 0 when the head is untied and the gain is folded into it)."""
 
     source_class: str
     source_parameters: int
     source_norm_gain_parameters: int
     removed_orbit_dimensions: dict[str, int]
-    untied_head: bool
     relational_parameters: int
     max_logit_difference: float
     verified_sequence_length: int
-    untie_extra: int = 0
+    kept_final_gain: int = 0
     remaining_symmetries: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     slicing: SliceReport | None = None
 
     @property
     def expected_parameters(self) -> int:
-        """source - norm gains - removed orbit dimensions (+ V d when the tied head had to be untied)."""
+        """source - norm gains - removed orbit dimensions + the final gain kept in front of a tied head."""
         removed = sum(self.removed_orbit_dimensions.values())
-        return self.source_parameters - self.source_norm_gain_parameters - removed + self.untie_extra
+        return self.source_parameters - self.source_norm_gain_parameters - removed + self.kept_final_gain
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -73,7 +75,8 @@ class ConversionReport:
             f"- orbit dimensions removed: {removed:,} ("
             + ", ".join(f"{k} {v:,}" for k, v in self.removed_orbit_dimensions.items())
             + ")",
-            f"- relational parameters: {self.relational_parameters:,}" + (" (head untied)" if self.untied_head else ""),
+            f"- relational parameters: {self.relational_parameters:,}"
+            + (f" (final norm gain of {self.kept_final_gain:,} kept: tied head)" if self.kept_final_gain else ""),
             f"- max |logit difference| on random tokens (fp32, length {self.verified_sequence_length}): "
             f"{self.max_logit_difference:.3g}",
         ]
@@ -124,6 +127,7 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
         attention_output_bias=attn.o_proj.bias is not None,
         hidden_act=c.hidden_act,
         tie_word_embeddings=tie,
+        final_norm_gain=tie,
         initializer_range=getattr(c, "initializer_range", 0.02),
         rms_norm_eps=c.rms_norm_eps,
         pad_token_id=_token_id(getattr(c, "pad_token_id", None), vocab),
@@ -164,7 +168,7 @@ def _new_relational(config: RelationalConfig) -> RelationalForCausalLM:
 
 
 @torch.no_grad()
-def _fold_and_load(source: nn.Module, target: RelationalForCausalLM, untie: bool) -> None:
+def _fold_and_load(source: nn.Module, target: RelationalForCausalLM) -> None:
     src, dst = get_adapter(source), get_adapter(target)
     for ls, ld in zip(src.layers(), dst.layers(), strict=True):
         w = src.attention_weights(ls)
@@ -189,10 +193,11 @@ def _fold_and_load(source: nn.Module, target: RelationalForCausalLM, untie: bool
             }
         )
     dst.embedding().weight.copy_(src.embedding().weight.float())
-    if not target.config.tie_word_embeddings:
-        g_final = src.final_norm().weight.detach().double()
-        head = src.output_head().weight.double()
-        target.lm_head.weight.copy_((head * g_final).float() if (untie or not src.head_tied()) else head.float())
+    g_final = src.final_norm().weight.detach()
+    if target.config.tie_word_embeddings:
+        target.model.norm.weight.copy_(g_final.float())
+    else:
+        target.lm_head.weight.copy_((src.output_head().weight.double() * g_final.double()).float())
 
 
 @torch.no_grad()
@@ -222,10 +227,10 @@ def to_relational(
     """Convert a Llama / Mistral / Qwen2 causal LM into a `RelationalForCausalLM` in the pivot gauge.
 
     Exact stage: norm gains folded into their readers (W diag(g)), QK pairs (RoPE, any rope_parameters, GQA, q/k/v
-    biases), VO pairs and SwiGLU scales moved to the pivot gauge; a tied head stays tied when the final norm gain is
-    all ones, otherwise it is untied with the gain folded. The converter verifies max |logit difference| <=
-    `tolerance` on random tokens in fp32 and that the stored parameters are exactly source - norm gains - orbit
-    dimensions (+ V d if untied), raising `ConversionError` otherwise.
+    biases), VO pairs and SwiGLU scales moved to the pivot gauge; the final norm gain folds into an untied head and
+    is kept in front of a tied one (`final_norm_gain`). The converter verifies max |logit difference| <= `tolerance`
+    on random tokens in fp32 and that the stored parameters are exactly source - norm gains - orbit dimensions
+    (+ d for a kept final gain), raising `ConversionError` otherwise.
 
     `slice_fraction` > 0: principal gauge of the residual stream from `calibration_data` (token ids (N, T) or a list
     of (T,) / (1, T) tensors), then the lowest-variance fraction of the d directions is dropped (SliceGPT-style,
@@ -256,13 +261,10 @@ def to_relational(
     source_was_training = source.training
     source.eval()
     gain_final = adapter.final_norm().weight.detach()
-    untie = adapter.head_tied() and not bool((gain_final == 1).all())
-    tie = adapter.head_tied() and not untie
-    if untie:
-        notes.append("tied head behind a non-trivial final norm gain: untied, gain folded into the head")
+    tie = adapter.head_tied()
     target = _new_relational(relational_config_for(model, tie=tie, pivot_scale=pivot_scale))
     target.to(next(source.parameters()).device)
-    _fold_and_load(source, target, untie)
+    _fold_and_load(source, target)
 
     groups, _ = symmetry_groups(model)
     removed: dict[str, int] = {}
@@ -282,13 +284,12 @@ def to_relational(
         source_parameters=sum(p.numel() for p in model.parameters()),
         source_norm_gain_parameters=gains,
         removed_orbit_dimensions=removed,
-        untied_head=untie,
         relational_parameters=sum(p.numel() for p in target.parameters()),
         max_logit_difference=diff,
         verified_sequence_length=length,
         remaining_symmetries=remaining,
         notes=notes,
-        untie_extra=model.config.vocab_size * model.config.hidden_size if untie else 0,
+        kept_final_gain=gain_final.numel() if tie else 0,
     )
     if not diff <= tolerance:
         raise ConversionError(f"converted model's logits differ from the source's by {diff:.3g} > {tolerance:g}")

@@ -7,6 +7,8 @@ Slicing keeps the first d' columns Q_s of R: E <- E Q_s, writers <- Q_s^T W, rea
 over d' coordinates is sqrt(d'/d) times the one over d when the dropped directions carry little energy, readers are
 scaled by sqrt(d/d'); with a tied head the embedding and all writers are scaled by the same factor instead, which
 the norms do not see (scale invariance) and which gives the head its factor. At d' = d this is exact.
+A final norm gain (`final_norm_gain`) commutes with the rotation only where it is constant: a constant gain is kept
+(d' copies), any other is folded into the head, which is untied for it when it was tied (+V d' parameters).
 One rotation serves the whole stream (the relational architecture has no per-layer shortcut maps, unlike SliceGPT).
 """
 
@@ -40,6 +42,7 @@ class SliceReport:
     variance_kept: float
     perplexity_before: float | None = None
     perplexity_after: float | None = None
+    head_untied: bool = False
 
     @property
     def parameter_reduction(self) -> float:
@@ -50,7 +53,8 @@ class SliceReport:
         lines = [
             f"Slicing {self.fraction:.0%} of the residual stream: d {self.hidden_size_before} -> {self.hidden_size_after},"
             f" parameters {self.parameters_before:,} -> {self.parameters_after:,} ({self.parameter_reduction:.1%} fewer),"
-            f" calibration variance kept {self.variance_kept:.1%}",
+            f" calibration variance kept {self.variance_kept:.1%}"
+            + (" (head untied: a non-constant final gain was folded into it)" if self.head_untied else ""),
         ]
         if self.perplexity_before is not None:
             lines.append(f"- held-out perplexity {self.perplexity_before:.3f} -> {self.perplexity_after:.3f}")
@@ -71,15 +75,15 @@ def _batches(data: torch.Tensor | Sequence[torch.Tensor], batch_size: int):
 def residual_covariance(
     model: nn.Module, calibration_data: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8
 ) -> torch.Tensor:
-    """C = sum over every gain-free norm site (before attention, before the MLP, final) and token of n n^T,
-    n the normalised residual vector the readers see; (d, d) float64."""
+    """C = sum over every norm site (before attention, before the MLP, final) and token of n n^T, n the normalised
+    residual vector (before any final gain); (d, d) float64."""
     norms = [m for m in model.modules() if isinstance(m, RelationalRMSNorm)]
     d = model.config.hidden_size
     cov = torch.zeros(d, d, dtype=torch.float64)
     device = next(model.parameters()).device
 
-    def hook(_module, _inputs, output):
-        flat = output.detach().reshape(-1, d).double().cpu()
+    def hook(module, inputs, _output):
+        flat = module.normalize(inputs[0].detach()).reshape(-1, d).double().cpu()
         cov.add_(flat.T @ flat)
 
     handles = [m.register_forward_hook(hook) for m in norms]
@@ -109,7 +113,8 @@ def slice_relational(
 ) -> tuple[nn.Module, SliceReport]:
     """Rotate `model` (a relational causal LM) into the principal gauge of the calibration covariance and keep the
     d' = d - round(fraction d) highest-variance directions. Returns (new model, SliceReport). d' must stay >= the
-    head width (the pivot gauge needs head_dim <= hidden_size)."""
+    head width (the pivot gauge needs head_dim <= hidden_size). A non-constant final gain is folded into the head
+    (untying a tied head); the report's parameter counts include that."""
     config: RelationalConfig = model.config
     d = config.hidden_size
     d_new = d - int(round(fraction * d))
@@ -118,10 +123,15 @@ def slice_relational(
     rot, evals = principal_basis(residual_covariance(model, calibration_data))
     qs = rot[:, :d_new]  # (d, d')
     rho = math.sqrt(d / d_new)  # reader factor
-    tied = config.tie_word_embeddings
+    gain = model.model.norm.weight
+    keep_gain = gain is not None and bool((gain == gain[0]).all())  # constant: commutes with every rotation
+    fold_gain = gain is not None and not keep_gain
+    tied = config.tie_word_embeddings and not fold_gain
     beta = rho if tied else 1.0  # embedding/writer factor (tied head)
     new_config = copy.deepcopy(config)
     new_config.hidden_size = d_new
+    new_config.tie_word_embeddings = tied
+    new_config.final_norm_gain = keep_gain
     with no_init_weights():
         sliced = type(model)(new_config)
     if tied and sliced.lm_head.weight is not sliced.model.embed_tokens.weight:
@@ -150,8 +160,11 @@ def slice_relational(
             {"gate": readers(m["gate"]).float(), "up": readers(m["up"]).float(), "down": writers(m["down"]).float()}
         )
     dst.embedding().weight.copy_((src.embedding().weight.double() @ q) * beta)
+    if keep_gain:
+        sliced.model.norm.weight.fill_(float(gain[0]))
     if not tied:
-        sliced.lm_head.weight.copy_(readers(model.lm_head.weight))
+        head = model.lm_head.weight.double() * (gain.double() if fold_gain else 1.0)
+        sliced.lm_head.weight.copy_(readers(head))
     total = float(evals.clamp_min(0).sum())
     report = SliceReport(
         fraction=fraction,
@@ -160,6 +173,7 @@ def slice_relational(
         parameters_before=sum(p.numel() for p in model.parameters()),
         parameters_after=sum(p.numel() for p in sliced.parameters()),
         variance_kept=float(evals[:d_new].clamp_min(0).sum()) / total if total > 0 else 1.0,
+        head_untied=config.tie_word_embeddings and not tied,
     )
     return sliced, report
 

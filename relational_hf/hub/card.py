@@ -46,6 +46,7 @@ ARCHITECTURE_KEYS = (
     ("vocab_size", "Vocabulary size"),
     ("max_position_embeddings", "Context length"),
     ("tie_word_embeddings", "Tied embeddings"),
+    ("final_norm_gain", "Final norm gain"),
     ("dtype", "Weights dtype"),
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

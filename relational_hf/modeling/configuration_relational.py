@@ -62,6 +62,10 @@ class RelationalConfig(PreTrainedConfig):
             scalings times rotations, so the pivot gauge then leaves VO in free form.
         hidden_act: activation of the SwiGLU gate.
         tie_word_embeddings: tie the output head to the input embedding.
+        final_norm_gain: a learned gain vector (d values) on the final normalisation. It is a pure gauge only with an
+            untied head (it folds into the head); with a tied head it cannot be folded (the head is also the input
+            embedding) and sets the per-dimension logit scale, so it is part of the function class. Default (None):
+            present exactly when the head is tied.
         initializer_range: std of the normal initialisation.
         rms_norm_eps: epsilon of the gain-free RMS normalisation.
         attention_dropout: dropout on attention probabilities during training.
@@ -92,6 +96,7 @@ class RelationalConfig(PreTrainedConfig):
         value_parallel_removal: bool = False,
         hidden_act: str = "silu",
         tie_word_embeddings: bool = True,
+        final_norm_gain: bool | None = None,
         initializer_range: float = 0.02,
         rms_norm_eps: float = 1e-6,
         attention_dropout: float = 0.0,
@@ -121,6 +126,7 @@ class RelationalConfig(PreTrainedConfig):
         self.value_parallel_removal = value_parallel_removal
         self.hidden_act = hidden_act
         self.tie_word_embeddings = tie_word_embeddings
+        self.final_norm_gain = tie_word_embeddings if final_norm_gain is None else final_norm_gain
         self.initializer_range = initializer_range
         self.rms_norm_eps = rms_norm_eps
         self.attention_dropout = attention_dropout
@@ -186,6 +192,7 @@ class RelationalConfig(PreTrainedConfig):
             "attention_output_bias",
             "value_parallel_removal",
             "tie_word_embeddings",
+            "final_norm_gain",
             "use_cache",
         ):
             if not isinstance(getattr(self, name), bool):

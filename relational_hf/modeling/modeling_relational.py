@@ -325,20 +325,27 @@ def mlp_to_pivot_gauge(
 
 
 class RelationalRMSNorm(nn.Module):
-    """Gain-free RMS normalisation x / sqrt(mean(x^2) + eps): the gains of a standard RMSNorm are pure gauge."""
+    """RMS normalisation x / sqrt(mean(x^2) + eps), gain-free by default: the gains of a standard RMSNorm in front of
+    linear readers are pure gauge. `hidden_size` adds a gain vector (initialised to ones) for the one place where
+    it is not: the final norm in front of a head tied to the embedding (`RelationalConfig.final_norm_gain`)."""
 
-    def __init__(self, eps: float = 1e-6) -> None:
+    def __init__(self, eps: float = 1e-6, hidden_size: int | None = None) -> None:
         super().__init__()
         self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if hidden_size is not None else None
+
+    def normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The gain-free part: x / sqrt(mean(x^2) + eps), computed in fp32, returned in the input dtype."""
+        h = hidden_states.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        h = hidden_states.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return h.to(input_dtype)
+        h = self.normalize(hidden_states)
+        return h if self.weight is None else self.weight * h
 
     def extra_repr(self) -> str:
-        return f"eps={self.variance_epsilon}"
+        gain = f"{self.weight.shape[0]}, " if self.weight is not None else ""
+        return f"{gain}eps={self.variance_epsilon}"
 
 
 class RelationalRotaryEmbedding(nn.Module):
@@ -656,6 +663,9 @@ class RelationalPreTrainedModel(PreTrainedModel):
             module.set_full_weights({k: w.to(module.down_proj.weight.device) for k, w in weights.items()})
         elif isinstance(module, RelationalRotaryEmbedding):
             module.reset_inv_freq()
+        elif isinstance(module, RelationalRMSNorm):
+            if module.weight is not None:
+                module.weight.fill_(1.0)
         elif isinstance(module, GaugeFixedLinear):
             return  # initialised with its parent (attention or MLP), which knows the partner factor
         else:
@@ -716,7 +726,7 @@ def _all_initialized(module: nn.Module) -> bool:
 
 
 class RelationalModel(RelationalPreTrainedModel):
-    """Embedding, decoder layers, final gain-free norm."""
+    """Embedding, decoder layers, final norm (gain-free, or with a gain vector when `config.final_norm_gain`)."""
 
     def __init__(self, config: RelationalConfig) -> None:
         super().__init__(config)
@@ -724,7 +734,7 @@ class RelationalModel(RelationalPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([RelationalDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = RelationalRMSNorm(config.rms_norm_eps)
+        self.norm = RelationalRMSNorm(config.rms_norm_eps, config.hidden_size if config.final_norm_gain else None)
         self.rotary_emb = RelationalRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
