@@ -13,7 +13,6 @@ from test_symmetry_zoo import (
     VOCAB,
     build,
     perturb,
-    single_thread,  # noqa: F401 - fixture used by pytestmark
     token_ids,
 )
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -26,8 +25,6 @@ from relational_hf.convert import (
     run_convert,
     to_relational,
 )
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 # zoo sizes: d = 32, d_ff = 64, L = 2, H = 4, H_kv = 2, d_h = 8, V = 128
 D, F, L, HKV, DH = 32, 64, 2, 2, 8

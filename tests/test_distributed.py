@@ -15,19 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 STEPS = 3
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads cost a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _dataset():

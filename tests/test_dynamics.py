@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 from test_symmetry_zoo import build, perturb
+from tiny_models import periodic_data, tiny_relational
 from transformers import Trainer, TrainingArguments
 
-from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf import RelationalForCausalLM
 from relational_hf.dynamics import (
     TRAJECTORY_NAME,
     ParameterSketch,
@@ -28,24 +29,11 @@ from relational_hf.dynamics import (
 from relational_hf.symmetry import ProjectedOptimizer, UpdateProjector, apply_random_symmetry
 from relational_hf.training import RelationalTrainer, RelationalTrainingArguments
 
-VOCAB = 48
 STEPS, EVERY = 10, 4
 
 
 def relational(gauge: str = "free") -> RelationalForCausalLM:
-    torch.manual_seed(0)
-    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-    return RelationalForCausalLM(RelationalConfig(gauge=gauge, **config))
-
-
-def periodic_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    """Learnable sequences: a period-7 cycle at random offsets."""
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(n):
-        ids = (torch.arange(length) + torch.randint(0, 7, (1,), generator=g)) % 7 + 3
-        rows.append({"input_ids": ids, "labels": ids})
-    return rows
+    return tiny_relational(gauge, seed=0)
 
 
 def arguments(path, cls=TrainingArguments, **overrides):
@@ -55,15 +43,6 @@ def arguments(path, cls=TrainingArguments, **overrides):
         disable_tqdm=True, seed=0,
     )  # fmt: skip
     return cls(**(settings | overrides))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The models here are tiny: one thread is fastest, and immune to a busy machine's other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

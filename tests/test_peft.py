@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, PeftModel, get_peft_model
+from tiny_models import VOCAB, periodic_data, tiny_relational
 from transformers import AutoModelForCausalLM
 
-from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf import RelationalForCausalLM
 from relational_hf.modeling.modeling_relational import GaugeFixedLinear
 from relational_hf.training import RelationalTrainer, RelationalTrainingArguments
 from relational_hf.training.peft_support import (
@@ -20,31 +21,6 @@ from relational_hf.training.peft_support import (
     merge_and_unload,
     relational_lora_config,
 )
-
-VOCAB = 48
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads cost a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def pivot_model(**overrides) -> RelationalForCausalLM:
-    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-    return RelationalForCausalLM(RelationalConfig(gauge="pivot", **(config | overrides)))
-
-
-def periodic_data(n: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(n):
-        ids = (torch.arange(length) + torch.randint(0, 7, (1,), generator=g)) % 7 + 3
-        rows.append({"input_ids": ids, "labels": ids})
-    return rows
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -64,7 +40,7 @@ def canonical_pivots(model: RelationalForCausalLM) -> bool:
 def base_dir(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "base"
-    pivot_model().save_pretrained(path)
+    tiny_relational("pivot").save_pretrained(path)
     return path
 
 
@@ -80,7 +56,7 @@ def test_lora_trains_round_trips_and_merges_into_the_pivot_gauge(base_dir, tmp_p
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
         parallel_suppression_coef=0.1,
     )  # fmt: skip
-    trainer = RelationalTrainer(model=model, args=args, train_dataset=periodic_data())
+    trainer = RelationalTrainer(model=model, args=args, train_dataset=periodic_data(32))
     trainer.train()
     losses = [h["task_loss"] for h in trainer.state.log_history if "task_loss" in h]
     assert losses[-1] < losses[0] - 0.3

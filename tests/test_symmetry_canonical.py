@@ -10,14 +10,11 @@ import torch
 from test_symmetry_zoo import (
     build,
     perturb,
-    single_thread,  # noqa: F401 - fixture used by pytestmark
     token_ids,
 )
 
 from relational_hf.symmetry import apply_random_symmetry, canonicalize
 from relational_hf.symmetry.algebra import balanced_factors
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _max_state_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:

@@ -12,7 +12,6 @@ from test_symmetry_zoo import (
     LINEAR,
     build,
     perturb,
-    single_thread,  # noqa: F401 - fixture used by pytestmark
     token_ids,
 )
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -103,7 +102,6 @@ EXPECTED = {
     "relational_pivot_vpr": {"vo_gauge": L * H * (1 + DH * (DH - 1) // 2), "residual_rotation": O_D},
 }
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -11,7 +11,6 @@ import torch
 from test_symmetry_zoo import (
     build,
     perturb,
-    single_thread,  # noqa: F401 - fixture used by pytestmark
 )
 
 from relational_hf.symmetry import (
@@ -23,8 +22,6 @@ from relational_hf.symmetry import (
     redundancy_report,
     run_redundancy,
 )
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,48 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from tiny_models import VOCAB, periodic_data, tiny_llama, tiny_relational
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.directional import decompose
 from relational_hf.symmetry import ProjectedOptimizer
 from relational_hf.training import ParallelSuppression, RelationalTrainer, RelationalTrainingArguments
 from relational_hf.training.trainer import STATE_NAME
-
-VOCAB = 48
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads cost a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def relational(gauge: str = "free", **overrides) -> RelationalForCausalLM:
-    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-    return RelationalForCausalLM(RelationalConfig(gauge=gauge, **(config | overrides)))
-
-
-def llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
-
-
-def periodic_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    """Learnable sequences: a period-7 cycle at random offsets."""
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(n):
-        ids = (torch.arange(length) + torch.randint(0, 7, (1,), generator=g)) % 7 + 3
-        rows.append({"input_ids": ids, "labels": ids})
-    return rows
-
 
 #: real lengths of the padded sequences: the first four hold 45 tokens, the last four 18, so a micro-batch mean is not
 #: the batch mean
@@ -100,7 +65,7 @@ def test_projection_and_suppression_lower_the_loss_and_log_the_extra_terms(tmp_p
         tmp_path, max_steps=24, logging_steps=6, symmetry_projection="update", parallel_suppression_coef=0.3,
         parallel_suppression_site="value",
     )  # fmt: skip
-    trainer = RelationalTrainer(model=relational(), args=args, train_dataset=periodic_data(), callbacks=[recorder])
+    trainer = RelationalTrainer(model=tiny_relational(), args=args, train_dataset=periodic_data(), callbacks=[recorder])
     trainer.train()
     assert isinstance(trainer.optimizer.optimizer, ProjectedOptimizer)
     assert trainer.optimizer.optimizer.projected_steps == 24
@@ -117,9 +82,9 @@ def test_projection_and_suppression_lower_the_loss_and_log_the_extra_terms(tmp_p
 
 def test_defaults_compute_exactly_what_plain_trainer_computes(tmp_path):
     torch.manual_seed(0)
-    model_a = relational()
+    model_a = tiny_relational()
     start = {k: v.clone() for k, v in model_a.state_dict().items()}
-    model_b = relational()
+    model_b = tiny_relational()
     model_b.load_state_dict(start)
     data = periodic_data(32)
     plain = Trainer(model=model_a, args=arguments(tmp_path / "a", cls=TrainingArguments), train_dataset=data)
@@ -131,7 +96,7 @@ def test_defaults_compute_exactly_what_plain_trainer_computes(tmp_path):
     assert torch.equal(flat(model_a), flat(model_b))
     # with lambda > 0 the first step's task loss is still plain Trainer's (same weights, same batch), and the
     # logged loss adds the suppression term to it
-    model_c = relational()
+    model_c = tiny_relational()
     model_c.load_state_dict(start)
     args = arguments(tmp_path / "c", parallel_suppression_coef=1.0)
     suppressed = RelationalTrainer(model=model_c, args=args, train_dataset=data)
@@ -146,10 +111,10 @@ def test_gradient_accumulation_2x4_equals_batch_8_with_suppression(tmp_path, sit
     """One SGD step (update = -lr * gradient, so any mis-scaling shows) from the same start on the same 8 padded
     sequences: 2 micro-batches of 4 with accumulation give the update of one batch of 8."""
     torch.manual_seed(0)
-    start = relational()
+    start = tiny_relational()
     results = []
     for batch, accumulation in ((8, 1), (4, 2)):
-        model = relational()
+        model = tiny_relational()
         model.load_state_dict(start.state_dict())
         args = arguments(
             tmp_path / f"{batch}", per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
@@ -176,14 +141,14 @@ def test_resumed_run_continues_with_the_same_losses(tmp_path):
                 control.should_training_stop = True
 
     torch.manual_seed(0)
-    start = relational(gauge="free").state_dict()
+    start = tiny_relational(gauge="free").state_dict()
     settings = dict(
         max_steps=6, save_strategy="steps", save_steps=3, symmetry_projection="update",
         parallel_suppression_coef=0.5, per_device_train_batch_size=4,
     )  # fmt: skip
 
     def run(directory, callbacks=(), resume=None):
-        model = relational(gauge="free")
+        model = tiny_relational(gauge="free")
         model.load_state_dict(start)
         trainer = RelationalTrainer(
             model=model, args=arguments(directory, **settings), train_dataset=periodic_data(64),
@@ -209,7 +174,7 @@ def test_resumed_run_continues_with_the_same_losses(tmp_path):
 def test_suppression_measures_the_mean_cos2_of_the_directional_toolkit():
     """mean cos^2(y, z) of ParallelSuppression = the parallel energy that `decompose` reports, averaged over the
     sites and layers (no padding), for both site groups."""
-    model = relational(gauge="pivot").eval()
+    model = tiny_relational(gauge="pivot").eval()
     ids = torch.randint(0, VOCAB, (3, 10))
     for site, sites in (("residual", ("residual_attention", "residual_mlp")), ("value", ("value",))):
         suppression = ParallelSuppression(model, site)
@@ -227,10 +192,10 @@ def test_suppression_with_activation_checkpointing_takes_the_same_steps(tmp_path
     """The hooks stay installed through the backward pass, so recomputation runs the same (value-site) kernel and
     is not measured twice: activation checkpointing leaves losses and weights unchanged."""
     torch.manual_seed(0)
-    start = relational().state_dict()
+    start = tiny_relational().state_dict()
     outcomes = []
     for checkpointing in (False, True):
-        model = relational()
+        model = tiny_relational()
         model.load_state_dict(start)
         args = arguments(
             tmp_path / str(checkpointing), max_steps=2, activation_checkpointing=checkpointing,
@@ -247,10 +212,10 @@ def test_projection_on_a_llama_model_reduces_the_orbit_drift(tmp_path):
     """Plain AdamW moves a Llama model along its symmetry orbits (the balance drifts); the projected optimiser
     keeps every step horizontal, so the drift it logs is much smaller."""
     torch.manual_seed(0)
-    start = llama().state_dict()
+    start = tiny_llama().state_dict()
     drift = {}
     for projection in ("none", "update"):
-        model = llama()
+        model = tiny_llama()
         model.load_state_dict(start)
         args = arguments(tmp_path / projection, max_steps=8, logging_steps=8, symmetry_projection=projection)
         trainer = RelationalTrainer(model=model, args=args, train_dataset=periodic_data(64))

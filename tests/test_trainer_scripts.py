@@ -22,14 +22,6 @@ from relational_hf.training.data import byte_level_tokenizer, generate_corpus
 SCRIPTS = Path(__file__).resolve().parents[1] / "training_scripts"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads cost a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
