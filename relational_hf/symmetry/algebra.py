@@ -31,24 +31,52 @@ def _regulariser(scale: torch.Tensor, eps: float) -> torch.Tensor:
     return eps * scale + torch.finfo(torch.float64).tiny
 
 
+def sylvester_factor(
+    s_eig: tuple[torch.Tensor, torch.Tensor], t_eig: tuple[torch.Tensor, torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `sylvester_apply` needs for repeated solves of S X + X T = Y: (U, V^T, V, the denominators)."""
+    (ls, us), (lt, ut) = s_eig, t_eig
+    scale = ls.mean(-1) + lt.mean(-1)  # (...)
+    denom = ls[..., :, None] + lt[..., None, :] + _regulariser(scale, eps)[..., None, None]
+    return us, ut.transpose(-1, -2), ut, denom
+
+
+def sylvester_apply(
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor
+) -> torch.Tensor:
+    """`sylvester_solve` from `sylvester_factor`'s result."""
+    us, ut_t, ut, denom = factors
+    inner = us.transpose(-1, -2) @ y.double() @ ut
+    return us @ (inner / denom) @ ut_t
+
+
 def sylvester_solve(
     s_eig: tuple[torch.Tensor, torch.Tensor], t_eig: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """X with S X + X T = Y, for symmetric PSD S (..., n, n), T (..., m, m) given by their eigendecompositions
     S = U diag(l) U^T, T = V diag(m) V^T: X = U [(U^T Y V)_ij / (l_i + m_j + eps')] V^T, eps' = eps (tr S/n + tr T/m)."""
-    (ls, us), (lt, ut) = s_eig, t_eig
-    scale = ls.mean(-1) + lt.mean(-1)  # (...)
-    denom = ls[..., :, None] + lt[..., None, :] + _regulariser(scale, eps)[..., None, None]
-    inner = us.transpose(-1, -2) @ y.double() @ ut
-    return us @ (inner / denom) @ ut.transpose(-1, -2)
+    return sylvester_apply(sylvester_factor(s_eig, t_eig, eps), y)
+
+
+def lyapunov_factor(
+    c_eig: tuple[torch.Tensor, torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `lyapunov_apply` needs for repeated solves of (C Omega + Omega C) / 2 = Y: (U, U^T, the denominators)."""
+    lc, uc = c_eig
+    denom = lc[..., :, None] + lc[..., None, :] + _regulariser(2 * lc.mean(-1), eps)[..., None, None]
+    return uc, uc.transpose(-1, -2), denom
+
+
+def lyapunov_apply(factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """`lyapunov_skew_solve` from `lyapunov_factor`'s result."""
+    uc, uc_t, denom = factors
+    return uc @ (2 * (uc_t @ y.double() @ uc) / denom) @ uc_t
 
 
 def lyapunov_skew_solve(c_eig: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor, eps: float) -> torch.Tensor:
     """Skew Omega with (C Omega + Omega C) / 2 = Y for a skew Y and symmetric PSD C = U diag(c) U^T:
     Omega = U [2 (U^T Y U)_ij / (c_i + c_j + eps')] U^T."""
-    lc, uc = c_eig
-    denom = lc[..., :, None] + lc[..., None, :] + _regulariser(2 * lc.mean(-1), eps)[..., None, None]
-    return uc @ (2 * (uc.transpose(-1, -2) @ y.double() @ uc) / denom) @ uc.transpose(-1, -2)
+    return lyapunov_apply(lyapunov_factor(c_eig, eps), y)
 
 
 def skew(m: torch.Tensor) -> torch.Tensor:
@@ -95,11 +123,10 @@ class FullLinear(Subalgebra):
         return self.n * self.n
 
     def factor(self, s: torch.Tensor, t: torch.Tensor, eps: float) -> object:
-        return symmetric_eigh(s), symmetric_eigh(t), eps
+        return sylvester_factor(symmetric_eigh(s), symmetric_eigh(t), eps)
 
     def solve(self, factors: object, y: torch.Tensor) -> torch.Tensor:
-        s_eig, t_eig, eps = factors
-        return sylvester_solve(s_eig, t_eig, y, eps)
+        return sylvester_apply(factors, y)
 
 
 class RotaryCommutant(Subalgebra):
@@ -165,7 +192,7 @@ class RotaryCommutant(Subalgebra):
         passing = None
         if self.pass_block and self.rotary_dim < self.n:
             r = self.rotary_dim
-            passing = (symmetric_eigh(s64[..., r:, r:]), symmetric_eigh(t64[..., r:, r:]), eps)
+            passing = sylvester_factor(symmetric_eigh(s64[..., r:, r:]), symmetric_eigh(t64[..., r:, r:]), eps)
         return denom, passing
 
     def solve(self, factors: object, y: torch.Tensor) -> torch.Tensor:
@@ -175,7 +202,7 @@ class RotaryCommutant(Subalgebra):
         out = self.from_pairs(a / denom, b / denom, like=y64)
         if passing is not None:
             r = self.rotary_dim
-            out[..., r:, r:] = sylvester_solve(*passing[:2], y64[..., r:, r:], passing[2])
+            out[..., r:, r:] = sylvester_apply(passing, y64[..., r:, r:])
         return out
 
 
@@ -197,13 +224,13 @@ class Conformal(Subalgebra):
         # project(S X + X T) for X = a I + W (W skew) is (a tr C / n) I + (C W + W C)/2 with C = S + T.
         c = s.double() + t.double()
         tr_c = torch.diagonal(c, dim1=-2, dim2=-1).sum(-1)
-        return tr_c + _regulariser(tr_c / self.n, eps), symmetric_eigh(c), eps
+        return tr_c + _regulariser(tr_c / self.n, eps), lyapunov_factor(symmetric_eigh(c), eps)
 
     def solve(self, factors: object, y: torch.Tensor) -> torch.Tensor:
-        tr_c, c_eig, eps = factors
+        tr_c, c_factors = factors
         y64 = y.double()
         a = torch.diagonal(y64, dim1=-2, dim2=-1).mean(-1) * self.n / tr_c
-        w = lyapunov_skew_solve(c_eig, skew(y64), eps)
+        w = lyapunov_apply(c_factors, skew(y64))
         return a[..., None, None] * torch.eye(self.n, dtype=torch.float64, device=y.device) + w
 
 

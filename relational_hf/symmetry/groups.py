@@ -34,7 +34,8 @@ from .algebra import (
     Subalgebra,
     balance_complex_pairs,
     balanced_factors,
-    lyapunov_skew_solve,
+    lyapunov_apply,
+    lyapunov_factor,
     principal_rotation,
     skew,
     symmetric_eigh,
@@ -68,6 +69,16 @@ def _write(slot: TensorSlot, value: torch.Tensor, out: ParamDict | None) -> None
         target.add_(value.to(target.dtype))
 
 
+def _add_product(slot: TensorSlot, a: torch.Tensor, b: torch.Tensor, out: ParamDict, alpha: float = 1.0) -> None:
+    """Add alpha * a * b (broadcasting) into the vector `out` at the slot's view, without a temporary where the
+    dtypes agree."""
+    target = slot.view(out[id(slot.param)])
+    if a.dtype == target.dtype and b.dtype == target.dtype:
+        target.addcmul_(a, b, value=alpha)
+    else:
+        target.add_((alpha * a * b).to(target.dtype))
+
+
 class SymmetryGroup:
     """One continuous symmetry group of the stored weights. Subclasses set `name` and implement the methods."""
 
@@ -75,10 +86,16 @@ class SymmetryGroup:
     #: False for a group that is only counted (its action on stored factors is not linear, e.g. a residual rotation
     #: of a pivot-gauge model, which must re-gauge after rotating): no vertical/adjoint/act.
     linear: bool = True
+    #: True when `precondition` is the exact (eps-regularised) inverse of the group's own Gram xi^T xi, so that a
+    #: projection may eliminate the group in one solve (the update projector relies on it for groups that share no
+    #: tensor with one another); False for a preconditioner that only approximates it
+    exact_precondition: bool = True
     #: live parameters and Gram factorisations memoised during one projection (`prepare` ... `release`)
     _cache: dict | None = None
     #: dtype of the infinitesimal computations (vertical, adjoint, precondition); set by `prepare`
     _dtype: torch.dtype = torch.float64
+    #: the parameter values a projection is computed at (`prepare`'s `params`; None: the live parameters)
+    _source: ParamDict | None = None
 
     def __init__(self, layer: int | None, key: str, description: str) -> None:
         self.layer, self.key, self.description = layer, key, description
@@ -108,11 +125,12 @@ class SymmetryGroup:
         raise NotImplementedError
 
     def _live(self, slot: TensorSlot) -> torch.Tensor:
-        """The live parameter's view (float64), memoised between `prepare` and `release` (read-only use)."""
+        """The live parameter's view (float64), memoised between `prepare` and `release` (read-only use); during a
+        projection prepared with a `params` snapshot, the snapshot's view (no copy when the dtypes agree)."""
         if self._cache is None:
             return _read(slot, None, self._dtype)
         if id(slot) not in self._cache:
-            self._cache[id(slot)] = _read(slot, None, self._dtype)
+            self._cache[id(slot)] = _read(slot, self._source, self._dtype)
         return self._cache[id(slot)]
 
     def _get(self, slot: TensorSlot, src: ParamDict | None) -> torch.Tensor:
@@ -126,15 +144,20 @@ class SymmetryGroup:
             self._cache[key] = build()
         return self._cache[key]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
         """Start a projection computed in `dtype`: memoise the live parameters and cache what `precondition`
-        needs (Gram factorisations, in float64). The parameters must not change until `release`."""
-        self._eps, self._dtype = eps, dtype
+        needs (Gram factorisations, in float64). The parameters must not change until `release`.
+        `params` (dict id(parameter) -> tensor shaped like it, covering every slot): compute at these values instead
+        of the live parameters (read in place, never written); they must not change until `release`."""
+        self._eps, self._dtype, self._source = eps, dtype, params
         self._cache = {}
 
     def release(self) -> None:
         """End a projection: drop the memoised parameters and factorisations."""
         self._cache = None
+        self._source = None
         self._dtype = torch.float64
 
     def precondition(self, y: Algebra) -> Algebra:
@@ -231,7 +254,7 @@ class QKGauge(SymmetryGroup):
     def vertical(self, x: Algebra, out: ParamDict) -> None:
         q, k = self._factors()
         (a,) = x
-        self._emit(q @ a[:, None], -(k @ a.transpose(1, 2)), out)
+        self._emit(q @ a[:, None], k @ -a.transpose(1, 2), out)  # negating the small factor: same values
 
     def adjoint(self, delta: ParamDict) -> Algebra:
         q, k = self._factors()
@@ -239,8 +262,10 @@ class QKGauge(SymmetryGroup):
         y = (q.transpose(-1, -2) @ dq).sum(1) - dk.transpose(-1, -2) @ k
         return [self.algebra.project(y)]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         q, k = self._factors()
         self._gram = self.algebra.factor((q.transpose(-1, -2) @ q).sum(1), k.transpose(-1, -2) @ k, eps)
 
@@ -336,7 +361,7 @@ class VOGauge(SymmetryGroup):
     def vertical(self, x: Algebra, out: ParamDict) -> None:
         v, o = self._factors()
         (b,) = x
-        self._emit(v @ b, -(b[:, None] @ o), out)
+        self._emit(v @ b, -b[:, None] @ o, out)  # negating the small factor: same values
 
     def adjoint(self, delta: ParamDict) -> Algebra:
         v, o = self._factors()
@@ -344,8 +369,10 @@ class VOGauge(SymmetryGroup):
         y = v.transpose(-1, -2) @ dv - (do @ o.transpose(-1, -2)).sum(1)
         return [self.algebra.project(y)]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         v, o = self._factors()
         self._gram = self.algebra.factor(v.transpose(-1, -2) @ v, (o @ o.transpose(-1, -2)).sum(1), eps)
 
@@ -421,8 +448,10 @@ class QKNormGainExchange(SymmetryGroup):
         gq, gk = self._live(self.q_gain), self._live(self.k_gain)
         return [self._reduce(gq * self._get(self.q_gain, delta) - gk * self._get(self.k_gain, delta))]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         gq, gk = self._live(self.q_gain), self._live(self.k_gain)
         diag = self._reduce(gq * gq + gk * gk)
         self._diag = diag + eps * diag.mean() + torch.finfo(diag.dtype).tiny
@@ -480,7 +509,7 @@ class NormGain(SymmetryGroup):
         if self.bias is not None:
             _write(self.bias, self._live(self.bias) * c, out)
         for w in self.readers:
-            _write(w, -self._live(w) * c, out)
+            _add_product(w, self._live(w), c, out, -1.0)
 
     def adjoint(self, delta: ParamDict) -> Algebra:
         y = self._live(self.gain) * self._get(self.gain, delta)
@@ -490,8 +519,10 @@ class NormGain(SymmetryGroup):
             y = y - (self._live(w) * self._get(w, delta)).sum(0)
         return [y]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         diag = self._live(self.gain) ** 2
         if self.bias is not None:
             diag = diag + self._live(self.bias) ** 2
@@ -537,10 +568,10 @@ class MLPScale(SymmetryGroup):
 
     def vertical(self, x: Algebra, out: ParamDict) -> None:
         c = x[0]
-        _write(self.up, self._live(self.up) * c[:, None], out)
+        _add_product(self.up, self._live(self.up), c[:, None], out)
         if self.up_bias is not None:
             _write(self.up_bias, self._live(self.up_bias) * c, out)
-        _write(self.down, -self._live(self.down) * c[None, :], out)
+        _add_product(self.down, self._live(self.down), c[None, :], out, -1.0)
 
     def adjoint(self, delta: ParamDict) -> Algebra:
         y = (self._live(self.up) * self._get(self.up, delta)).sum(1) - (
@@ -550,8 +581,10 @@ class MLPScale(SymmetryGroup):
             y = y + self._live(self.up_bias) * self._get(self.up_bias, delta)
         return [y]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         diag = (self._live(self.up) ** 2).sum(1) + (self._live(self.down) ** 2).sum(0)
         if self.up_bias is not None:
             diag = diag + self._live(self.up_bias) ** 2
@@ -656,8 +689,10 @@ class ValueBiasFold(SymmetryGroup):
         back = torch.einsum("dmgk,d->mk", self._o(), dbo).reshape(-1)
         return [self._get(self.s.v_bias, delta) - back]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         o = self._o()
         gram = torch.einsum("dmgk,dmgl->mkl", o, o).double()
         gram = gram + torch.eye(self.dh, dtype=torch.float64, device=gram.device)
@@ -709,8 +744,10 @@ class LayerNormBiasShift(SymmetryGroup):
             y = y - self._live(w).T @ self._get(c, delta)
         return [y]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         gram = torch.eye(self.dimension(), dtype=torch.float64, device=self.device)
         for w, _ in self.readers:
             wt = self._live(w).double()
@@ -829,6 +866,9 @@ class ResidualRotation(SymmetryGroup):
     Dimension: sum over clusters of m(m-1)/2, or (m-1)(m-2)/2 with centring."""
 
     name = "residual_rotation"
+    #: `precondition` solves with C = sum of the tensors' own Grams, ignoring reader gains and the restriction to
+    #: clusters and to the all-ones complement: a preconditioner, not the inverse of the group's Gram
+    exact_precondition = False
 
     def __init__(
         self,
@@ -915,8 +955,10 @@ class ResidualRotation(SymmetryGroup):
                     y = y - torch.outer(wg.T @ self._get(c, delta), b / g)
         return [self.project(y)]
 
-    def prepare(self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64) -> None:
-        super().prepare(eps, dtype)
+    def prepare(
+        self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
+    ) -> None:
+        super().prepare(eps, dtype, params)
         c = torch.zeros(self.d, self.d, dtype=torch.float64, device=self.device)
         for s in self.rows:
             m = _rows(self._live(s)).double()
@@ -928,10 +970,10 @@ class ResidualRotation(SymmetryGroup):
             for w, _ in rd.maps:
                 wt = self._live(w).double()
                 c = c + wt.T @ wt
-        self._c_eig = symmetric_eigh(c)
+        self._c_factors = lyapunov_factor(symmetric_eigh(c), eps)
 
     def precondition(self, y: Algebra) -> Algebra:
-        return [self.project(lyapunov_skew_solve(self._c_eig, y[0], self._eps)).to(self._dtype)]
+        return [self.project(lyapunov_apply(self._c_factors, y[0])).to(self._dtype)]
 
     def random_element(self, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
         x = torch.randn(self.d, self.d, generator=generator, dtype=torch.float64) * scale / math.sqrt(self.d)

@@ -7,7 +7,10 @@ norm gain in front of it both move W_Q), so X* is found by preconditioned conjug
 is block diagonal: each group's own exact Gram inverse, i.e. the per-head Sylvester solves
 (W_Q^T W_Q) X + X (W_K^T W_K) = Y through eigendecompositions of the small SPD Grams (+ eps I), restricted to the
 surviving subalgebra (RoPE commutant, CO(d_h), GQA-shared), the diagonal solves of gains and MLP scales, and so on.
-When the groups touch disjoint tensors one iteration is exact.
+When the groups touch disjoint tensors one iteration is exact. The default solver uses this: it eliminates a largest
+set of groups on pairwise disjoint tensors exactly (a direct answer when that is every group, as for a free-gauge
+relational model) and runs the conjugate gradients only on the Schur complement of the others (e.g. Llama's norm
+gains), which needs about half the iterations of CG on the full system and touches only the coupled tensors.
 """
 
 from __future__ import annotations
@@ -29,11 +32,38 @@ logger = logging.getLogger(__name__)
 
 
 def _dot(a: list[Algebra], b: list[Algebra]) -> float:
-    return float(sum((x * y).sum() for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)))
+    terms = [
+        torch.dot(x.reshape(-1), y.reshape(-1))
+        for xs, ys in zip(a, b, strict=True)
+        for x, y in zip(xs, ys, strict=True)
+    ]
+    return float(torch.stack(terms).sum()) if terms else 0.0
 
 
 def _axpy(alpha: float, x: list[Algebra], y: list[Algebra]) -> list[Algebra]:
     return [[yi + alpha * xi for xi, yi in zip(xs, ys, strict=True)] for xs, ys in zip(x, y, strict=True)]
+
+
+def _sq_norm(vectors: Iterable[torch.Tensor]) -> float:
+    """|v|^2 summed over tensors, with one conversion to a Python float."""
+    terms = [torch.dot(t.reshape(-1), t.reshape(-1)) for t in vectors]
+    return float(torch.stack(terms).sum()) if terms else 0.0
+
+
+def _disjoint_cover(groups: list[SymmetryGroup]) -> list[int]:
+    """Indices (ascending) of a maximal set of groups with an exact `precondition` that pairwise touch no common
+    parameter, chosen greedily by decreasing dimension. Groups on disjoint tensors have orthogonal vertical images, so xi^T xi is block diagonal
+    on them and each group's own Gram inverse (`precondition`) solves their normal equations exactly."""
+    taken: set[int] = set()
+    chosen = []
+    for i in sorted(range(len(groups)), key=lambda i: -groups[i].dimension()):
+        if not groups[i].exact_precondition:
+            continue
+        ids = {id(s.param) for s in groups[i].slots()}
+        if taken.isdisjoint(ids):
+            chosen.append(i)
+            taken |= ids
+    return sorted(chosen)
 
 
 @dataclass
@@ -63,6 +93,13 @@ class UpdateProjector:
     eps: relative regulariser of the Gram solves (rank-deficient heads stay finite).
     dtype: dtype of the parameter-sized arithmetic (default float64 when a projected parameter is float64, else
     float32); the small Gram factorisations always run in float64.
+    solver: "auto" (default) splits the groups once into a largest set of groups on pairwise disjoint tensors
+    (chosen greedily by dimension; their normal equations are block diagonal, solved exactly by each group's Gram
+    inverse) and the rest; with no rest (e.g. a free-gauge relational model) one preconditioned solve is the
+    answer, otherwise the first set is eliminated exactly and preconditioned CG runs on the Schur complement of the
+    rest, xi_2^T (I - P_1) xi_2 (P_1 the projection onto the first set's vertical space), with the same stopping
+    rule; its iterates are those of CG on the full system taken two at a time, and each touches only the tensors of
+    the coupled groups. "cg": preconditioned CG on the full normal equations (the reference).
     """
 
     def __init__(
@@ -76,7 +113,10 @@ class UpdateProjector:
         eps: float = DEFAULT_EPS,
         allowed_params: Iterable[torch.Tensor] | None = None,
         dtype: torch.dtype | None = None,
+        solver: str = "auto",
     ) -> None:
+        if solver not in ("auto", "cg"):
+            raise ValueError(f"solver must be 'auto' or 'cg', got {solver!r}")
         if groups is None:
             groups, _ = symmetry_groups(model)
             groups = [g for g in groups if residual or not isinstance(g, ResidualRotation)]
@@ -104,11 +144,23 @@ class UpdateProjector:
             wide = any(p.dtype == torch.float64 for p in self.params.values())
             dtype = torch.float64 if wide else torch.float32
         self.dtype = dtype
+        self.solver = solver
+        # the split of the "auto" solver: groups on pairwise disjoint tensors (eliminated exactly), the rest, and
+        # the eliminated groups that share a tensor with the rest (the only ones the reduced iterations touch)
+        first = set(_disjoint_cover(self.groups))
+        self._first = [g for i, g in enumerate(self.groups) if i in first]
+        self._second = [g for i, g in enumerate(self.groups) if i not in first]
+        second_keys = {id(s.param) for g in self._second for s in g.slots()}
+        self._coupled = [g for g in self._first if any(id(s.param) in second_keys for s in g.slots())]
+        reduced_keys = second_keys | {id(s.param) for g in self._coupled for s in g.slots()}
+        self._reduced_keys = [k for k in self.params if k in reduced_keys]
+        self._second_keys = second_keys
         self.last_stats: ProjectionStats | None = None
 
     # --- the normal equations ----------------------------------------------------------------------------------
-    def _zeros(self) -> ParamDict:
-        return {k: torch.zeros(p.shape, dtype=self.dtype, device=p.device) for k, p in self.params.items()}
+    def _zeros(self, keys: Iterable[int] | None = None) -> ParamDict:
+        keys = self.params if keys is None else keys
+        return {k: torch.zeros(self.params[k].shape, dtype=self.dtype, device=self.params[k].device) for k in keys}
 
     def _xi(self, x: list[Algebra]) -> ParamDict:
         out = self._zeros()
@@ -119,8 +171,9 @@ class UpdateProjector:
     def _xi_t(self, delta: ParamDict) -> list[Algebra]:
         return [g.adjoint(delta) for g in self.groups]
 
-    def _precondition(self, y: list[Algebra]) -> list[Algebra]:
-        return [g.precondition(yg) for g, yg in zip(self.groups, y, strict=True)]
+    def _precondition(self, y: list[Algebra], groups: list[SymmetryGroup] | None = None) -> list[Algebra]:
+        groups = self.groups if groups is None else groups
+        return [g.precondition(yg) for g, yg in zip(groups, y, strict=True)]
 
     def _solve(self, full: ParamDict) -> tuple[list[Algebra], int, float]:
         """Preconditioned CG on xi^T xi X = xi^T delta; returns (X, iterations, relative residual)."""
@@ -150,26 +203,103 @@ class UpdateProjector:
                 rz = rz_new
         return x, iterations, rel
 
+    def _solve_split(self, full: ParamDict) -> tuple[ParamDict, int, float]:
+        """The "auto" solver: returns (xi(X*), iterations, relative residual). With B = the first (pairwise
+        disjoint) groups and C = the rest, X_B = A_BB^-1 xi_B^T (delta - xi_C X_C) and X_C solves the Schur complement
+        system xi_C^T (I - P_B) xi_C X_C = xi_C^T (I - P_B) delta; then xi(X*) = P_B delta + (I - P_B) xi_C X_C, with
+        P_B xi_C X_C = xi_B A_BB^-1 xi_B^T xi_C X_C accumulated in the algebra along the CG directions."""
+        first, second, coupled = self._first, self._second, self._coupled
+        y_first = [g.adjoint(full) for g in first]
+        x_first = self._precondition(y_first, first)
+        vertical = self._zeros()
+        for g, xg in zip(first, x_first, strict=True):
+            g.vertical(xg, vertical)  # P_B delta
+        if not second:  # block-diagonal normal equations: the preconditioned solve is exact
+            return vertical, 1, 0.0
+        b_full = [g.adjoint(full) for g in second]
+        # the full system's right-hand side in the preconditioner's norm, as in the reference CG
+        b_norm = math.sqrt(max(_dot(y_first, x_first) + _dot(b_full, self._precondition(b_full, second)), 0.0))
+        # reduced right-hand side xi_C^T (delta - P_B delta); the eliminated residual is zero throughout
+        r = _axpy(-1.0, [g.adjoint(vertical) for g in second], b_full)
+        z = self._precondition(r, second)
+        p = z
+        rz = _dot(r, z)
+        iterations, rel = 0, 0.0
+        if b_norm > 0:
+            rel = math.sqrt(max(rz, 0.0)) / b_norm
+        if b_norm > 0 and rel > self.tol:
+            # work: xi_C p on the coupled groups' tensors. The eliminated groups read it (zero outside the tensors
+            # of C) and write -P_B xi_C p back into it, where only the tensors of C are read again: `sink` sends
+            # their writes elsewhere to a scratch copy that nothing reads, so only the tensors of C are re-zeroed.
+            work = self._zeros(self._reduced_keys)
+            second_keys = [k for k in self._reduced_keys if k in self._second_keys]
+            sink = {k: work[k] if k in self._second_keys else torch.empty_like(work[k]) for k in work}
+            x_second = [[torch.zeros_like(t) for t in pg] for pg in p]  # X_C
+            x_coupled: list[Algebra] | None = None  # A_BB^-1 xi_B^T xi_C X_C on the coupled groups
+            for iterations in range(1, self.max_iter + 1):  # noqa: B007 - the count is reported
+                for k in second_keys:
+                    work[k].zero_()
+                for g, pg in zip(second, p, strict=True):
+                    g.vertical(pg, work)  # xi_C p
+                x = self._precondition([g.adjoint(work) for g in coupled], coupled)
+                for g, xg in zip(coupled, x, strict=True):
+                    g.vertical([-t for t in xg], sink)  # (I - P_B) xi_C p, on the tensors of C
+                ap = [g.adjoint(work) for g in second]
+                pap = _dot(p, ap)
+                if not pap > 0:
+                    break
+                alpha = rz / pap
+                x_second = _axpy(alpha, p, x_second)
+                x_coupled = [[alpha * t for t in xg] for xg in x] if x_coupled is None else _axpy(alpha, x, x_coupled)
+                r = _axpy(-alpha, ap, r)
+                z = self._precondition(r, second)
+                rz_new = _dot(r, z)
+                rel = math.sqrt(max(rz_new, 0.0)) / b_norm
+                if rel <= self.tol:
+                    break
+                p = _axpy(rz_new / rz, p, z)
+                rz = rz_new
+            if x_coupled is not None:  # xi(X*) = P_B delta + xi_C X_C - P_B xi_C X_C
+                for g, xg in zip(second, x_second, strict=True):
+                    g.vertical(xg, vertical)
+                for g, xg in zip(coupled, x_coupled, strict=True):
+                    g.vertical([-t for t in xg], vertical)
+        return vertical, 1 + iterations, rel
+
+    def _full(self, delta: ParamDict) -> ParamDict:
+        """`delta` over every projected parameter in `self.dtype` (missing entries zero; no copy where it fits)."""
+        full = {}
+        for k, p in self.params.items():
+            t = delta.get(k)
+            if t is not None and t.dtype == self.dtype and t.shape == p.shape and t.device == p.device:
+                full[k] = t
+            else:
+                full[k] = torch.zeros(p.shape, dtype=self.dtype, device=p.device)
+                if t is not None:
+                    full[k].copy_(t)
+        return full
+
     @torch.no_grad()
-    def vertical_part(self, delta: ParamDict) -> ParamDict:
-        """xi(X*) for the update `delta` (dict id(param) -> tensor shaped like the parameter), in `self.dtype`."""
+    def vertical_part(self, delta: ParamDict, at: ParamDict | None = None) -> ParamDict:
+        """xi(X*) for the update `delta` (dict id(param) -> tensor shaped like the parameter), in `self.dtype`.
+        `at`: the parameter values to project at (same keys and shapes, read only; default the live parameters)."""
         if not self.groups:
             self.last_stats = ProjectionStats(0.0, 0.0, 0, 0.0)
             return {}
-        full = self._zeros()
-        for k in full:
-            if k in delta:
-                full[k].copy_(delta[k])
+        full = self._full(delta)
         try:
             for g in self.groups:
-                g.prepare(self.eps, self.dtype)
-            x, iterations, rel = self._solve(full)
-            vertical = self._xi(x)
+                g.prepare(self.eps, self.dtype, at)
+            if self.solver == "cg":
+                x, iterations, rel = self._solve(full)
+                vertical = self._xi(x)
+            else:
+                vertical, iterations, rel = self._solve_split(full)
         finally:
             for g in self.groups:
                 g.release()
-        update_norm = math.sqrt(sum(float((t * t).sum()) for t in full.values()))
-        vertical_norm = math.sqrt(sum(float((t * t).sum()) for t in vertical.values()))
+        update_norm = math.sqrt(_sq_norm(full.values()))
+        vertical_norm = math.sqrt(_sq_norm(vertical.values()))
         self.last_stats = ProjectionStats(update_norm, vertical_norm, iterations, rel)
         return vertical
 
@@ -288,12 +418,14 @@ class ProjectedOptimizer(torch.optim.Optimizer):
         loss = self.optimizer.step(closure)
         with torch.no_grad():
             delta = {k: p.detach().to(dtype) - old[k].to(dtype) for k, p in params.items()}
-            # P_V is taken at the parameters the update starts from (theta_old), as in DESIGN 2.3
-            for k, p in params.items():
-                p.copy_(old[k])
-            vertical = self.projector.vertical_part(delta)
+            # P_V is taken at the parameters the update starts from (theta_old, the snapshot), as in DESIGN 2.3
+            vertical = self.projector.vertical_part(delta, at=old)
             for k, v in vertical.items():
-                params[k].copy_((old[k].to(dtype) + delta[k] - v).to(params[k].dtype))
+                p = params[k]
+                if p.dtype == dtype:
+                    p.sub_(v)  # theta_old + delta - v
+                else:
+                    p.copy_((old[k].to(dtype) + delta[k] - v).to(p.dtype))
         self.projected_steps += 1
         return loss
 
