@@ -10,7 +10,6 @@ import torch
 from test_symmetry_zoo import (
     build,
     perturb,
-    single_thread,  # noqa: F401 - fixture used by pytestmark
     token_ids,
 )
 
@@ -22,8 +21,6 @@ from relational_hf.symmetry import (
     symmetry_groups,
     vertical_horizontal_split,
 )
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _inner(a: dict, b: dict) -> float:

@@ -33,16 +33,6 @@ LLAMA_KW = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, loaded machine thread synchronisation
-    dominates their run time: run one module single-threaded, then restore the setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def build(name: str, seed: int = 0) -> torch.nn.Module:
     """A freshly initialised tiny model of the named kind, in eval mode, fp32."""
     torch.manual_seed(seed)
@@ -109,7 +99,6 @@ def token_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("name", ALL)
