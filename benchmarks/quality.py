@@ -897,6 +897,45 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
     return payload
 
 
+_VERDICT_MARK = {"below the Llama curve (better)": "better", "above the Llama curve (worse)": "worse"}
+
+
+def markdown_table(payload: dict) -> str:
+    """The README's table for one results JSON: a row per contender, a column per size; each cell is the mean
+    validation loss ± std over seeds and, for relational points, the Llama-equivalent parameter ratio with the
+    verdict (n = inside seed noise, E = extrapolated beyond the Llama curve's sizes)."""
+    sizes = list(payload["sizes"])
+    lines = ["| contender | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for contender, by_size in payload["results"].items():
+        cells = []
+        for size in sizes:
+            e = by_size.get(size)
+            if e is None:
+                cells.append("–")
+                continue
+            v = e["val_loss"]
+            cell = f"{e['parameters']:,}: {v['mean']:.3f}" + (f" ± {v['std']:.3f}" if v["std"] is not None else "")
+            row = payload.get("comparisons", {}).get(contender, {}).get(size)
+            if row:
+                if row["efficiency_ratio"]:
+                    ratio = f"×{row['efficiency_ratio']:.2f}"
+                elif "efficiency_ratio_at_least" in row:
+                    ratio = f"×>{row['efficiency_ratio_at_least']:.2f}"
+                elif "efficiency_ratio_at_most" in row:
+                    ratio = f"×<{row['efficiency_ratio_at_most']:.2f}"
+                else:
+                    ratio = ""
+                marks = [_VERDICT_MARK.get(row["verdict"], "n")]
+                if row["status"].startswith("extrapolated") or row["status"].startswith("beyond"):
+                    marks.append("E")
+                cell += f" ({', '.join(m for m in [ratio, *marks] if m)})"
+                if row["verdict"] == "below the Llama curve (better)":
+                    cell = f"**{cell}**"
+            cells.append(cell)
+        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def print_table(payload: dict) -> None:
     print(
         f"\n{payload['corpus']['name']} ({payload['budget']['name']}, {payload['budget']['tokens_per_run']:,} tokens/run, "
@@ -966,7 +1005,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="reuse the runs (and LR sweep) already in the results JSON made with the same settings; run the rest",
     )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the README table of the existing results JSON of each corpus (and budget) and exit; trains nothing",
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        budget_name = "quick" if args.quick else "long" if args.long else "default"
+        for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:
+            name = f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}")
+            path = common.RESULTS / f"{name}.json"
+            if path.is_file():
+                print(f"{name}\n\n{markdown_table(json.loads(path.read_text()))}\n")
+        return []
     unknown = set(args.contenders or []) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contender(s) {sorted(unknown)}; choose from {list(CONTENDERS)}")
