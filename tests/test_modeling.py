@@ -391,6 +391,23 @@ def test_inference_weight_cache_follows_parameter_updates():
     torch.testing.assert_close(cached, fresh.detach(), rtol=0, atol=0)
 
 
+def test_gauge_fixed_weight_follows_a_new_layout_and_its_gradient_is_the_free_entries_of_the_full_one():
+    from relational_hf.modeling.modeling_relational import GaugeFixedLinear
+
+    lin = GaugeFixedLinear(6, 4, 2)
+    torch.nn.init.normal_(lin.weight)
+    for fixed in (torch.tensor([[0, 1], [2, 3], [4, 5], [1, 3]]), torch.tensor([[5, 0], [1, 2], [3, 4], [0, 2]])):
+        values = torch.randn(4, 2)
+        lin.set_layout(fixed, values)
+        w = lin.full_weight()  # with autograd: the training path
+        assert torch.equal(torch.gather(w.detach(), 1, lin.fixed_index), values)
+        assert torch.equal(torch.gather(w.detach(), 1, lin.free_index), lin.weight.detach())
+        upstream = torch.randn(4, 6)
+        (w * upstream).sum().backward()
+        assert torch.equal(lin.weight.grad, torch.gather(upstream, 1, lin.free_index))
+        lin.weight.grad = None
+
+
 def test_gauge_setters_act_on_a_model_loaded_with_from_pretrained(tmp_path):
     """Transformers flags loaded tensors as initialised; the gauge setters must still write them."""
     RelationalForCausalLM(tiny_config()).save_pretrained(tmp_path)

@@ -178,9 +178,31 @@ class GaugeFixedLinear(nn.Module):
         return cached[1]
 
     def _assemble(self) -> torch.Tensor:
-        w = self.weight.new_zeros(self.out_features, self.in_features)
-        w = w.scatter(1, self.free_index, self.weight)
-        return w.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
+        # one out-of-place scatter of the free entries into a constant holding the pivots (cached per layout):
+        # its backward is a single gather, the constant needs none
+        return self._pivot_base().scatter(1, self.free_index, self.weight)
+
+    def _pivot_base(self) -> torch.Tensor:
+        """The (out x in) constant with the fixed values at the pivots and zeros elsewhere, rebuilt when the layout,
+        dtype or device changes."""
+        key = (
+            self.weight.dtype,
+            self.weight.device,
+            self.fixed_index._version,
+            self.fixed_index.data_ptr(),
+            self.fixed_value._version,
+            self.fixed_value.data_ptr(),
+        )
+        cached = self.__dict__.get("_base_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                base = torch.zeros(
+                    self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device
+                )
+                base.scatter_(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
+            cached = (key, base)
+            self.__dict__["_base_cache"] = cached
+        return cached[1]
 
     @torch.no_grad()
     def set_layout(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
