@@ -2,10 +2,10 @@
 
 (a) Exact conversion (`relational_hf.convert.to_relational`) of randomly initialised `LlamaForCausalLM` checkpoints
 built from `LlamaConfig` on the CPU in fp32 (decoder norm gains drawn around 1 so that folding them is not trivial;
-the final gain stays 1 so the tied head stays tied). Each size is converted in its own subprocess: wall time of
+the final gain is kept in front of the tied head either way). Each size is converted in its own subprocess: wall time of
 the conversion (its self-check included), peak resident memory from `resource.getrusage(...).ru_maxrss` before and
 after the conversion (the delta is what the conversion adds on top of building the source), max |logit difference|
-reported by the converter, and parameters saved (norm gains + fixed orbit dimensions).
+reported by the converter, and parameters saved (decoder norm gains + fixed orbit dimensions).
 
 (b) Slicing: a small Llama (byte tokenizer of `relational_hf.training.data`, d=128, 4 layers, context 64) is
 trained here on Tiny Shakespeare (`../shared/data/tinyshakespeare`, first 90% of the text), converted with
@@ -76,7 +76,7 @@ def convert_child(size: str, seed: int) -> dict:
     config = LlamaConfig(**CONVERT_SIZES[size], max_position_embeddings=2048, tie_word_embeddings=True)
     source = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
-        for layer in source.model.layers:  # non-trivial gains to fold; the final gain stays 1 (head stays tied)
+        for layer in source.model.layers:  # non-trivial gains to fold (the final gain is kept: tied head)
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
     build_s = time.perf_counter() - start
