@@ -218,6 +218,24 @@ def test_pivot_entries_are_exact_and_stored_factors_are_bounded():
     assert k_proj.weight.abs().max().item() <= 4 * c.pivot_scale
 
 
+def test_default_pivot_scale_keeps_each_pairs_stored_factors_on_similar_scales():
+    """The pivot value c splits each pair's scale between its stored factors (W_K free entries ~ c, W_Q ~ 1/c): the
+    default keeps the RMS ratio of partners within 4x at initialisation; c = initializer_range does not."""
+
+    def ratios(model):
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        rms = [w.detach().pow(2).mean().sqrt() for w in (attn.q_proj.weight, attn.k_proj.weight)]
+        rms += [w.detach().pow(2).mean().sqrt() for w in (attn.o_proj.weight, attn.v_proj.weight)]
+        rms += [w.detach().pow(2).mean().sqrt() for w in (mlp.down_proj.weight, mlp.up_proj.weight)]
+        return [float(rms[i] / rms[i + 1]) for i in (0, 2, 4)]
+
+    big = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4)
+    default = RelationalForCausalLM(tiny_config(**big))
+    assert all(0.25 <= r <= 4 for r in ratios(default)), ratios(default)
+    old = RelationalForCausalLM(tiny_config(**big, pivot_scale=default.config.initializer_range))
+    assert max(ratios(old)) > 4
+
+
 def test_value_parallel_removal_makes_head_outputs_orthogonal_to_own_value():
     model = trained(RelationalForCausalLM(tiny_config(value_parallel_removal=True, num_key_value_heads=2)))
     attn = model.model.layers[1].self_attn

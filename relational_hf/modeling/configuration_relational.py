@@ -13,6 +13,8 @@ from transformers import PreTrainedConfig
 _POSITION_ENCODINGS = ("rope", "none")
 _GAUGES = ("pivot", "free")
 _ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+#: default pivot value c = PIVOT_SCALE_FACTOR x initializer_range (see `pivot_scale`)
+PIVOT_SCALE_FACTOR = 5.0
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -54,7 +56,11 @@ class RelationalConfig(PreTrainedConfig):
         gauge: "pivot" stores QK, VO and the SwiGLU scales in the pivot (echelon) gauge, no redundant
             coordinate left; "free" stores the usual over-parameterised factors (train with projected updates).
         pivot_scale: value of the fixed pivot entries in the pivot gauge (W_K[P] = c I, ...). Any nonzero value
-            gives the same function class; it sets the scale of the stored factors. Default: initializer_range.
+            gives the same function class, but c sets how the scale is shared between the two stored factors of
+            each pair (W_K's free entries grow with c, W_Q's shrink as 1/c), and Adam's per-coordinate steps see
+            that split. Default: PIVOT_SCALE_FACTOR (5) x initializer_range, which puts the two factors on similar
+            scales at initialisation; at c = initializer_range the pivot gauge trained measurably worse than the
+            free gauge (benchmarks/quality.py, README).
         attention_bias: biases on the query, key and value maps.
         attention_output_bias: bias on the output map W_O.
         value_parallel_removal: remove, per head before W_O, the part of the attention output parallel to the
@@ -120,7 +126,7 @@ class RelationalConfig(PreTrainedConfig):
         self.rope_parameters = rope_parameters
         self.max_position_embeddings = max_position_embeddings
         self.gauge = gauge
-        self.pivot_scale = initializer_range if pivot_scale is None else pivot_scale
+        self.pivot_scale = PIVOT_SCALE_FACTOR * initializer_range if pivot_scale is None else pivot_scale
         self.attention_bias = attention_bias
         self.attention_output_bias = attention_output_bias
         self.value_parallel_removal = value_parallel_removal
