@@ -109,13 +109,18 @@ CONTENDERS = {
         "control: relational, free gauge, plain AdamW, value-space parallel removal (not in the default grid)",
         dict(gauge="free", value_parallel_removal=True),
     ),
+    "relational_pivot_c1": (
+        "control: relational, pivot gauge at the first default pivot value c = initializer_range (now 5x that), "
+        "which leaves W_Q about ten times larger than W_K at initialisation (not in the default grid)",
+        dict(gauge="pivot", pivot_scale="initializer_range"),
+    ),
     "llama_fixed_gains": (
         "control: Llama with every RMSNorm gain frozen at 1, like the relational model's gain-free norms (not in the "
         "default grid; its frozen gains are still counted)",
         None,
     ),
 }
-CONTROLS = {"relational_free", "relational_free_vpr", "llama_fixed_gains"}
+CONTROLS = {"relational_free", "relational_free_vpr", "relational_pivot_c1", "llama_fixed_gains"}
 DEFAULT_CONTENDERS = [c for c in CONTENDERS if c not in CONTROLS]
 PROJECTED = {"relational_free_projected"}
 
@@ -235,6 +240,8 @@ def model_config(contender: str, dims: dict, vocab_size: int):
         over["qk_rank"] = head_dim // over["qk_rank"]
     if over.get("num_key_value_heads") == "half":
         over["num_key_value_heads"] = min(dims["num_key_value_heads"], dims["num_attention_heads"] // 2)
+    if over.get("pivot_scale") == "initializer_range":
+        over["pivot_scale"] = RelationalConfig().initializer_range
     return RelationalConfig(**{**base, **over})
 
 
@@ -244,6 +251,8 @@ def model_signature(contender: str, dims: dict, vocab_size: int) -> str:
     config = model_config(contender, dims, vocab_size).to_dict()
     for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
         config.pop(key, None)
+    if config.get("gauge") == "free":
+        config.pop("pivot_scale", None)  # unused by the free gauge
     text = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha1(f"{contender}:{text}".encode()).hexdigest()[:12]
 

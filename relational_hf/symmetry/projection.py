@@ -50,6 +50,42 @@ def _sq_norm(vectors: Iterable[torch.Tensor]) -> float:
     return float(torch.stack(terms).sum()) if terms else 0.0
 
 
+def _pcg(
+    apply: Callable[[list[Algebra]], list[Algebra]],
+    precondition: Callable[[list[Algebra]], list[Algebra]],
+    r: list[Algebra],
+    b_norm: float,
+    tol: float,
+    max_iter: int,
+    on_step: Callable[[float, list[Algebra]], None],
+) -> tuple[int, float]:
+    """Preconditioned conjugate gradients from the residual `r` of the current solution: `apply(p)` is the operator,
+    `on_step(alpha, p)` adds alpha p to the caller's solution. Stops when the residual in the preconditioner's norm,
+    relative to `b_norm`, is <= tol. Returns (iterations, relative residual)."""
+    z = precondition(r)
+    p, rz = z, _dot(r, z)
+    rel = math.sqrt(max(rz, 0.0)) / b_norm if b_norm > 0 else 0.0
+    iterations = 0
+    if b_norm <= 0 or rel <= tol:
+        return iterations, rel
+    for iterations in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+        ap = apply(p)
+        pap = _dot(p, ap)
+        if not pap > 0:
+            break
+        alpha = rz / pap
+        on_step(alpha, p)
+        r = _axpy(-alpha, ap, r)
+        z = precondition(r)
+        rz_new = _dot(r, z)
+        rel = math.sqrt(max(rz_new, 0.0)) / b_norm
+        if rel <= tol:
+            break
+        p = _axpy(rz_new / rz, p, z)
+        rz = rz_new
+    return iterations, rel
+
+
 def _disjoint_cover(groups: list[SymmetryGroup]) -> list[int]:
     """Indices (ascending) of a maximal set of groups with an exact `precondition` that pairwise touch no common
     parameter, chosen greedily by decreasing dimension. Groups on disjoint tensors have orthogonal vertical images, so xi^T xi is block diagonal
@@ -179,28 +215,14 @@ class UpdateProjector:
         """Preconditioned CG on xi^T xi X = xi^T delta; returns (X, iterations, relative residual)."""
         b = self._xi_t(full)
         x = [[torch.zeros_like(t) for t in bg] for bg in b]
-        r = b
-        z = self._precondition(r)
-        p = z
-        rz = _dot(r, z)
-        b_norm = math.sqrt(max(rz, 0.0))
-        iterations, rel = 0, 0.0
-        if b_norm > 0:
-            for iterations in range(1, self.max_iter + 1):  # noqa: B007 - the count is reported
-                ap = self._xi_t(self._xi(p))
-                pap = _dot(p, ap)
-                if not pap > 0:
-                    break
-                alpha = rz / pap
-                x = _axpy(alpha, p, x)
-                r = _axpy(-alpha, ap, r)
-                z = self._precondition(r)
-                rz_new = _dot(r, z)
-                rel = math.sqrt(max(rz_new, 0.0)) / b_norm
-                if rel <= self.tol:
-                    break
-                p = _axpy(rz_new / rz, p, z)
-                rz = rz_new
+        b_norm = math.sqrt(max(_dot(b, self._precondition(b)), 0.0))
+
+        def step(alpha: float, p: list[Algebra]) -> None:
+            x[:] = _axpy(alpha, p, x)
+
+        iterations, rel = _pcg(
+            lambda p: self._xi_t(self._xi(p)), self._precondition, b, b_norm, self.tol, self.max_iter, step
+        )
         return x, iterations, rel
 
     def _solve_split(self, full: ParamDict) -> tuple[ParamDict, int, float]:
@@ -221,49 +243,37 @@ class UpdateProjector:
         b_norm = math.sqrt(max(_dot(y_first, x_first) + _dot(b_full, self._precondition(b_full, second)), 0.0))
         # reduced right-hand side xi_C^T (delta - P_B delta); the eliminated residual is zero throughout
         r = _axpy(-1.0, [g.adjoint(vertical) for g in second], b_full)
-        z = self._precondition(r, second)
-        p = z
-        rz = _dot(r, z)
-        iterations, rel = 0, 0.0
-        if b_norm > 0:
-            rel = math.sqrt(max(rz, 0.0)) / b_norm
-        if b_norm > 0 and rel > self.tol:
-            # work: xi_C p on the coupled groups' tensors. The eliminated groups read it (zero outside the tensors
-            # of C) and write -P_B xi_C p back into it, where only the tensors of C are read again: `sink` sends
-            # their writes elsewhere to a scratch copy that nothing reads, so only the tensors of C are re-zeroed.
-            work = self._zeros(self._reduced_keys)
-            second_keys = [k for k in self._reduced_keys if k in self._second_keys]
-            sink = {k: work[k] if k in self._second_keys else torch.empty_like(work[k]) for k in work}
-            x_second = [[torch.zeros_like(t) for t in pg] for pg in p]  # X_C
-            x_coupled: list[Algebra] | None = None  # A_BB^-1 xi_B^T xi_C X_C on the coupled groups
-            for iterations in range(1, self.max_iter + 1):  # noqa: B007 - the count is reported
-                for k in second_keys:
-                    work[k].zero_()
-                for g, pg in zip(second, p, strict=True):
-                    g.vertical(pg, work)  # xi_C p
-                x = self._precondition([g.adjoint(work) for g in coupled], coupled)
-                for g, xg in zip(coupled, x, strict=True):
-                    g.vertical([-t for t in xg], sink)  # (I - P_B) xi_C p, on the tensors of C
-                ap = [g.adjoint(work) for g in second]
-                pap = _dot(p, ap)
-                if not pap > 0:
-                    break
-                alpha = rz / pap
-                x_second = _axpy(alpha, p, x_second)
-                x_coupled = [[alpha * t for t in xg] for xg in x] if x_coupled is None else _axpy(alpha, x, x_coupled)
-                r = _axpy(-alpha, ap, r)
-                z = self._precondition(r, second)
-                rz_new = _dot(r, z)
-                rel = math.sqrt(max(rz_new, 0.0)) / b_norm
-                if rel <= self.tol:
-                    break
-                p = _axpy(rz_new / rz, p, z)
-                rz = rz_new
-            if x_coupled is not None:  # xi(X*) = P_B delta + xi_C X_C - P_B xi_C X_C
-                for g, xg in zip(second, x_second, strict=True):
-                    g.vertical(xg, vertical)
-                for g, xg in zip(coupled, x_coupled, strict=True):
-                    g.vertical([-t for t in xg], vertical)
+        # work: xi_C p on the coupled groups' tensors. The eliminated groups read it (zero outside the tensors of C)
+        # and write -P_B xi_C p back into it, where only the tensors of C are read again: `sink` sends their writes
+        # elsewhere to a scratch copy that nothing reads, so only the tensors of C are re-zeroed.
+        work = self._zeros(self._reduced_keys)
+        second_keys = [k for k in self._reduced_keys if k in self._second_keys]
+        sink = {k: work[k] if k in self._second_keys else torch.empty_like(work[k]) for k in work}
+        x_second = [[torch.zeros_like(t) for t in pg] for pg in r]  # X_C
+        x_coupled: list[list[Algebra]] = []  # A_BB^-1 xi_B^T xi_C X_C on the coupled groups
+        last: list[list[Algebra]] = []  # A_BB^-1 xi_B^T xi_C p of the latest direction
+
+        def apply(p: list[Algebra]) -> list[Algebra]:  # xi_C^T (I - P_B) xi_C p
+            for k in second_keys:
+                work[k].zero_()
+            for g, pg in zip(second, p, strict=True):
+                g.vertical(pg, work)  # xi_C p
+            last[:] = [self._precondition([g.adjoint(work) for g in coupled], coupled)]
+            for g, xg in zip(coupled, last[0], strict=True):
+                g.vertical([-t for t in xg], sink)  # (I - P_B) xi_C p, on the tensors of C
+            return [g.adjoint(work) for g in second]
+
+        def step(alpha: float, p: list[Algebra]) -> None:
+            x_second[:] = _axpy(alpha, p, x_second)
+            first_step = [[alpha * t for t in xg] for xg in last[0]] if not x_coupled else None
+            x_coupled[:] = [first_step if first_step is not None else _axpy(alpha, last[0], x_coupled[0])]
+
+        iterations, rel = _pcg(apply, lambda y: self._precondition(y, second), r, b_norm, self.tol, self.max_iter, step)
+        if x_coupled:  # xi(X*) = P_B delta + xi_C X_C - P_B xi_C X_C
+            for g, xg in zip(second, x_second, strict=True):
+                g.vertical(xg, vertical)
+            for g, xg in zip(coupled, x_coupled[0], strict=True):
+                g.vertical([-t for t in xg], vertical)
         return vertical, 1 + iterations, rel
 
     def _full(self, delta: ParamDict) -> ParamDict:
