@@ -984,7 +984,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--contenders",
         type=lambda s: s.split(","),
-        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all but the controls "
+        help=f"comma-separated subset of {','.join(CONTENDERS)}, or 'all' (default: all but the controls "
         f"{', '.join(sorted(CONTROLS))})",
     )
     parser.add_argument("--sizes", type=lambda s: s.split(","), help="comma-separated subset of the budget's sizes")
@@ -1020,6 +1020,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="print the README table of the existing results JSON of each corpus (and budget) and exit; trains nothing",
     )
     args = parser.parse_args(argv)
+    if args.contenders == ["all"]:
+        args.contenders = list(CONTENDERS)
     if args.markdown:
         budget_name = "quick" if args.quick else "long" if args.long else "default"
         for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:
