@@ -40,15 +40,6 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 VOCAB = 256  # byte-level ids
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and two OpenMP threads on a busy 2-core machine run these
-    tests an order of magnitude slower (measured: 60 training steps 1.5 s with one thread, 31 s with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_llama(**overrides) -> LlamaForCausalLM:
     config = dict(
