@@ -41,30 +41,24 @@ VOCAB = 256  # byte-level ids
 
 
 
+#: the tiny decoder both families share here (eager attention: the directional hooks read attention weights)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_implementation="eager",
+)
+
+
 def tiny_llama(**overrides) -> LlamaForCausalLM:
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval()
 
 
 def tiny_relational(**overrides) -> RelationalForCausalLM:
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-    )
-    return RelationalForCausalLM(RelationalConfig(**{**config, **overrides})).eval()
+    return RelationalForCausalLM(RelationalConfig(**{**TINY, **overrides})).eval()
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import spearmanr
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from test_directional import VOCAB, tiny_gpt2, tiny_llama, tiny_relational
+from transformers import LlamaForCausalLM
 
-from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.directional import (
     COMPRESSION_SETTINGS,
     add_analyze_arguments,
@@ -27,51 +27,14 @@ from relational_hf.directional import (
 from relational_hf.directional.compression import fake_quantize, weight_matrices
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
-VOCAB = 256
 
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).eval()
+def wide_llama() -> LlamaForCausalLM:
+    return tiny_llama(hidden_size=64, intermediate_size=128)
 
 
-def tiny_relational() -> RelationalForCausalLM:
-    config = RelationalConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-    )
-    return RelationalForCausalLM(config).eval()
-
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
-MODELS = {"llama": tiny_llama, "relational": tiny_relational, "gpt2": tiny_gpt2}
+MODELS = {"llama": wide_llama, "relational": tiny_relational, "gpt2": tiny_gpt2}
 
 
 def ids(rows: int = 4, length: int = 16) -> torch.Tensor:
@@ -106,7 +69,7 @@ def test_int4_has_larger_error_than_int8_in_every_layer(family):
 def test_counterfactual_error_is_layer_local():
     """Changing only layer 1 of the copy leaves layer 0's error at zero and gives layer 1 an error whose parts
     match a direct computation on the dense layer-1 input."""
-    model = tiny_llama()
+    model = wide_llama()
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.model.layers[1].mlp.down_proj.weight.mul_(1.5)  # delta~ = delta + 0.5 * mlp(...): not along delta
@@ -129,7 +92,7 @@ def test_counterfactual_error_is_layer_local():
 
 
 def test_fake_quantisation_uses_at_most_2_to_the_b_levels_per_group_and_keeps_the_original():
-    model = tiny_llama()
+    model = wide_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     w = torch.randn(8, 40)
     q = fake_quantize(w, bits=4, group_size=16)
@@ -159,7 +122,7 @@ def test_n_m_pruning_leaves_at_most_n_nonzeros_in_every_m_consecutive_inputs(fam
 
 
 def test_wanda_scores_weights_by_input_activation_norms():
-    model = tiny_llama()
+    model = wide_llama()
     calibration = ids(4, 16)
     pruned = prune_weights(model, "wanda", "unstructured", 0.5, calibration_ids=calibration)
     layer = model.model.layers[0]
@@ -206,7 +169,7 @@ def test_relational_pivot_entries_stay_exact_under_compression():
 
 
 def test_compression_report_ranks_settings_and_correlates_with_perplexity():
-    model = tiny_llama()
+    model = wide_llama()
     batch = ids(4, 16)
     report = compression_report(
         model, batch, ["int8", "int4", "magnitude", "wanda-2:4"], calibration_ids=ids(2, 16), progress=False
