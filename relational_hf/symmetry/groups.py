@@ -409,7 +409,21 @@ class VOGauge(SymmetryGroup):
         return degs
 
 
-class QKNormGainExchange(SymmetryGroup):
+class _DiagonalScaling(SymmetryGroup):
+    """A group of independent positive scalings (a torus): its Gram is diagonal, so the preconditioner is its exact
+    inverse, and random elements are exp of Gaussian log-scales."""
+
+    def _set_diagonal(self, diag: torch.Tensor, eps: float) -> None:
+        self._diag = diag + eps * diag.mean() + torch.finfo(diag.dtype).tiny
+
+    def precondition(self, y: Algebra) -> Algebra:
+        return [y[0] / self._diag]
+
+    def random_element(self, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
+        return torch.exp(scale * torch.randn(self.dimension(), generator=generator, dtype=torch.float64))
+
+
+class QKNormGainExchange(_DiagonalScaling):
     """QK-norm gain exchange (Qwen3): the per-dimension gains g_q, g_k (shared by all heads of a layer) act after the
     per-head normalisation and before RoPE, so g_q -> g_q c, g_k -> g_k / c with c constant on each rotary pair
     (and free on non-rotated dimensions) leaves every score unchanged. Dimension R/2 + (r - R) per layer."""
@@ -454,13 +468,7 @@ class QKNormGainExchange(SymmetryGroup):
         super().prepare(eps, dtype, params)
         gq, gk = self._live(self.q_gain), self._live(self.k_gain)
         diag = self._reduce(gq * gq + gk * gk)
-        self._diag = diag + eps * diag.mean() + torch.finfo(diag.dtype).tiny
-
-    def precondition(self, y: Algebra) -> Algebra:
-        return [y[0] / self._diag]
-
-    def random_element(self, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
-        return torch.exp(scale * torch.randn(self.n, generator=generator, dtype=torch.float64))
+        self._set_diagonal(diag, eps)
 
     def act(self, element: torch.Tensor) -> None:
         c = self._expand(self._on(element))
@@ -484,7 +492,7 @@ class QKNormGainExchange(SymmetryGroup):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class NormGain(SymmetryGroup):
+class NormGain(_DiagonalScaling):
     """Norm gain of one normalisation: g -> g c (and a LayerNorm bias b -> b c), the d input columns of every reader
     divided by c. Invariant: the folded reader weights W diag(g)."""
 
@@ -528,13 +536,7 @@ class NormGain(SymmetryGroup):
             diag = diag + self._live(self.bias) ** 2
         for w in self.readers:
             diag = diag + (self._live(w) ** 2).sum(0)
-        self._diag = diag + eps * diag.mean() + torch.finfo(diag.dtype).tiny
-
-    def precondition(self, y: Algebra) -> Algebra:
-        return [y[0] / self._diag]
-
-    def random_element(self, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
-        return torch.exp(scale * torch.randn(self.dimension(), generator=generator, dtype=torch.float64))
+        self._set_diagonal(diag, eps)
 
     def act(self, element: torch.Tensor) -> None:
         c = self._on(element)
@@ -550,7 +552,7 @@ class NormGain(SymmetryGroup):
         return []
 
 
-class MLPScale(SymmetryGroup):
+class MLPScale(_DiagonalScaling):
     """Gated-MLP scales: row k of W_up (and its bias) times c_k, column k of W_down divided by c_k (SwiGLU:
     act(x W_gate) * (x W_up) is linear in W_up). Invariant: the per-unit products. Dimension d_ff per layer."""
 
@@ -588,13 +590,7 @@ class MLPScale(SymmetryGroup):
         diag = (self._live(self.up) ** 2).sum(1) + (self._live(self.down) ** 2).sum(0)
         if self.up_bias is not None:
             diag = diag + self._live(self.up_bias) ** 2
-        self._diag = diag + eps * diag.mean() + torch.finfo(diag.dtype).tiny
-
-    def precondition(self, y: Algebra) -> Algebra:
-        return [y[0] / self._diag]
-
-    def random_element(self, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
-        return torch.exp(scale * torch.randn(self.dimension(), generator=generator, dtype=torch.float64))
+        self._set_diagonal(diag, eps)
 
     def act(self, element: torch.Tensor) -> None:
         c = self._on(element)
