@@ -230,3 +230,36 @@ def test_projected_optimizer_step_equals_reference_projection_at_old_parameters(
         expected = old[k] + delta[k] - vertical[k]
         got = names[reference.names[k]].detach()
         assert (got - expected).abs().max() <= 1e-7 * delta[k].abs().max() + 1e-15, reference.names[k]
+
+
+def test_projection_lives_on_the_wrapped_optimizers_public_hooks():
+    """Stepping the wrapped optimiser itself projects exactly as stepping the wrapper does; a post-hook registered
+    on the wrapper sees the projected parameters; `unwrap` restores the plain, unprojected steps; a projected
+    optimiser is not wrapped twice."""
+    base = perturb(build("relational_free"))
+    ids = token_ids(batch=2, length=8)
+
+    def one_step(model, stepper):
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        stepper.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    model_a, model_b, model_c = (copy.deepcopy(base) for _ in range(3))
+    wrapper_a = ProjectedOptimizer(torch.optim.AdamW(model_a.parameters(), lr=1e-2), model_a)
+    inner_b = torch.optim.AdamW(model_b.parameters(), lr=1e-2)
+    wrapper_b = ProjectedOptimizer(inner_b, model_b)
+    seen = []
+    wrapper_b.register_step_post_hook(lambda opt, args, kwargs: seen.append(next(model_b.parameters()).clone()))
+    after_a = one_step(model_a, wrapper_a)
+    after_b = one_step(model_b, inner_b)  # the inner optimiser, stepped directly
+    assert torch.equal(after_a, after_b) and wrapper_b.projected_steps == 1
+    assert torch.equal(seen[0], next(model_b.parameters()))
+
+    after_plain = one_step(model_c, torch.optim.AdamW(model_c.parameters(), lr=1e-2))
+    assert not torch.allclose(after_a, after_plain)  # the projection changed the step
+    model_a.load_state_dict(base.state_dict())
+    unwrapped = ProjectedOptimizer(torch.optim.AdamW(model_a.parameters(), lr=1e-2), model_a).unwrap()
+    assert torch.equal(one_step(model_a, unwrapped), after_plain)
+    with pytest.raises(TypeError, match="optimizer"):
+        ProjectedOptimizer(wrapper_a, model_a)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -372,25 +371,37 @@ class ProjectedOptimizer(torch.optim.Optimizer):
     delta = theta_new - theta_old is replaced by delta - P_V(delta) (DESIGN 2.3), P_V the orthogonal projection onto
     the vertical space of the model's symmetry groups at theta_old.
 
-    It is a `torch.optim.Optimizer` (LR schedulers, HF Trainer and accelerate accept it) that delegates
-    `param_groups`, `state`, `zero_grad`, `add_param_group` and the state dict to the wrapped optimiser; the
-    state dict adds one entry with the projection settings. `last_stats` holds the last step's `ProjectionStats`.
-    Keyword arguments go to `UpdateProjector`.
+    The projection is installed on the wrapped optimiser through torch's public hooks: a step pre-hook snapshots
+    theta_old, a step post-hook (the first one, so later post-hooks see the projected parameters) replaces the update,
+    and state-dict hooks add and read back one entry, "symmetry_projection", with the projection's settings and step
+    count. So the wrapped optimiser projects and saves itself whoever calls it; `unwrap()` removes the hooks.
+
+    The wrapper is a `torch.optim.Optimizer` (LR schedulers, HF Trainer and accelerate accept it) that delegates
+    `param_groups`, `state`, `defaults`, `step`, `zero_grad`, `add_param_group`, the state dict and hook registration
+    to the wrapped optimiser, like accelerate's `AcceleratedOptimizer`. `last_stats` holds the last step's
+    `ProjectionStats`. Keyword arguments go to `UpdateProjector`.
     """
 
+    #: the state-dict entry holding the projection's settings and step count
+    STATE_KEY = "symmetry_projection"
+
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, **projector_kwargs: Any) -> None:
-        # Not calling Optimizer.__init__: the wrapped optimiser owns parameters and state.
+        # Not calling Optimizer.__init__: the wrapped optimiser owns parameters, state and hooks.
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ProjectedOptimizer):
+            raise TypeError(
+                f"optimizer: expected a torch.optim.Optimizer that is not already projected, got {type(optimizer)!r}"
+            )
         self.optimizer = optimizer
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
         owned = [p for group in optimizer.param_groups for p in group["params"]]
         self.projector = UpdateProjector(model, allowed_params=owned, **projector_kwargs)
         self.projected_steps = 0
+        self._old: ParamDict | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._snapshot),
+            optimizer.register_step_post_hook(self._project),
+            optimizer.register_state_dict_post_hook(self._add_state),
+            optimizer.register_load_state_dict_pre_hook(self._read_state),
+        ]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -420,24 +431,52 @@ class ProjectedOptimizer(torch.optim.Optimizer):
     def last_stats(self) -> ProjectionStats | None:
         return self.projector.last_stats
 
-    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        """Inner step, then replace its update by the horizontal part."""
+    # --- the projection, as hooks of the wrapped optimiser ------------------------------------------------------
+    @torch.no_grad()
+    def _snapshot(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: remember theta_old."""
+        self._old = {k: p.detach().clone() for k, p in self.projector.params.items()}
+
+    @torch.no_grad()
+    def _project(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: theta_new -> theta_old + delta - P_V(delta), P_V taken at theta_old (DESIGN 2.3)."""
+        old, self._old = self._old, None
+        if old is None:
+            return
         params, dtype = self.projector.params, self.projector.dtype
-        with torch.no_grad():
-            old = {k: p.detach().clone() for k, p in params.items()}
-        loss = self.optimizer.step(closure)
-        with torch.no_grad():
-            delta = {k: p.detach().to(dtype) - old[k].to(dtype) for k, p in params.items()}
-            # P_V is taken at the parameters the update starts from (theta_old, the snapshot), as in DESIGN 2.3
-            vertical = self.projector.vertical_part(delta, at=old)
-            for k, v in vertical.items():
-                p = params[k]
-                if p.dtype == dtype:
-                    p.sub_(v)  # theta_old + delta - v
-                else:
-                    p.copy_((old[k].to(dtype) + delta[k] - v).to(p.dtype))
+        delta = {k: p.detach().to(dtype) - old[k].to(dtype) for k, p in params.items()}
+        vertical = self.projector.vertical_part(delta, at=old)
+        for k, v in vertical.items():
+            p = params[k]
+            if p.dtype == dtype:
+                p.sub_(v)  # theta_old + delta - v
+            else:
+                p.copy_((old[k].to(dtype) + delta[k] - v).to(p.dtype))
         self.projected_steps += 1
-        return loss
+
+    def _add_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """State-dict post-hook: add the projection's entry."""
+        state_dict[self.STATE_KEY] = {
+            "projected_steps": self.projected_steps,
+            "tol": self.projector.tol,
+            "max_iter": self.projector.max_iter,
+            "eps": self.projector.eps,
+            "groups": [g.key for g in self.projector.groups],
+        }
+        return state_dict
+
+    def _read_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Load-state-dict pre-hook: take the projection's entry out (a plain optimiser's state dict has none)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(self.STATE_KEY, None)
+        if extra is not None:
+            self.projected_steps = int(extra.get("projected_steps", 0))
+        return state_dict
+
+    # --- delegation -----------------------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """The inner step; its hooks replace the update by the horizontal part."""
+        return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -446,22 +485,37 @@ class ProjectedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        out = dict(self.optimizer.state_dict())
-        out["symmetry_projection"] = {
-            "projected_steps": self.projected_steps,
-            "tol": self.projector.tol,
-            "max_iter": self.projector.max_iter,
-            "eps": self.projector.eps,
-            "groups": [g.key for g in self.projector.groups],
-        }
-        return out
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("symmetry_projection", None)
         self.optimizer.load_state_dict(state_dict)
-        if extra is not None:
-            self.projected_steps = int(extra.get("projected_steps", 0))
+
+    def register_step_pre_hook(self, hook):  # type: ignore[override]
+        """Registered on the wrapped optimiser: runs before its update (after the snapshot of theta_old)."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):  # type: ignore[override]
+        """Registered on the wrapped optimiser: runs after the projection."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):  # type: ignore[override]
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):  # type: ignore[override]
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """Remove the projection's hooks and return the wrapped optimiser (which then steps unprojected)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.optimizer
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__

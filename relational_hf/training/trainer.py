@@ -14,6 +14,9 @@ What it adds to `Trainer` (each off by default, so with the defaults it computes
   otherwise both are per-micro-batch means that the Trainer divides by the accumulation steps. So gradient
   accumulation k x b gives the gradient of batch k b, and DDP's gradient average gives the gradient of the global
   batch.
+- its own state rides on public mechanisms: the projection's step count on the wrapped optimiser's state dict
+  (`optimizer.pt`), the balance reference of `orbit_drift` in `relational_trainer_state.pt`, written beside each
+  checkpoint by a callback's `on_save` and read back by `train(resume_from_checkpoint=...)`.
 - logs, at every logging step: `task_loss` and `parallel_suppression` (their sum is the Trainer's `loss`),
   `parallel_ratio` (mean |y_par| / |y_perp| at the suppression sites, measured on the micro-batches of the logging
   step) and `orbit_drift` (change of the balance W_Q^T W_Q - W_K^T W_K, W_V^T W_V - W_O W_O^T since the start of
@@ -22,16 +25,17 @@ What it adds to `Trainer` (each off by default, so with the defaults it computes
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import tempfile
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback, TrainerControl
 from transformers.trainer_pt_utils import nested_gather
-from transformers.trainer_utils import _is_peft_model
-from transformers.training_args import IntervalStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
 
 from .arguments import RelationalTrainingArguments
 from .suppression import ParallelSuppression, token_positions
@@ -63,7 +67,7 @@ class RelationalTrainer(Trainer):
                     "launch one process per GPU with torchrun or accelerate launch (DDP)"
                 )
             self.suppression = ParallelSuppression(self.model, self.suppression_site)
-        if self.symmetry_projection == "update" and _is_peft_model(self.model):
+        if self.symmetry_projection == "update" and _is_peft(self.model):
             raise ValueError(
                 "symmetry_projection='update' projects updates of the model's full weights, which a PEFT (LoRA) model "
                 "keeps frozen; use full fine-tuning with projection, or projection 'none' with LoRA"
@@ -71,8 +75,22 @@ class RelationalTrainer(Trainer):
         self._batch_positions: torch.Tensor | None = None  # token positions of the current accumulated batch
         self._measure_ratio = False
         self._sums: torch.Tensor | None = None  # task loss, suppression term, ratio sum, ratio count (on device)
-        self._sums_last_step = 0
+        self._steps_since_log = 0  # optimiser steps since the last training log (counted by `_StateCallback`)
         self._balance_reference: Any = None
+        self.add_callback(_StateCallback(self))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """`Trainer.train`; when resuming, also reads back the balance reference of `orbit_drift` saved beside the
+        checkpoint (`relational_trainer_state.pt`), so the resumed run logs what the uninterrupted run logs."""
+        checkpoint = resume_from_checkpoint
+        if isinstance(checkpoint, bool):
+            checkpoint = get_last_checkpoint(self.args.output_dir) if checkpoint else None
+        if checkpoint is not None:
+            path = os.path.join(checkpoint, STATE_NAME)
+            if os.path.isfile(path):
+                self._balance_reference = torch.load(path, map_location="cpu", weights_only=True)["balance_reference"]
+        self._sums, self._steps_since_log = None, 0
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---- optimiser ----------------------------------------------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -156,13 +174,18 @@ class RelationalTrainer(Trainer):
         )
 
     def _logs_next_step(self) -> bool:
-        """Whether the optimiser step about to run is a logging step (`DefaultFlowCallback`'s rule)."""
-        step = self.state.global_step + 1
-        if step == 1 and self.args.logging_first_step:
+        """Whether the optimiser step about to run is a logging step. The trainer's `DefaultFlowCallback`s answer
+        (their `on_step_end` on a copy of the state one step ahead and a fresh control), so the rule stays theirs;
+        with an epoch logging strategy any step may end the epoch, so every step measures."""
+        if self.args.logging_strategy == IntervalStrategy.EPOCH:
             return True
-        if self.args.logging_strategy == IntervalStrategy.STEPS:
-            return step % max(1, int(self.state.logging_steps or 1)) == 0
-        return self.args.logging_strategy != IntervalStrategy.NO
+        ahead = copy.copy(self.state)
+        ahead.global_step = self.state.global_step + 1
+        control = TrainerControl()
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, DefaultFlowCallback):
+                callback.on_step_end(self.args, ahead, control)
+        return control.should_log
 
     # ---- logging --------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -174,7 +197,7 @@ class RelationalTrainer(Trainer):
 
     def _training_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        steps = self.state.global_step - self._sums_last_step
+        steps = self._steps_since_log
         if self.suppression is not None and steps > 0:
             sums = torch.zeros(4, device=self.args.device) if self._sums is None else self._sums.to(self.args.device)
             gathered = nested_gather(sums, self.args.parallel_mode).view(-1, 4).double().cpu()
@@ -184,24 +207,51 @@ class RelationalTrainer(Trainer):
             if count > 0:
                 metrics["parallel_ratio"] = gathered[:, 2].sum().item() / count
         self._sums = None
-        self._sums_last_step = self.state.global_step
+        self._steps_since_log = 0
         drift = _orbit_drift(self.model, self._balance_reference)
         if drift is not None:
             metrics["orbit_drift"] = drift
         return metrics
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save and self._balance_reference is not None:
-            torch.save({"balance_reference": self._balance_reference}, os.path.join(output_dir, STATE_NAME))
+    def _save_balance_reference(self, checkpoint: str) -> None:
+        """Write the balance reference beside the checkpoint (staged beside, then renamed)."""
+        if not self.args.should_save or self._balance_reference is None:
+            return
+        if not os.path.isdir(checkpoint):
+            logger.warning("checkpoint folder %s not found: the orbit_drift reference is not saved with it", checkpoint)
+            return
+        fd, staged = tempfile.mkstemp(prefix=f".{STATE_NAME}.", dir=checkpoint)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save({"balance_reference": self._balance_reference}, handle)
+            os.replace(staged, os.path.join(checkpoint, STATE_NAME))
+        except BaseException:
+            if os.path.exists(staged):
+                os.remove(staged)
+            raise
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = None if checkpoint is None else os.path.join(checkpoint, STATE_NAME)
-        if path is not None and os.path.isfile(path):
-            self._balance_reference = torch.load(path, map_location="cpu", weights_only=True)["balance_reference"]
-        self._sums_last_step = self.state.global_step
+
+class _StateCallback(TrainerCallback):
+    """The trainer's bookkeeping through public callback events: counts optimiser steps between training logs, and
+    saves the balance reference of orbit_drift beside every checkpoint `Trainer` writes."""
+
+    def __init__(self, trainer: RelationalTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._steps_since_log += 1
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.trainer._save_balance_reference(checkpoint)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    """A PEFT-wrapped model (its base weights are frozen)."""
+    from peft import PeftMixedModel, PeftModel
+
+    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def _is_projected(optimizer: torch.optim.Optimizer) -> bool:
@@ -216,7 +266,7 @@ def _balance_snapshot(model: nn.Module) -> dict[str, torch.Tensor] | None:
     from ..architectures import UnsupportedModelError
     from ..symmetry import orbit_balance
 
-    if _is_peft_model(model):  # the base weights are frozen: nothing moves along their orbits
+    if _is_peft(model):  # the base weights are frozen: nothing moves along their orbits
         return None
     try:
         balance = orbit_balance(model)
