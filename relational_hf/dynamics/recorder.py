@@ -21,14 +21,13 @@ raw and canonical ones; a third, transient, at a recorded step). Not for sharded
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,26 +88,6 @@ class ParameterSketch:
             sign = (code & 1).double() * 2 - 1
             out.index_add_(0, code >> 1, x * sign)
         return out.numpy()
-
-
-@contextlib.contextmanager
-def _parameters_at(params: dict[int, nn.Parameter], values: dict[int, torch.Tensor] | None) -> Iterator[None]:
-    """Temporarily give the parameters `params` (id -> parameter) the `values` (id -> tensor); restored on exit."""
-    if not values:
-        yield
-        return
-    saved = {}
-    with torch.no_grad():
-        for k, p in params.items():
-            if k in values:
-                saved[k] = p.detach().clone()
-                p.copy_(values[k])
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for k, v in saved.items():
-                params[k].copy_(v)
 
 
 class QuotientRecorder:
@@ -231,9 +210,11 @@ class QuotientRecorder:
             return math.sqrt(total_sq), 0.0, math.sqrt(total_sq)
         owned = self.projector.params
         keyed = {id(p): d.double() for (_, p), d in zip(self.params, delta) if id(p) in owned}
-        values = None if at is None else {id(p): v for (_, p), v in zip(self.params, at) if id(p) in owned}
-        with _parameters_at(owned, values):
-            vertical = self.projector.vertical_part(keyed)
+        values = None
+        if at is not None:  # projected at these values, read in place: the live parameters are never touched
+            given = {id(p): v for (_, p), v in zip(self.params, at)}
+            values = {k: given[k] if k in given else p.detach() for k, p in owned.items()}
+        vertical = self.projector.vertical_part(keyed, at=values)
         vertical_sq = sum(float(v.square().sum()) for v in vertical.values())
         horizontal_sq = 0.0
         for (_, p), d in zip(self.params, delta):
