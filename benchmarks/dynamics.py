@@ -4,8 +4,9 @@
     python benchmarks/dynamics.py            # size d64 (d=64, 2 layers), 800 steps, 3 seeds x 3 settings (~6-9 min, 2 cores)
     python benchmarks/dynamics.py --quick    # size q32 (d=32, 1 layer), 60 steps (< 2 minutes)
 
-Every run uses benchmarks/quality.py's models, corpus split, batch (12 x 64 tokens), AdamW settings and warmup/cosine
-schedule, at one peak learning rate (PEAK_LR, not swept); seed = model init and batch order. A
+Every run uses the quality benchmark's models, corpus split, batch (12 x 64 tokens), AdamW settings, warmup/cosine
+schedule and training loop (benchmarks/quality_setup.py, quality_runner.py), at one peak learning rate (PEAK_LR, not
+swept); seed = model init and batch order. A
 `relational_hf.dynamics.QuotientRecorder` records every run (trajectory files under results/dynamics[_quick]_runs/,
 figures of `relational-hf dynamics` under results/dynamics[_quick]_plots/). Measured:
 
@@ -45,12 +46,13 @@ from pathlib import Path
 
 import common
 import numpy as np
-import quality
+import quality_runner
+import quality_setup
 import torch
 
 logger = logging.getLogger("dynamics")
 
-#: name -> (description, benchmarks/quality.py contender)
+#: name -> (description, the quality benchmark's contender)
 VARIANTS = {
     "free_adamw": ("relational, free gauge, plain AdamW", "relational_free"),
     "free_adamw_projected": (
@@ -59,7 +61,7 @@ VARIANTS = {
     ),
     "pivot": ("relational, pivot gauge (QK, VO, MLP scales fixed in storage), plain AdamW", "relational_pivot"),
 }
-#: model sizes (the keys of quality.build_model's dims): quality.py's "d64" and its quick "q32"
+#: model sizes (the keys of quality_setup.build_model's dims): the quality benchmark's "d64" and its quick "q32"
 D64 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=192)
 Q32 = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=96)
 BUDGETS = {
@@ -69,7 +71,7 @@ BUDGETS = {
                     eval_every=100, eval_blocks=256, kl_blocks=32),
 }  # fmt: skip
 SEEDS = [0, 1, 2]
-PEAK_LR = 4e-3  # the peak LR quality.py's sweep chose on Tiny Shakespeare (llama/d32, 600 steps)
+PEAK_LR = 4e-3  # the peak LR the quality benchmark's sweep chose on Tiny Shakespeare (llama/d32, 600 steps)
 SMOOTH = 25
 SKETCH_DIM, SKETCH_SEED = 512, 0
 PROBE_BLOCKS = 4  # fixed validation blocks of the recorder's probe (loss, parallel ratio)
@@ -92,19 +94,8 @@ def _set_data(data: dict, threads: int) -> None:
 def make_optimizer(
     model: torch.nn.Module, variant: str, lr: float
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """(what steps, the inner AdamW): quality.OPTIMIZER's AdamW (decay on matrices only), wrapped in ProjectedOptimizer
-    for the projected variant."""
-    from relational_hf.symmetry import ProjectedOptimizer
-
-    settings = quality.OPTIMIZER
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    inner = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=settings["betas"], eps=settings["eps"],
-    )  # fmt: skip
-    projected = VARIANTS[variant][1] in quality.PROJECTED
-    return (ProjectedOptimizer(inner, model) if projected else inner), inner
+    """(what steps, the inner AdamW): the quality benchmark's optimiser, projected for the projected variant."""
+    return quality_runner.make_optimizer(model, lr, VARIANTS[variant][1] in quality_setup.PROJECTED)
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -143,7 +134,7 @@ def update_variance(model, stepper, variant: str, lr: float, batches: torch.Tens
         params = [p for p in trial.parameters() if p.requires_grad]
         before = [p.detach().clone() for p in params]
         trial(input_ids=ids[None] if ids.dim() == 1 else ids, labels=ids, use_cache=False).loss.backward()
-        torch.nn.utils.clip_grad_norm_(trial.parameters(), quality.OPTIMIZER["grad_clip_norm"])
+        torch.nn.utils.clip_grad_norm_(trial.parameters(), quality_setup.OPTIMIZER["grad_clip_norm"])
         grads.append(_flat(p.grad for p in params))
         trial_stepper.step()
         updates.append({n: (p.detach() - b).double() for n, p, b in zip(names, params, before)})
@@ -175,46 +166,42 @@ def run_one(job: dict) -> dict:
     started = time.perf_counter()
     variant, seed, steps, lr = job["variant"], job["seed"], job["steps"], job["lr"]
     torch.manual_seed(seed)
-    model = quality.build_model(VARIANTS[variant][1], job["dims"], job["vocab_size"])
+    model = quality_setup.build_model(VARIANTS[variant][1], job["dims"], job["vocab_size"])
     model.train()
     stepper, inner = make_optimizer(model, variant, lr)
     metadata = {"label": f"{variant} seed {seed}", "group": variant, "seed": seed,
-                "projection": VARIANTS[variant][1] in quality.PROJECTED, "learning_rate": lr}  # fmt: skip
+                "projection": VARIANTS[variant][1] in quality_setup.PROJECTED, "learning_rate": lr}  # fmt: skip
     recorder = QuotientRecorder(model, every=job["every"], sketch_dim=SKETCH_DIM, seed=SKETCH_SEED,
                                 probe_input_ids=_DATA["probe"], metadata=metadata)  # fmt: skip
-    batch = quality.BATCH_SIZE
-    windows = RandomBlockDataset(_DATA["train_ids"], quality.CONTEXT, steps * batch, seed=seed)
+    batch = quality_setup.BATCH_SIZE
+    windows = RandomBlockDataset(_DATA["train_ids"], quality_setup.CONTEXT, steps * batch, seed=seed)
     recorder.record(0)
-    losses, val, variance, step_seconds = [], [], {}, []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        for group in inner.param_groups:
-            group["lr"] = quality.lr_at(step, steps, lr)
-        ids = torch.stack([windows[i]["input_ids"] for i in range(step * batch, (step + 1) * batch)])
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), quality.OPTIMIZER["grad_clip_norm"])
+    val, variance = [], {}
+    due, lr_now = False, lr
+
+    def before_step(step: int) -> None:
+        nonlocal due, lr_now
         due = recorder.due(step + 1) or step + 1 == steps
-        t1 = time.perf_counter()
+        lr_now = inner.param_groups[0]["lr"]  # this step's learning rate
         if due:
             recorder.before_update()
-        t2 = time.perf_counter()
-        stepper.step()
-        t3 = time.perf_counter()
+
+    def after_step(step: int, loss: float) -> None:
         if due:
             recorder.after_update()
-        stepper.zero_grad(set_to_none=True)
-        step_seconds.append((t1 - t0) + (t3 - t2))
-        losses.append(loss.item())
-        recorder.add_loss(step + 1, losses[-1])
+        recorder.add_loss(step + 1, loss)
         if due:
             recorder.record(step + 1)
         if step + 1 in job["variance_at"]:
-            lr_now = inner.param_groups[0]["lr"]
             variance[step + 1] = update_variance(model, stepper, variant, lr_now, _DATA["variance_batches"])
         if (step + 1) % job["eval_every"] == 0 or step + 1 == steps:
             total, count = token_nll(model, _DATA["eval_blocks"], batch_size=64)
             val.append((step + 1, total / count))
+
+    trained = quality_runner.train_steps(
+        model, stepper, inner, windows, steps=steps, batch=batch, before_step=before_step, after_step=after_step
+    )
+    losses, step_seconds = trained["train_losses"], trained["step_seconds"]
     run_dir = Path(job["runs_dir"]) / f"{variant}_seed{seed}"
     recorder.save(run_dir / TRAJECTORY_NAME)
     total, count = token_nll(model, _DATA["val_blocks"], batch_size=64)
@@ -434,19 +421,19 @@ def main(argv: list[str] | None = None) -> dict:
         print_table(payload)
         return payload
     started = time.monotonic()
-    corpus = quality.load_shakespeare()
-    val_blocks = lm_blocks(corpus["val_ids"], quality.CONTEXT)
+    corpus = quality_setup.load_shakespeare()
+    val_blocks = lm_blocks(corpus["val_ids"], quality_setup.CONTEXT)
     generator = torch.Generator().manual_seed(BATCH_SEED)
-    starts = torch.randint(0, corpus["train_ids"].numel() - quality.CONTEXT, (budget["variance_batches"] * quality.BATCH_SIZE,),
+    starts = torch.randint(0, corpus["train_ids"].numel() - quality_setup.CONTEXT, (budget["variance_batches"] * quality_setup.BATCH_SIZE,),
                            generator=generator)  # fmt: skip
-    windows = torch.stack([corpus["train_ids"][s : s + quality.CONTEXT] for s in starts.tolist()])
+    windows = torch.stack([corpus["train_ids"][s : s + quality_setup.CONTEXT] for s in starts.tolist()])
     data = {
         "train_ids": corpus["train_ids"],
         "val_blocks": val_blocks if not args.quick else val_blocks[: budget["eval_blocks"]],
         "eval_blocks": val_blocks[: budget["eval_blocks"]],
         "kl_blocks": val_blocks[-budget["kl_blocks"] :],
         "probe": val_blocks[:PROBE_BLOCKS],
-        "variance_batches": windows.view(budget["variance_batches"], quality.BATCH_SIZE, quality.CONTEXT),
+        "variance_batches": windows.view(budget["variance_batches"], quality_setup.BATCH_SIZE, quality_setup.CONTEXT),
     }
     runs_dir = common.RESULTS / f"{name}_runs"
     jobs = [dict(variant=v, seed=s, steps=budget["steps"], lr=args.lr, dims=budget["dims"], every=budget["every"],
@@ -471,10 +458,10 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus": corpus["name"],
         "corpus_source": corpus["source"],
         "vocab_size": corpus["vocab_size"],
-        "budget": {k: v for k, v in budget.items()} | {"name": budget_name, "batch_size": quality.BATCH_SIZE,
-                                                        "context": quality.CONTEXT, "peak_lr": args.lr,
+        "budget": {k: v for k, v in budget.items()} | {"name": budget_name, "batch_size": quality_setup.BATCH_SIZE,
+                                                        "context": quality_setup.CONTEXT, "peak_lr": args.lr,
                                                         "seeds": SEEDS},  # fmt: skip
-        "optimizer": quality.OPTIMIZER,
+        "optimizer": quality_setup.OPTIMIZER,
         "variants_run": {v: VARIANTS[v][0] for v in VARIANTS},
         "recorder": {"sketch_dim": SKETCH_DIM, "sketch_seed": SKETCH_SEED, "probe_blocks": PROBE_BLOCKS,
                      "vertical_groups": "every linear group but the residual rotation (ProjectedOptimizer's default)"},

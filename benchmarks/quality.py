@@ -14,6 +14,7 @@ needs >= 1.3x the parameters for the same loss.
     python benchmarks/quality.py --long                # 5x the tokens (GPU or overnight CPU)
     python benchmarks/quality.py --seeds 2 --contenders llama,relational_pivot   # a reduced grid
     python benchmarks/quality.py --corpus wikitext2 --sweep-size d96   # LR swept on the largest default Llama
+    python benchmarks/quality.py --reanalyse --long    # recompute verdicts of the stored JSON (trains nothing)
 
 Corpora (read from ../shared/data; skipped with a message where absent):
 - shakespeare: Tiny Shakespeare, character level (the byte-level tokenizer, ids compacted to the characters that
@@ -22,702 +23,51 @@ Corpora (read from ../shared/data; skipped with a message where absent):
   headings), first 90% of documents train, last 10% validate, byte-level BPE (vocabulary 1024) trained on the
   train part only.
 
-Writes benchmarks/results/quality_<corpus>[_quick|_long].json and .png.
+Writes benchmarks/results/quality_<corpus>[_quick|_long].json and .png. The code lives in quality_setup.py (sizes,
+contenders, budgets, corpora, models), quality_runner.py (schedule, the training loop, worker pool) and
+quality_analysis.py (Llama curve, verdicts, plot, tables); this file is the driver.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
 import os
-import re
-import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from multiprocessing import get_context
 
 import common
 import torch
+from quality_analysis import (
+    analyse,
+    markdown_table,
+    plot,
+    print_table,
+)
+from quality_runner import Runner
+from quality_setup import (
+    BATCH_SIZE,
+    BUDGETS,
+    CONTENDERS,
+    CONTEXT,
+    CONTROLS,
+    CORPORA,
+    DEFAULT_CONTENDERS,
+    OPTIMIZER,
+    PROJECTED,
+    model_signature,
+    projected_optimizer_status,
+)
 
 logger = logging.getLogger("quality")
 
-# ---------------------------------------------------------------------------------------------------------------
-# What is compared
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _dims(width: int, layers: int, heads: int, kv_heads: int, mlp: int) -> dict:
-    return dict(
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=mlp,
-    )
-
-
-#: The Llama families: width, depth, heads, MLP ratio and GQA all vary. head_dim is a multiple of 8 so that
-#: qk_rank = head_dim/4 stays even (rotary pairs). "d128" is nanoGPT's CPU shakespeare_char size (4 layers, 4 heads,
-#: d=128) with a SwiGLU of width 3d. It is in the --long family only: at the default budget it is past the point where
-#: more parameters help (measured on Tiny Shakespeare at 600 steps: d128 1.989 ± 0.020 against d96 1.933 ± 0.012
-#: nats), and it would cost half the default's time. Stored parameters span ~11x (default) and ~15x (long) on Tiny
-#: Shakespeare (the exact counts depend on the vocabulary).
-#: _dims(width, layers, heads, kv heads, SwiGLU width)
-SIZES = {
-    "d32": _dims(32, 2, 2, 2, 96),
-    "d48": _dims(48, 2, 2, 2, 128),
-    "d64": _dims(64, 2, 4, 4, 192),
-    "d96": _dims(96, 3, 4, 2, 256),
-    "d128": _dims(128, 4, 4, 4, 384),
-}
-DEFAULT_SIZES = {k: SIZES[k] for k in ("d32", "d48", "d64", "d96")}
-LONG_SIZES = {k: SIZES[k] for k in ("d48", "d64", "d96", "d128")}
-QUICK_SIZES = {"q16": _dims(16, 1, 2, 2, 48), "q32": _dims(32, 1, 2, 2, 96)}
-
-#: Contenders, in the order they run (a run cut short by --max-minutes keeps the first ones whole): name ->
-#: (description, RelationalConfig overrides). qk_rank=k means head_dim / k; "half" kv heads means
-#: min(the size's kv heads, H / 2).
-CONTENDERS = {
-    "llama": ("Transformers LlamaForCausalLM (RMSNorm gains, tied embeddings)", None),
-    "relational_pivot": ("relational, pivot gauge, RoPE", dict(gauge="pivot")),
-    "relational_pivot_vpr": (
-        "relational, pivot gauge, value-space parallel removal (VO left free)",
-        dict(gauge="pivot", value_parallel_removal=True),
-    ),
-    "relational_thin2_gqa_vpr": (
-        "combination: pivot gauge, qk_rank = head_dim/2, GQA (H/2 kv heads), value-space parallel removal",
-        dict(gauge="pivot", qk_rank=2, num_key_value_heads="half", value_parallel_removal=True),
-    ),
-    "relational_thin2_gqa": (
-        "relational, pivot gauge, qk_rank = head_dim/2, GQA (H/2 kv heads)",
-        dict(gauge="pivot", qk_rank=2, num_key_value_heads="half"),
-    ),
-    "relational_thin4_gqa": (
-        "relational, pivot gauge, qk_rank = head_dim/4, GQA (H/2 kv heads)",
-        dict(gauge="pivot", qk_rank=4, num_key_value_heads="half"),
-    ),
-    "relational_free_projected": (
-        "relational, free gauge, AdamW wrapped in relational_hf.symmetry.ProjectedOptimizer (horizontal updates)",
-        dict(gauge="free"),
-    ),
-    "relational_free": ("control: relational, free gauge, plain AdamW (not in the default grid)", dict(gauge="free")),
-    "relational_free_vpr": (
-        "control: relational, free gauge, plain AdamW, value-space parallel removal (not in the default grid)",
-        dict(gauge="free", value_parallel_removal=True),
-    ),
-    "relational_pivot_c1": (
-        "control: relational, pivot gauge at the first default pivot value c = initializer_range (now 5x that), "
-        "which leaves W_Q about ten times larger than W_K at initialisation (not in the default grid)",
-        dict(gauge="pivot", pivot_scale="initializer_range"),
-    ),
-    "llama_fixed_gains": (
-        "control: Llama with every RMSNorm gain frozen at 1, like the relational model's gain-free norms (not in the "
-        "default grid; its frozen gains are still counted)",
-        None,
-    ),
-}
-CONTROLS = {"relational_free", "relational_free_vpr", "relational_pivot_c1", "llama_fixed_gains"}
-DEFAULT_CONTENDERS = [c for c in CONTENDERS if c not in CONTROLS]
-PROJECTED = {"relational_free_projected"}
-
-#: Budgets: optimizer steps per run (tokens = steps x batch x context), seeds, LR sweep, validation tokens.
-BUDGETS = {
-    "quick": dict(steps=50, seeds=2, sweep_lrs=[3e-3, 1e-2], eval_tokens=4096, sizes=QUICK_SIZES),
-    "default": dict(
-        steps=600, seeds=3, sweep_lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2], eval_tokens=None, sizes=DEFAULT_SIZES
-    ),
-    "long": dict(steps=3000, seeds=3, sweep_lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2], eval_tokens=None, sizes=LONG_SIZES),
-}
-#: nanoGPT's CPU shakespeare_char batch and context, used for both corpora.
-BATCH_SIZE, CONTEXT = 12, 64
-OPTIMIZER = dict(
-    name="AdamW",
-    betas=(0.9, 0.99),
-    eps=1e-8,
-    weight_decay=0.1,
-    weight_decay_on="parameters with ndim >= 2 (matrices, embedding); none on vectors (norm gains, biases)",
-    grad_clip_norm=1.0,
-    warmup_fraction=0.05,
-    min_lr_fraction=0.1,
-    schedule="linear warmup, then cosine decay to min_lr_fraction x peak at the last step",
-)
-#: A relational point is "within seed noise" of the Llama curve when |difference| <= NOISE_SE standard errors of
-#: the difference (rough: 3 seeds give a poor estimate of the spread).
-NOISE_SE = 2.0
-GOAL_RATIO = 1.3
-WIKITEXT_BPE_VOCAB = 1024
-
 
 # ---------------------------------------------------------------------------------------------------------------
-# Corpora
+# Driver
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def load_shakespeare() -> dict:
-    """Tiny Shakespeare at character level: the project's byte-level tokenizer (the text is ASCII, so a byte is a
-    character), ids compacted to the distinct characters of the whole text as nanoGPT does; 90/10 line split."""
-    from relational_hf.training.data import byte_level_tokenizer, encode, split_text
-
-    path = common.SHARED_DATA / "tinyshakespeare" / "input.txt"
-    text = path.read_text(encoding="utf-8")
-    train_text, val_text = split_text(text, 0.1)
-    tok = byte_level_tokenizer()
-    train_bytes, val_bytes = encode(tok, train_text), encode(tok, val_text)
-    alphabet = torch.unique(torch.cat([train_bytes, val_bytes]))
-    lookup = torch.full((int(alphabet.max()) + 1,), -1, dtype=torch.long)
-    lookup[alphabet] = torch.arange(alphabet.numel())
-    return {
-        "name": "shakespeare",
-        "source": str(path.relative_to(common.SHARED_DATA.parent)),
-        "tokenizer": "character level: byte_level_tokenizer ids compacted to the characters that occur",
-        "split": "first 90% of the text (cut at a line boundary) trains, last 10% validates",
-        "vocab_size": alphabet.numel(),
-        "train_ids": lookup[train_bytes],
-        "val_ids": lookup[val_bytes],
-        "val_chars": len(val_text),
-    }
-
-
-def wikitext_documents(text: str) -> list[str]:
-    """Split WikiText text into articles at the top-level headings ` = Title = ` (not ` = = Section = = `)."""
-    starts = [m.start() for m in re.finditer(r"^ = [^=].* = $", text, flags=re.MULTILINE)]
-    bounds = [0, *starts[1:], len(text)]  # any text before the first heading stays with the first article
-    return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def load_wikitext2() -> dict:
-    """WikiText-2 validation text split by documents 90/10; BPE trained on the train documents only."""
-    from relational_hf.training.data import encode, train_bpe_tokenizer
-
-    path = common.SHARED_DATA / "wikitext-2" / "valid.txt"
-    docs = wikitext_documents(path.read_text(encoding="utf-8"))
-    cut = round(0.9 * len(docs))
-    train_text, val_text = "".join(docs[:cut]), "".join(docs[cut:])
-    tok = train_bpe_tokenizer(train_text.splitlines(), vocab_size=WIKITEXT_BPE_VOCAB)
-    return {
-        "name": "wikitext2",
-        "source": str(path.relative_to(common.SHARED_DATA.parent)),
-        "tokenizer": f"byte-level BPE (train_bpe_tokenizer, vocabulary {len(tok)}) trained on the train documents",
-        "split": (
-            f"WikiText-2 validation split (the train split is not available here) cut by documents at ' = Title = ' "
-            f"headings: first {cut} of {len(docs)} documents train, last {len(docs) - cut} validate"
-        ),
-        "vocab_size": len(tok),
-        "train_ids": encode(tok, train_text),
-        "val_ids": encode(tok, val_text),
-        "val_chars": len(val_text),
-    }
-
-
-CORPORA = {
-    "shakespeare": ("tinyshakespeare/input.txt", load_shakespeare),
-    "wikitext2": ("wikitext-2/valid.txt", load_wikitext2),
-}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Models and training
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def model_config(contender: str, dims: dict, vocab_size: int):
-    """The Transformers config of one contender at one size (Llama, or relational with the contender's options)."""
-    from transformers import LlamaConfig
-
-    from relational_hf import RelationalConfig
-
-    base = dict(dims, vocab_size=vocab_size, max_position_embeddings=CONTEXT, tie_word_embeddings=True)
-    overrides = CONTENDERS[contender][1]
-    if overrides is None:
-        return LlamaConfig(**base)
-    over = dict(overrides)
-    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-    if "qk_rank" in over:
-        over["qk_rank"] = head_dim // over["qk_rank"]
-    if over.get("num_key_value_heads") == "half":
-        over["num_key_value_heads"] = min(dims["num_key_value_heads"], dims["num_attention_heads"] // 2)
-    if over.get("pivot_scale") == "initializer_range":
-        over["pivot_scale"] = RelationalConfig().initializer_range
-    return RelationalConfig(**{**base, **over})
-
-
-def model_signature(contender: str, dims: dict, vocab_size: int) -> str:
-    """A short hash of the contender's full model config at this size: --resume reuses a run only when it matches,
-    so runs made before a change to the architecture's defaults are trained again."""
-    config = model_config(contender, dims, vocab_size).to_dict()
-    for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
-        config.pop(key, None)
-    if config.get("gauge") == "free":
-        config.pop("pivot_scale", None)  # unused by the free gauge
-    text = json.dumps(config, sort_keys=True, default=str)
-    return hashlib.sha1(f"{contender}:{text}".encode()).hexdigest()[:12]
-
-
-def build_model(contender: str, dims: dict, vocab_size: int) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    from relational_hf import RelationalForCausalLM
-
-    config = model_config(contender, dims, vocab_size)
-    model = LlamaForCausalLM(config) if CONTENDERS[contender][1] is None else RelationalForCausalLM(config)
-    model.set_attn_implementation("sdpa")
-    if contender == "llama_fixed_gains":
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.requires_grad_(False)
-    return model
-
-
-def formula_parameters(contender: str, config) -> int:
-    """The closed-form count of relational_hf.params (a check that the stored count is the documented one)."""
-    from relational_hf import RelationalConfig
-    from relational_hf.params import llama_parameter_count, relational_parameter_count
-
-    if CONTENDERS[contender][1] is None:
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        same = RelationalConfig(
-            **{k: getattr(config, k) for k in keys},
-            num_key_value_heads=config.num_key_value_heads,
-            tie_word_embeddings=config.tie_word_embeddings,
-        )
-        return llama_parameter_count(same)
-    return relational_parameter_count(config)
-
-
-def projected_optimizer_status() -> str | None:
-    """None when relational_hf.symmetry.ProjectedOptimizer can be imported and steps a free-gauge model; otherwise
-    the reason the projected contender is skipped."""
-    try:
-        from relational_hf.symmetry import ProjectedOptimizer
-    except Exception as err:  # missing module or name, or an import-time failure inside it
-        return f"relational_hf.symmetry.ProjectedOptimizer is not available ({type(err).__name__}: {err})"
-    try:
-        model = build_model("relational_free_projected", QUICK_SIZES["q16"], 16)
-        opt = ProjectedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
-        ids = torch.randint(0, 16, (2, 8))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    except Exception as err:
-        return f"relational_hf.symmetry.ProjectedOptimizer failed a trial step ({type(err).__name__}: {err})"
-    return None
-
-
-def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warmup to `peak`, then cosine decay to min_lr_fraction x peak at the last step."""
-    warmup = max(1, round(OPTIMIZER["warmup_fraction"] * steps))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    floor = OPTIMIZER["min_lr_fraction"] * peak
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-_DATA: dict = {}
-
-
-def _set_data(train_ids: torch.Tensor, val_blocks: torch.Tensor, threads: int) -> None:
-    """Worker initializer: the token streams each run reads, and the torch thread count."""
-    _DATA["train_ids"], _DATA["val_blocks"] = train_ids, val_blocks
-    torch.set_num_threads(threads)
-
-
-def train_one(job: dict) -> dict:
-    """Train one contender at one size and seed for job["steps"] steps; return its validation loss (nats/token)."""
-    from relational_hf.training.data import RandomBlockDataset
-    from relational_hf.training.metrics import token_nll
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    start = time.perf_counter()
-    torch.manual_seed(job["seed"])
-    model = build_model(job["contender"], job["dims"], job["vocab_size"]).to(device)
-    model.train()
-    params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": OPTIMIZER["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=job["lr"],
-        betas=OPTIMIZER["betas"],
-        eps=OPTIMIZER["eps"],
-    )
-    stepper = opt
-    if job["contender"] in PROJECTED:
-        from relational_hf.symmetry import ProjectedOptimizer
-
-        stepper = ProjectedOptimizer(opt, model)
-    steps, batch = job["steps"], job["batch_size"]
-    windows = RandomBlockDataset(_DATA["train_ids"], job["context"], steps * batch, seed=job["seed"])
-    train_losses, diverged = [], False
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, job["lr"])
-        ids = torch.stack([windows[i]["input_ids"] for i in range(step * batch, (step + 1) * batch)]).to(device)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        if not torch.isfinite(loss):
-            diverged = True
-            break
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip_norm"])
-        stepper.step()
-        stepper.zero_grad(set_to_none=True)
-        train_losses.append(loss.item())
-    if diverged:
-        val_loss = float("nan")
-    else:
-        total, count = token_nll(model, _DATA["val_blocks"], batch_size=64)
-        val_loss = total / count
-    tail = train_losses[-max(1, steps // 20) :]
-    return {
-        "contender": job["contender"],
-        "size": job["size"],
-        "seed": job["seed"],
-        "lr": job["lr"],
-        "parameters": params,
-        "formula_parameters": formula_parameters(job["contender"], model.config),
-        "model_signature": model_signature(job["contender"], job["dims"], job["vocab_size"]),
-        "val_loss": val_loss,
-        "train_loss_last_5pct": statistics.fmean(tail) if tail else float("nan"),
-        "diverged": diverged,
-        "steps": steps,
-        "tokens": steps * batch * job["context"],
-        "seconds": time.perf_counter() - start,
-    }
-
-
-class Runner:
-    """Runs training jobs in this process (workers=1) or in a pool of worker processes that each hold the corpus
-    (started once per corpus, used by the LR sweep and the grid)."""
-
-    def __init__(self, workers: int, threads: int, train_ids: torch.Tensor, val_blocks: torch.Tensor) -> None:
-        self.workers, self.threads, self.data = workers, threads, (train_ids, val_blocks)
-        self.pool, self.threads_before = None, None
-
-    def __enter__(self) -> Runner:
-        if self.workers > 1:
-            self.pool = ProcessPoolExecutor(
-                self.workers,
-                mp_context=get_context("spawn"),
-                initializer=_set_data,
-                initargs=(*self.data, self.threads),
-            )
-        else:
-            self.threads_before = torch.get_num_threads()
-            _set_data(*self.data, self.threads)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-        else:
-            torch.set_num_threads(self.threads_before)
-        _DATA.clear()
-
-    def run(
-        self, jobs: list[dict], on_done: Callable[[list[dict]], None] | None = None, deadline: float | None = None
-    ) -> list[dict]:
-        """Results of `jobs` (started in the given order, at most `workers` at a time) in completion order;
-        `on_done(results so far)` after each one. No job starts after `deadline` (time.monotonic()); the ones left
-        are simply not run."""
-        results: list[dict] = []
-        queue = list(jobs)
-
-        def more() -> bool:
-            return bool(queue) and (deadline is None or time.monotonic() < deadline)
-
-        if self.pool is None:
-            while more():
-                self._finish(train_one(queue.pop(0)), results, len(jobs), on_done)
-            return results
-        running = set()
-        while running or more():
-            while more() and len(running) < self.workers:
-                running.add(self.pool.submit(train_one, queue.pop(0)))
-            finished, running = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                self._finish(future.result(), results, len(jobs), on_done)
-        return results
-
-    @staticmethod
-    def _finish(result: dict, results: list[dict], total: int, on_done) -> None:
-        results.append(result)
-        logger.info(
-            "[%d/%d] %-26s %-3s seed %d lr %.0e: %9d params, val loss %.4f (%.0f s)",
-            len(results),
-            total,
-            result["contender"],
-            result["size"],
-            result["seed"],
-            result["lr"],
-            result["parameters"],
-            result["val_loss"],
-            result["seconds"],
-        )
-        if on_done is not None:
-            on_done(results)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Analysis: the Llama curve and Llama-equivalent parameter counts
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def isotonic_decreasing(values: list[float]) -> list[float]:
-    """Least-squares non-increasing fit to `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            s, n = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += n
-    return [s / n for s, n in blocks for _ in range(int(n))]
-
-
-def _curve(params: list[float], losses: list[float]) -> tuple[list[float], list[float]]:
-    """(log parameters, non-increasing loss) of a curve, sorted by parameters."""
-    order = sorted(range(len(params)), key=lambda i: params[i])
-    x = [math.log(params[i]) for i in order]
-    return x, isotonic_decreasing([losses[i] for i in order])
-
-
-def llama_equivalent(
-    params: list[float], losses: list[float], loss: float, limit: float = 2.0
-) -> tuple[float | None, str]:
-    """Parameters a model on the Llama curve needs to reach `loss`: the curve (mean loss against log parameters,
-    made non-increasing by isotonic regression) interpolated piecewise linearly and inverted. Outside the measured
-    loss range the first or last strictly decreasing segment is extended, at most a factor `limit` beyond the
-    measured parameter range.
-
-    Returns (parameters or None, status), status one of
-    "interpolated";
-    "extrapolated_above_largest" / "extrapolated_below_smallest": the loss is lower than the largest Llama's / higher
-    than the smallest Llama's, and the extended end segment reaches it within `limit`;
-    "beyond_largest" / "beyond_smallest": it does not (None: only the bound "more than the largest" / "fewer than
-    the smallest" Llama holds);
-    "undefined": under two points, a flat curve, or a non-finite loss."""
-    if len(params) < 2 or not math.isfinite(loss):
-        return None, "undefined"
-    x, y = _curve(params, losses)
-    segments = [(i, i + 1) for i in range(len(x) - 1) if y[i] > y[i + 1]]
-    if not segments:
-        return None, "undefined"
-    if loss > y[0]:
-        (a, b), status = segments[0], "extrapolated_below_smallest"
-    elif loss < y[-1]:
-        (a, b), status = segments[-1], "extrapolated_above_largest"
-    else:
-        a, b = next((a, b) for a, b in segments if y[a] >= loss >= y[b])
-        status = "interpolated"
-    u = x[a] + (y[a] - loss) / (y[a] - y[b]) * (x[b] - x[a])
-    if u > x[-1] + math.log(limit):
-        return None, "beyond_largest"
-    if u < x[0] - math.log(limit):
-        return None, "beyond_smallest"
-    return math.exp(u), status
-
-
-def llama_loss_at(params: list[float], losses: list[float], n: float) -> float:
-    """The Llama curve's loss at `n` parameters (same curve as llama_equivalent; end segments extended)."""
-    x, y = _curve(params, losses)
-    u = math.log(n)
-    i = 0 if u <= x[0] else len(x) - 2 if u >= x[-1] else max(j for j in range(len(x) - 1) if x[j] <= u)
-    return y[i] + (u - x[i]) * (y[i + 1] - y[i]) / (x[i + 1] - x[i])
-
-
-def _stats(values: list[float]) -> dict:
-    finite = [v for v in values if math.isfinite(v)]
-    std = statistics.stdev(finite) if len(finite) > 1 else None
-    return {
-        "mean": statistics.fmean(finite) if finite else float("nan"),
-        "std": std,
-        "se": std / math.sqrt(len(finite)) if std is not None else None,
-        "n": len(finite),
-        "diverged": len(values) - len(finite),
-        "values": values,
-    }
-
-
-def analyse(runs: list[dict], sizes: dict) -> dict:
-    """Per contender and size: parameters and val loss mean ± std; for relational points the Llama-equivalent
-    parameter count, the efficiency ratio, and whether the difference from Llama lies inside the seed noise."""
-    known = list(CONTENDERS)
-
-    def order(r: dict) -> tuple:  # contenders in CONTENDERS order (others after, by name), sizes small to large, seeds
-        c = r["contender"]
-        return (known.index(c) if c in known else len(known), c, list(sizes).index(r["size"]), r["seed"])
-
-    table: dict = {}
-    for r in sorted(runs, key=order):
-        entry = table.setdefault(r["contender"], {}).setdefault(
-            r["size"], {"parameters": r["parameters"], "losses": []}
-        )
-        entry["losses"].append(r["val_loss"])
-        entry["formula_parameters"] = r["formula_parameters"]
-    results = {
-        c: {
-            s: {
-                "parameters": e["parameters"],
-                "formula_parameters": e["formula_parameters"],
-                "val_loss": _stats(e["losses"]),
-            }
-            for s, e in by_size.items()
-        }
-        for c, by_size in table.items()
-    }
-    out: dict = {"results": results, "comparisons": {}, "goal": {"ratio": GOAL_RATIO, "met_by": []}}
-    llama = results.get("llama", {})
-    points = [(e["parameters"], e["val_loss"]["mean"], e["val_loss"]["se"]) for e in llama.values()]
-    points = [p for p in points if math.isfinite(p[1])]
-    if len(points) < 2:
-        out["llama_curve"] = {"points": len(points), "note": "under two Llama sizes: no Llama-equivalent counts"}
-        return out
-    lp, ll = [p[0] for p in points], [p[1] for p in points]
-    ses = [p[2] for p in points if p[2] is not None]
-    llama_se = statistics.fmean(ses) if ses else None
-    order = sorted(range(len(lp)), key=lambda i: lp[i])
-    _, y_iso = _curve(lp, ll)
-    out["llama_curve"] = {
-        "parameters": [lp[i] for i in order],
-        "mean_loss": [ll[i] for i in order],
-        "isotonic_loss": y_iso,
-        "monotone": y_iso == [ll[i] for i in order],
-        "mean_standard_error": llama_se,
-        "interpolation": "piecewise linear in (log parameters, mean loss) after isotonic (non-increasing) regression",
-    }
-    for contender, by_size in results.items():
-        if contender == "llama":
-            continue
-        comp = {}
-        for size, e in by_size.items():
-            mean, se, n = e["val_loss"]["mean"], e["val_loss"]["se"], e["parameters"]
-            eq, status = llama_equivalent(lp, ll, mean)
-            row = {
-                "parameters": n,
-                "val_loss_mean": mean,
-                "val_loss_std": e["val_loss"]["std"],
-                "llama_equivalent_parameters": round(eq) if eq else None,
-                "efficiency_ratio": eq / n if eq else None,
-                "status": status,
-            }
-            if status == "beyond_largest":
-                row["efficiency_ratio_at_least"] = max(lp) / n
-            elif status == "beyond_smallest":
-                row["efficiency_ratio_at_most"] = min(lp) / n
-            if se is not None:
-                lo, _ = llama_equivalent(lp, ll, mean + se)
-                hi, _ = llama_equivalent(lp, ll, mean - se)
-                row["efficiency_ratio_range_1se"] = [lo / n if lo else None, hi / n if hi else None]
-            diff = mean - llama_loss_at(lp, ll, n)
-            row["loss_minus_llama_curve"] = diff
-            if se is None or llama_se is None:
-                row["verdict"] = "no seed-noise estimate (one seed)"
-            else:
-                noise = NOISE_SE * math.sqrt(se**2 + llama_se**2)
-                row["noise_threshold"] = noise
-                row["verdict"] = (
-                    "within seed noise"
-                    if abs(diff) <= noise
-                    else ("below the Llama curve (better)" if diff < 0 else "above the Llama curve (worse)")
-                )
-            same = llama.get(size)
-            if same is not None:
-                d = mean - same["val_loss"]["mean"]
-                row["loss_minus_llama_same_size"] = d
-                if se is not None and same["val_loss"]["se"] is not None:
-                    row["same_size_within_noise"] = abs(d) <= NOISE_SE * math.sqrt(se**2 + same["val_loss"]["se"] ** 2)
-                row["parameters_vs_llama_same_size"] = n / same["parameters"]
-            comp[size] = row
-        out["comparisons"][contender] = comp
-        met = bool(comp) and all(
-            (r["efficiency_ratio"] or r.get("efficiency_ratio_at_least") or 0.0) >= GOAL_RATIO
-            and "better" in r["verdict"]
-            for r in comp.values()
-        )
-        if met:
-            out["goal"]["met_by"].append(contender)
-    out["goal"]["rule"] = (
-        f"a family meets the goal when at every size its Llama-equivalent / stored parameters >= {GOAL_RATIO} and the "
-        f"point lies below the Llama curve by more than {NOISE_SE:g} standard errors of the difference"
-    )
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Plot and driver
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def plot(payload: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
-    for contender, by_size in payload["results"].items():
-        xs = [e["parameters"] for e in by_size.values()]
-        ys = [e["val_loss"]["mean"] for e in by_size.values()]
-        es = [e["val_loss"]["std"] or 0.0 for e in by_size.values()]
-        style = dict(color="k", lw=2.2, marker="s", zorder=5) if contender == "llama" else dict(marker="o", lw=1.2)
-        if contender in CONTROLS:
-            style.update(ls="--", marker="x")
-        ax.errorbar(xs, ys, yerr=es, capsize=3, label=contender, **style)
-    ax.set_xscale("log")
-    ax.set_xlabel("stored parameters")
-    ax.set_ylabel("validation loss (nats/token), mean ± std over seeds")
-    budget = payload["budget"]
-    ax.set_title(
-        f"{payload['corpus']['name']} ({budget['name']} budget): {budget['tokens_per_run']:,} training tokens per run,"
-        f"\n{len(budget['seeds'])} seeds, peak LR {payload['optimizer']['peak_lr']:g}",
-        fontsize=10,
-    )
-    ax.legend(fontsize=7)
-    for contender, comp in payload.get("comparisons", {}).items():
-        line = None
-        for marker, key in (
-            ("o", "efficiency_ratio"),
-            ("^", "efficiency_ratio_at_least"),
-            ("v", "efficiency_ratio_at_most"),
-        ):
-            pts = [(r["parameters"], r[key], r["status"]) for r in comp.values() if r.get(key)]
-            if not pts:
-                continue
-            kwargs = dict(color=line.get_color()) if line is not None else dict(label=contender)
-            drawn = bx.plot(
-                [q[0] for q in pts],
-                [q[1] for q in pts],
-                marker=marker,
-                lw=1.2 if key == "efficiency_ratio" else 0,
-                **kwargs,
-            )[0]
-            line = line or drawn
-            extra = [q for q in pts if q[2] != "interpolated"]
-            bx.scatter(
-                [q[0] for q in extra], [q[1] for q in extra], s=110, facecolors="none", edgecolors=line.get_color()
-            )
-    bx.axhline(1.0, color="k", lw=0.8)
-    bx.axhline(GOAL_RATIO, color="r", lw=0.8, ls="--", label=f"goal {GOAL_RATIO}x")
-    bx.set_xscale("log")
-    bx.set_yscale("log")
-    bx.yaxis.set_major_locator(ticker.FixedLocator([0.25, 0.35, 0.5, 0.7, 1.0, 1.3, 2.0, 3.0]))
-    bx.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-    bx.yaxis.set_minor_formatter(ticker.NullFormatter())
-    bx.set_xlabel("stored parameters")
-    bx.set_ylabel("Llama-equivalent / stored parameters")
-    bx.set_title(
-        "parameter efficiency against the Llama curve\n(circled: extrapolated; triangles: bounds, beyond 2x its range)",
-        fontsize=10,
-    )
-    bx.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def load_previous(name: str, steps: int, vocab_size: int, sizes: dict) -> dict:
@@ -732,6 +82,7 @@ def load_previous(name: str, steps: int, vocab_size: int, sizes: dict) -> dict:
         and old["budget"].get("batch_size") == BATCH_SIZE
         and old["budget"].get("context") == CONTEXT
         and old.get("corpus", {}).get("vocab_size") == vocab_size
+        and old.get("optimizer", {}).get("schedule") == OPTIMIZER["schedule"]
     )
     if not same:
         logger.warning("--resume: %s was made with other settings; starting afresh", path)
@@ -896,6 +247,9 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
                 r["formula_parameters"],
             )
     payload.update(analyse(runs, sizes))
+    if "model" in sweep:
+        sweep["reused_as_grid_run"] = f"{sweep['model']}/seed 0 (see caveats)"
+    payload["caveats"] = caveats({**payload, "runs": runs})
     payload["runs"] = sorted(runs, key=lambda r: (r["contender"], list(sizes).index(r["size"]), r["seed"]))
     payload["wall_seconds"] = time.monotonic() - started  # this invocation (not reused runs)
     payload["run_seconds_total"] = sum(r["seconds"] for r in runs)  # every run, reused ones included
@@ -906,73 +260,73 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
     return payload
 
 
-_VERDICT_MARK = {"below the Llama curve (better)": "better", "above the Llama curve (worse)": "worse"}
-
-
-def markdown_table(payload: dict) -> str:
-    """The README's table for one results JSON: a row per contender, a column per size; each cell is the mean
-    validation loss ± std over seeds and, for relational points, the Llama-equivalent parameter ratio with the
-    verdict (n = inside seed noise, E = extrapolated beyond the Llama curve's sizes)."""
-    sizes = list(payload["sizes"])
-    lines = ["| contender | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for contender, by_size in payload["results"].items():
-        cells = []
-        for size in sizes:
-            e = by_size.get(size)
-            if e is None:
-                cells.append("–")
-                continue
-            v = e["val_loss"]
-            cell = f"{e['parameters']:,}: {v['mean']:.3f}" + (f" ± {v['std']:.3f}" if v["std"] is not None else "")
-            row = payload.get("comparisons", {}).get(contender, {}).get(size)
-            if row:
-                if row["efficiency_ratio"]:
-                    ratio = f"×{row['efficiency_ratio']:.2f}"
-                elif "efficiency_ratio_at_least" in row:
-                    ratio = f"×>{row['efficiency_ratio_at_least']:.2f}"
-                elif "efficiency_ratio_at_most" in row:
-                    ratio = f"×<{row['efficiency_ratio_at_most']:.2f}"
-                else:
-                    ratio = ""
-                marks = [_VERDICT_MARK.get(row["verdict"], "n")]
-                if row["status"].startswith("extrapolated") or row["status"].startswith("beyond"):
-                    marks.append("E")
-                cell += f" ({', '.join(m for m in [ratio, *marks] if m)})"
-                if row["verdict"] == "below the Llama curve (better)":
-                    cell = f"**{cell}**"
-            cells.append(cell)
-        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def print_table(payload: dict) -> None:
-    print(
-        f"\n{payload['corpus']['name']} ({payload['budget']['name']}, {payload['budget']['tokens_per_run']:,} tokens/run, "
-        f"peak LR {payload['optimizer']['peak_lr']:g})"
-    )
-    print(f"{'contender':27s} {'size':4s} {'params':>9s} {'val loss':>17s} {'Llama-eq':>10s} {'ratio':>6s}  verdict")
-    for contender, by_size in payload["results"].items():
-        for size, e in by_size.items():
-            v = e["val_loss"]
-            std = f"{v['std']:.4f}" if v["std"] is not None else "   -  "
-            row = payload.get("comparisons", {}).get(contender, {}).get(size)
-            eq = (
-                f"{row['llama_equivalent_parameters']:>10,d}"
-                if row and row["llama_equivalent_parameters"]
-                else " " * 10
+def caveats(payload: dict) -> list[str]:
+    """What the reader of one results JSON must know before trusting its verdicts."""
+    out = []
+    sweep = payload.get("lr_sweep") or {}
+    if "model" in sweep:
+        size = sweep["model"].split("/", 1)[1]
+        reused = [
+            r
+            for r in payload.get("runs", [])
+            if r["contender"] == "llama" and r["size"] == size and r["seed"] == 0 and r["lr"] == sweep["chosen_lr"]
+        ]
+        if reused:
+            out.append(
+                f"Llama's {size}/seed 0 point is the LR sweep's winning run, chosen as the lowest validation loss on "
+                f"this same validation set: that point is selected on the data it is scored on (optimistic for Llama "
+                f"at {size}); a fresh seed-0 run for it has not been made"
             )
-            ratio = " " * 6
-            if row and row["efficiency_ratio"]:
-                ratio = f"{row['efficiency_ratio']:6.2f}"
-            elif row and "efficiency_ratio_at_least" in row:
-                ratio = f">{row['efficiency_ratio_at_least']:5.2f}"
-            elif row and "efficiency_ratio_at_most" in row:
-                ratio = f"<{row['efficiency_ratio_at_most']:5.2f}"
-            note = f"{row['verdict']}; {row['status']}" if row else ""
-            print(f"{contender:27s} {size:4s} {e['parameters']:9,d} {v['mean']:.4f} ± {std:6s} {eq} {ratio}  {note}")
-    for c in payload["skipped"]:
-        print(f"{c}: skipped ({payload['skipped'][c]})")
-    print(f"goal (Llama needs >= {GOAL_RATIO}x parameters): met by {payload['goal']['met_by'] or 'no family'}")
+    budget, corpus = payload.get("budget", {}), payload.get("corpus", {})
+    epochs = budget.get("epochs_per_run")
+    gaps = [
+        r["val_loss"] - r["train_loss_last_5pct"]
+        for r in payload.get("runs", [])
+        if math.isfinite(r["val_loss"]) and math.isfinite(r.get("train_loss_last_5pct", float("nan")))
+    ]
+    if epochs and epochs > 1.5 and gaps:
+        out.append(
+            f"{epochs:.1f} passes over {corpus.get('train_tokens', 0) / 1e6:.2f}M training tokens, validation minus "
+            f"final training loss {min(gaps):.2f} to {max(gaps):.2f} nats: an overfitting regime, in which the "
+            "comparison measures how models memorise a small corpus as much as how they learn it"
+        )
+    seeds = budget.get("seeds") or []
+    out.append(
+        f"{len(seeds)} seeds per point: the standard errors are rough; verdicts within a factor ~1.5 of their "
+        "threshold need more seeds before they are quoted"
+    )
+    return out
+
+
+def reanalyse(name: str) -> dict | None:
+    """Recompute the analysis of results/<name>.json from its runs with today's rule (nothing is trained), record the
+    verdicts that changed and the caveats, and rewrite the JSON (atomically) and its PNG."""
+    path = common.RESULTS / f"{name}.json"
+    if not path.is_file():
+        return None
+    payload = json.loads(path.read_text())
+    before = {(c, s): r.get("verdict") for c, comp in payload.get("comparisons", {}).items() for s, r in comp.items()}
+    payload.update(analyse(payload["runs"], payload["sizes"]))
+    changes = []
+    for c, comp in payload["comparisons"].items():
+        for s, r in comp.items():
+            old = before.get((c, s))
+            if old is not None and old != r["verdict"]:
+                changes.append({"contender": c, "size": s, "before": old, "after": r["verdict"]})
+    payload["verdict_changes"] = {
+        "what": "verdicts of this file before it was re-analysed (one Llama standard error averaged over all sizes) "
+        "that differ under verdict_rule",
+        "changes": changes,
+    }
+    payload["caveats"] = caveats(payload)
+    payload["reanalysed_with"] = " ".join(["quality.py", *sys.argv[1:]])
+    fd, staged = tempfile.mkstemp(dir=common.RESULTS, prefix=f".{name}.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.chmod(staged, 0o644)
+    os.replace(staged, path)
+    plot(payload, common.RESULTS / f"{name}.png")
+    return payload
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -1015,6 +369,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="reuse the runs (and LR sweep) already in the results JSON made with the same settings; run the rest",
     )
     parser.add_argument(
+        "--reanalyse",
+        action="store_true",
+        help="recompute the verdicts, caveats and plot of the existing results JSON of each corpus (and budget) from "
+        "its runs with today's rule, rewrite it, and exit; trains nothing",
+    )
+    parser.add_argument(
         "--markdown",
         action="store_true",
         help="print the README table of the existing results JSON of each corpus (and budget) and exit; trains nothing",
@@ -1022,6 +382,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.contenders == ["all"]:
         args.contenders = list(CONTENDERS)
+    if args.reanalyse:
+        budget_name = "quick" if args.quick else "long" if args.long else "default"
+        for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:
+            name = f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}")
+            payload = reanalyse(name)
+            if payload is not None:
+                for change in payload["verdict_changes"]["changes"]:
+                    print(f"{name}: {change['contender']}/{change['size']}: {change['before']} -> {change['after']}")
+                print_table(payload)
+        return []
     if args.markdown:
         budget_name = "quick" if args.quick else "long" if args.long else "default"
         for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:

@@ -1,10 +1,12 @@
-"""benchmarks/quality.py: the Llama-equivalent interpolation on known curves, the analysis labels, and a smoke run of
-the whole pipeline at tiny settings that checks the JSON it writes."""
+"""The quality benchmark (benchmarks/quality*.py): the Llama-equivalent interpolation on known curves, the per-point
+and paired verdicts, the Transformers LR schedule, and a smoke run of the whole pipeline at tiny settings that checks
+the JSON it writes and its re-analysis."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,15 +17,39 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def quality():
+def bench():
+    """The benchmark modules, imported by name as the scripts import one another."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        import common  # noqa: F401  (quality imports it by name)
+        import common  # noqa: F401  (the quality modules import it by name)
         import quality
+        import quality_analysis
+        import quality_runner
+        import quality_setup
 
-        yield quality
+        yield {"quality": quality, "analysis": quality_analysis, "runner": quality_runner, "setup": quality_setup}
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def quality(bench):
+    return bench["quality"]
+
+
+@pytest.fixture(scope="module")
+def analysis(bench):
+    return bench["analysis"]
+
+
+@pytest.fixture(scope="module")
+def runner(bench):
+    return bench["runner"]
+
+
+@pytest.fixture(scope="module")
+def setup(bench):
+    return bench["setup"]
 
 
 # A Llama curve exactly linear in log2(parameters): every doubling lowers the loss by 0.1 nats.
@@ -45,8 +71,8 @@ LOSSES = [2.0, 1.9, 1.8, 1.7]
         (2.2, None, "beyond_smallest"),
     ],
 )
-def test_llama_equivalent_on_a_log_linear_curve(quality, loss, expected, status):
-    eq, got = quality.llama_equivalent(PARAMS, LOSSES, loss)
+def test_llama_equivalent_on_a_log_linear_curve(analysis, loss, expected, status):
+    eq, got = analysis.llama_equivalent(PARAMS, LOSSES, loss)
     assert got == status
     if expected is None:
         assert eq is None
@@ -54,23 +80,23 @@ def test_llama_equivalent_on_a_log_linear_curve(quality, loss, expected, status)
         assert eq == pytest.approx(expected, rel=1e-9)
 
 
-def test_llama_equivalent_ignores_input_order_and_inverts_llama_loss_at(quality):
+def test_llama_equivalent_ignores_input_order_and_inverts_llama_loss_at(analysis):
     order = [2, 0, 3, 1]
     for loss in (1.95, 1.83, 1.71):
-        a, _ = quality.llama_equivalent(PARAMS, LOSSES, loss)
-        b, _ = quality.llama_equivalent([PARAMS[i] for i in order], [LOSSES[i] for i in order], loss)
+        a, _ = analysis.llama_equivalent(PARAMS, LOSSES, loss)
+        b, _ = analysis.llama_equivalent([PARAMS[i] for i in order], [LOSSES[i] for i in order], loss)
         assert a == pytest.approx(b, rel=1e-12)
-        assert quality.llama_loss_at(PARAMS, LOSSES, a) == pytest.approx(loss, abs=1e-12)
+        assert analysis.llama_loss_at(PARAMS, LOSSES, a) == pytest.approx(loss, abs=1e-12)
 
 
-def test_llama_equivalent_on_a_non_monotone_curve_uses_the_isotonic_fit(quality):
+def test_llama_equivalent_on_a_non_monotone_curve_uses_the_isotonic_fit(analysis):
     # 4e5 is worse than 2e5: pooled to 1.85 for both; a loss on the plateau maps to its smallest model
     losses = [2.0, 1.8, 1.9, 1.7]
-    assert quality.isotonic_decreasing(losses) == pytest.approx([2.0, 1.85, 1.85, 1.7])
-    assert quality.llama_equivalent(PARAMS, losses, 1.85)[0] == pytest.approx(2e5)
-    assert quality.llama_equivalent(PARAMS, losses, 1.775)[0] == pytest.approx(math.sqrt(4e5 * 8e5))
-    assert quality.llama_equivalent([1e5, 2e5], [1.8, 1.8], 1.8) == (None, "undefined")
-    assert quality.llama_equivalent(PARAMS, LOSSES, float("nan")) == (None, "undefined")
+    assert analysis.isotonic_decreasing(losses) == pytest.approx([2.0, 1.85, 1.85, 1.7])
+    assert analysis.llama_equivalent(PARAMS, losses, 1.85)[0] == pytest.approx(2e5)
+    assert analysis.llama_equivalent(PARAMS, losses, 1.775)[0] == pytest.approx(math.sqrt(4e5 * 8e5))
+    assert analysis.llama_equivalent([1e5, 2e5], [1.8, 1.8], 1.8) == (None, "undefined")
+    assert analysis.llama_equivalent(PARAMS, LOSSES, float("nan")) == (None, "undefined")
 
 
 def _runs(contender, size, params, losses):
@@ -87,7 +113,7 @@ def _runs(contender, size, params, losses):
     ]
 
 
-def test_analyse_ratios_and_noise_labels(quality):
+def test_analyse_ratios_and_noise_labels(analysis):
     sizes = {"a": {}, "b": {}, "c": {}, "d": {}}
     runs = []
     for size, n, loss in zip(sizes, PARAMS, LOSSES):
@@ -96,7 +122,7 @@ def test_analyse_ratios_and_noise_labels(quality):
     runs += _runs("better", "b", 200_000, [1.798, 1.8, 1.802])
     # 2e5 parameters, 0.001 nats off the Llama curve with a spread of 0.01: inside the noise
     runs += _runs("same", "b", 200_000, [1.891, 1.901, 1.911])
-    out = quality.analyse(runs, sizes)
+    out = analysis.analyse(runs, sizes)
     better, same = out["comparisons"]["better"]["b"], out["comparisons"]["same"]["b"]
     assert better["efficiency_ratio"] == pytest.approx(2.0)
     assert better["llama_equivalent_parameters"] == 400_000
@@ -110,24 +136,70 @@ def test_analyse_ratios_and_noise_labels(quality):
     assert out["results"]["llama"]["a"]["val_loss"]["std"] == pytest.approx(0.002)
 
 
-def test_lr_schedule_warms_up_then_decays_to_the_floor(quality):
+def test_lr_schedule_is_transformers_cosine_with_min_lr(runner, setup):
+    """Warmup from 0 to the peak over 5% of the steps, then non-increasing to min_lr_fraction x peak after the last
+    step; equal to what the scheduler sets on a real optimiser step by step."""
     steps, peak = 100, 1e-2
-    lrs = [quality.lr_at(s, steps, peak) for s in range(steps)]
-    assert lrs[0] < lrs[4] == pytest.approx(peak)
-    assert max(lrs) == pytest.approx(peak)
-    assert lrs[-1] == pytest.approx(quality.OPTIMIZER["min_lr_fraction"] * peak)
-    assert all(a >= b - 1e-15 for a, b in zip(lrs[4:], lrs[5:]))
+    lrs = [runner.lr_at(s, steps, peak) for s in range(steps + 1)]
+    floor = setup.OPTIMIZER["min_lr_fraction"] * peak
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(peak) and max(lrs) == pytest.approx(peak)
+    assert all(a >= b - 1e-15 for a, b in zip(lrs[5:], lrs[6:]))
+    assert lrs[-1] == pytest.approx(floor) and min(lrs[5:]) >= floor - 1e-15
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    schedule = runner.lr_schedule(optimizer, steps)
+    for s in range(steps):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lrs[s], abs=1e-15)
+        optimizer.step()
+        schedule.step()
 
 
-def test_wikitext_documents_split_at_top_level_headings(quality):
+def test_curve_standard_error_is_that_of_the_points_compared(analysis):
+    """At a measured size the curve's standard error is that point's own; halfway (in log parameters) between two
+    points it is sqrt(se_a^2 + se_b^2) / 2; where the isotonic fit pools two points, their mean's."""
+    ses = [0.001, 0.002, 0.04, 0.003]
+    assert analysis.llama_curve_standard_error(PARAMS, LOSSES, ses, 2e5) == pytest.approx(0.002)
+    mid = analysis.llama_curve_standard_error(PARAMS, LOSSES, ses, 2e5 * math.sqrt(2))
+    assert mid == pytest.approx(math.sqrt(0.002**2 + 0.04**2) / 2)
+    pooled = analysis.llama_curve_standard_error(PARAMS, [2.0, 1.8, 1.9, 1.7], ses, 2e5)
+    assert pooled == pytest.approx(math.sqrt(0.002**2 + 0.04**2) / 2)
+
+
+def test_verdict_uses_the_local_llama_noise_not_an_average(analysis):
+    """A point 0.01 nats below a precisely measured Llama size is better, although one noisy Llama size elsewhere
+    would make an averaged standard error call it noise; paired by seed, a constant shift is resolved even when the
+    seeds spread widely."""
+    sizes = {"a": {}, "b": {}, "c": {}, "d": {}}
+    spreads = {"a": 0.001, "b": 0.001, "c": 0.001, "d": 0.2}
+    runs = []
+    for size, n, loss in zip(sizes, PARAMS, LOSSES):
+        s = spreads[size]
+        runs += _runs("llama", size, int(n), [loss - s, loss, loss + s])
+    runs += _runs("shifted", "b", 200_000, [1.889, 1.890, 1.891])
+    out = analysis.analyse(runs, sizes)
+    row = out["comparisons"]["shifted"]["b"]
+    assert row["verdict"] == "below the Llama curve (better)"
+    averaged = 2.0 * math.sqrt(row["val_loss_se"] ** 2 + statistics.fmean(out["llama_curve"]["standard_errors"]) ** 2)
+    assert abs(row["loss_minus_llama_curve"]) < averaged  # the old rule's threshold would have hidden it
+
+    wide = []
+    for size, n, loss in zip(sizes, PARAMS, LOSSES):
+        wide += _runs("llama", size, int(n), [loss - 0.05, loss + 0.05, loss])
+    wide += _runs("paired", "b", 200_000, [1.9 - 0.05 - 0.01, 1.9 + 0.05 - 0.01, 1.9 - 0.01])
+    row = analysis.analyse(wide, sizes)["comparisons"]["paired"]["b"]
+    assert row["verdict"] == "within seed noise"  # unpaired, the seeds' spread hides the shift
+    assert row["paired_difference_same_size"]["mean"] == pytest.approx(-0.01)
+    assert row["same_size_verdict"] == "below the same-size Llama (better)"
+
+
+def test_wikitext_documents_split_at_top_level_headings(setup):
     text = " \n = First = \n \n text one \n = = Section = = \n more \n = Second = \n text two \n"
-    docs = quality.wikitext_documents(text)
+    docs = setup.wikitext_documents(text)
     assert len(docs) == 2
     assert "".join(docs) == text
     assert "Section" in docs[0] and docs[1].startswith(" = Second = ")
 
 
-def test_quick_run_writes_the_documented_json(quality, shared_data, tmp_path, monkeypatch):
+def test_quick_run_writes_the_documented_json(quality, setup, shared_data, tmp_path, monkeypatch):
     import common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
@@ -154,18 +226,18 @@ def test_quick_run_writes_the_documented_json(quality, shared_data, tmp_path, mo
         assert key in data
     assert "partial" not in data
     assert data["corpus"]["vocab_size"] == 65  # character level, as nanoGPT
-    assert data["budget"]["tokens_per_run"] == 6 * quality.BATCH_SIZE * quality.CONTEXT
+    assert data["budget"]["tokens_per_run"] == 6 * setup.BATCH_SIZE * setup.CONTEXT
     assert data["optimizer"]["peak_lr"] == data["lr_sweep"]["chosen_lr"]
-    assert data["optimizer"]["peak_lr"] in quality.BUDGETS["quick"]["sweep_lrs"]
+    assert data["optimizer"]["peak_lr"] in setup.BUDGETS["quick"]["sweep_lrs"]
     ran = [c for c in contenders if c not in data["skipped"]]
     assert set(data["results"]) == set(ran)
     assert all(data["skipped"].values())  # a skipped contender says why
-    assert len(data["runs"]) == len(ran) * len(quality.QUICK_SIZES) * 2
+    assert len(data["runs"]) == len(ran) * len(setup.QUICK_SIZES) * 2
     for run in data["runs"]:
         assert run["parameters"] == run["formula_parameters"]  # stored count = relational_hf.params' formula
         assert run["tokens"] == data["budget"]["tokens_per_run"]
     for contender in ran:
-        for size in quality.QUICK_SIZES:
+        for size in setup.QUICK_SIZES:
             loss = data["results"][contender][size]["val_loss"]
             assert loss["n"] == 2 and math.isfinite(loss["mean"]) and loss["std"] is not None
             if contender != "llama":
@@ -185,3 +257,11 @@ def test_quick_run_writes_the_documented_json(quality, shared_data, tmp_path, mo
     assert again["lr_sweep"] == data["lr_sweep"]
     assert again["results"]["llama"] == payload["results"]["llama"]
     assert again["results"]["relational_pivot_vpr"]["q16"]["val_loss"]["n"] == 2
+    assert again["caveats"] and "verdict_rule" in again
+
+    # --reanalyse recomputes the stored file's analysis from its runs: same rule, same verdicts, nothing trained
+    assert quality.main(["--quick", "--corpus", "shakespeare", "--reanalyse"]) == []
+    redone = json.loads((tmp_path / "quality_shakespeare_quick.json").read_text())
+    assert redone["verdict_changes"]["changes"] == []
+    assert redone["comparisons"] == json.loads(json.dumps(again["comparisons"]))
+    assert redone["runs"] == json.loads(json.dumps(again["runs"]))
