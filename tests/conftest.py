@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import hub_server
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every Hub request of the session goes to a local Hub-protocol server, configured through the environment before
+# anything imports huggingface_hub (which reads it once, at import): nothing reaches the network.
+hub_server.configure_session()
 # The test models are tiny: one intra-op thread is fastest for them, and immune to a busy machine's other work.
 torch.set_num_threads(1)
 

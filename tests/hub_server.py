@@ -17,19 +17,30 @@ Failure modes for tests of failed uploads: set `fail_commits` (the commit endpoi
 `huggingface_hub` retries 500 on LFS PUTs with backoff (about 20 s), so a test of the LFS failure
 should set `failure_status` to a status it does not retry, such as 507.
 
-The `hub_server` fixture starts a server, points `huggingface_hub` at it (environment and the
-module-level constants that the library reads once at import) and stops it at teardown. A test module
-uses it with `from hub_server import hub_server` (tests/ is on sys.path under pytest's default import mode).
+`huggingface_hub` reads its configuration (HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE, HF_HUB_DISABLE_XET, ...) from
+the environment once, when it is imported; only the token (HF_TOKEN) is read at call time. So the test session
+configures its Hub before anything imports the library: tests/conftest.py calls `configure_session()` first, which
+starts one `LocalHub` for the whole session and points HF_ENDPOINT at it, with a temporary HF_HOME (cache, token
+files) and offline mode off: every Hub request of the session, from any test or subprocess, reaches this server and
+nothing reaches the network. No library state is patched.
+
+The `hub_server` fixture empties the session's server, sets HF_TOKEN=`FAKE_TOKEN`, and cleans up after the test
+(repositories, failure switches, stored token files). A test module uses it with
+`from hub_server import hub_server` (tests/ is on sys.path under pytest's default import mode).
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -170,6 +181,16 @@ class LocalHub:
         self._thread: threading.Thread | None = None
 
     # lifecycle
+    def reset(self) -> None:
+        """Forget every repository, object and token seen; failure switches off."""
+        with self.lock:
+            self.fail_commits = self.fail_lfs_uploads = False
+            self.failure_status = 500
+            self.repos.clear()
+            self.lfs_objects.clear()
+            self.lfs_uploads.clear()
+            self.tokens_seen.clear()
+
     def start(self) -> LocalHub:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
@@ -512,43 +533,77 @@ class _Handler(BaseHTTPRequestHandler):
         return status, content, headers
 
 
-@pytest.fixture
-def hub_server(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
-    """A running `LocalHub` that `huggingface_hub` (and so Transformers) talks to in this process.
+#: The session's Hub (`configure_session`), None until it is configured.
+SESSION_HUB: LocalHub | None = None
+#: Environment variables that would send the session elsewhere or read the user's own Hub state.
+_CLEARED = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HF_TOKEN_PATH",
+    "HF_OIDC_RESOURCE",
+    "HF_OIDC_ID_TOKEN",
+    "HUGGINGFACE_CO_STAGING",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_XET_CACHE",
+)
 
-    Sets HF_ENDPOINT, HF_HUB_DISABLE_XET=1, HF_TOKEN=`FAKE_TOKEN`, unsets offline mode, and patches the
-    constants `huggingface_hub` computed from them at import; the Hub cache and token files point to
-    a temporary folder so no user state is read or written.
-    """
-    from huggingface_hub import constants, hf_api
-    from huggingface_hub.utils import _http, close_session
 
-    home = tmp_path_factory.mktemp("hf_home")
+def configure_session() -> LocalHub:
+    """Start the session's `LocalHub` and point `huggingface_hub` (and Transformers, and every subprocess) at it
+    through the environment: HF_ENDPOINT, a temporary HF_HOME and HF_HUB_CACHE, HF_HUB_DISABLE_XET=1, telemetry off,
+    127.0.0.1 in NO_PROXY, offline mode and the user's tokens unset. Must run before `huggingface_hub` is imported
+    (the library reads these once, at import); the server and the folder go at interpreter exit."""
+    global SESSION_HUB
+    if SESSION_HUB is not None:
+        return SESSION_HUB
+    if "huggingface_hub" in sys.modules:
+        raise RuntimeError(
+            "hub_server.configure_session() must run before huggingface_hub is imported (it reads HF_ENDPOINT and "
+            "HF_HOME once, at import): call it at the top of tests/conftest.py"
+        )
     hub = LocalHub().start()
-    endpoint = hub.endpoint
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_OIDC_RESOURCE", "HUGGING_FACE_HUB_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": FAKE_TOKEN, "HF_HOME": str(home)}
-    env.update(HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1")
+    home = tempfile.mkdtemp(prefix="relational_hf_test_hf_home_")
+    atexit.register(shutil.rmtree, home, True)
+    atexit.register(hub.stop)
+    for name in _CLEARED:
+        os.environ.pop(name, None)
+    os.environ.update(
+        HF_ENDPOINT=hub.endpoint,
+        HF_HOME=home,
+        HF_HUB_CACHE=os.path.join(home, "hub"),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     for name in ("NO_PROXY", "no_proxy"):
-        env[name] = ",".join(filter(None, [*os.environ.get(name, "").split(","), "127.0.0.1"]))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_URL_HOSTS", getattr(constants, "HF_URL_HOSTS", frozenset()) | {"127.0.0.1"})
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
-    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
-    monkeypatch.setattr(hf_api.api, "endpoint", endpoint)
-    if hasattr(_http, "_HUB_ORIGINS"):  # hosts whose redirects keep the auth header, fixed at import
-        monkeypatch.setattr(_http, "_HUB_ORIGINS", _http._HUB_ORIGINS | {_http._url_origin(endpoint)})
-    close_session()  # the next request opens a client that sees the environment above
+        os.environ[name] = ",".join(filter(None, [*os.environ.get(name, "").split(","), "127.0.0.1"]))
+    SESSION_HUB = hub
+    return hub
+
+
+@pytest.fixture
+def hub_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
+    """The session's `LocalHub`, emptied, with HF_TOKEN=`FAKE_TOKEN` (read by `huggingface_hub` at call time).
+
+    After the test: the server is emptied again and the token files a test may have written into the session's
+    temporary HF_HOME are removed."""
+    from huggingface_hub import close_session, constants
+
+    hub = SESSION_HUB
+    if hub is None or constants.ENDPOINT != hub.endpoint:
+        raise RuntimeError(
+            "the session's Hub is not configured: tests/conftest.py must call hub_server.configure_session() before "
+            f"huggingface_hub is imported (huggingface_hub talks to {constants.ENDPOINT})"
+        )
+    hub.reset()
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    close_session()  # public: the next request opens a fresh client (no connection kept from an earlier test)
     try:
         yield hub
     finally:
         close_session()  # closes keep-alive connections so the handler threads end
-        hub.stop()
+        hub.reset()
+        for path in (constants.HF_TOKEN_PATH, constants.HF_STORED_TOKENS_PATH):
+            if os.path.isfile(path) and os.path.commonpath([path, constants.HF_HOME]) == constants.HF_HOME:
+                os.remove(path)  # only inside the session's temporary HF_HOME
