@@ -3,7 +3,8 @@ gauges (dressing) and projected updates (optimisation on the quotient).
 
 Where things are:
 - `algebra`    Lie subalgebras (GL, RoPE commutant, CO), Sylvester/Lyapunov solves, balanced SVD, principal gauge;
-- `groups`     one class per symmetry group and `symmetry_groups(model)`, built through the architecture adapter;
+- `groups`     one class per symmetry group, one file per family (heads, scaling, translations, residual), and
+               `symmetry_groups(model)` (groups/builder.py), built through the architecture adapter;
 - `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
 - `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`;
 - `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`;
