@@ -220,6 +220,7 @@ def run_one(job: dict) -> dict:
         "summary": trajectory.summary(),
         "update_vertical_share": trajectory.vertical_share("update").tolist(),
         "record_steps": trajectory.steps.tolist(),
+        "layout_signature": trajectory.metadata.get("layout_signature"),
         "raw": _flat(p for p in model.parameters() if p.requires_grad).float().numpy(),
         "canonical": _flat(p for p in canonical.parameters() if p.requires_grad).float().numpy(),
         "coordinates": {k: np.asarray(final[k]) for k in ("raw_sketch", "canonical_sketch", "qk_spectrum",
@@ -275,17 +276,20 @@ def analyse(runs: list[dict], budget: dict) -> dict:
         reach = [int(np.argmax(smoothed[(variant, r["seed"])] <= target)) + 1 for r in rs]
         distances: dict[str, list[float]] = {}
         for a, b in itertools.combinations(rs, 2):
+            # stored entries are comparable only between runs with the same index layout (a pivot-gauge model's
+            # pivot positions depend on its initialisation): otherwise only the invariants and the function are
+            same_layout = a.get("layout_signature") == b.get("layout_signature")
             pair = {
-                "raw": relative_distance(a["raw"], b["raw"]),
-                "canonical": relative_distance(a["canonical"], b["canonical"]),
+                "raw": relative_distance(a["raw"], b["raw"]) if same_layout else None,
+                "canonical": relative_distance(a["canonical"], b["canonical"]) if same_layout else None,
                 "descriptors": relative_distance(descriptor_vector(a["coordinates"]),
                                                  descriptor_vector(b["coordinates"])),
                 "descriptors_sorted_heads": relative_distance(descriptor_vector(a["coordinates"], True),
                                                               descriptor_vector(b["coordinates"], True)),
                 "function_symmetric_kl": symmetric_kl(a["log_probs"], b["log_probs"]),
             }  # fmt: skip
-            sketched = coordinate_distances(a["coordinates"], b["coordinates"])
-            pair["raw_from_sketch"], pair["canonical_from_sketch"] = sketched["raw"], sketched["canonical"]
+            sketched = coordinate_distances(a["coordinates"], b["coordinates"]) if same_layout else {}
+            pair["raw_from_sketch"], pair["canonical_from_sketch"] = sketched.get("raw"), sketched.get("canonical")
             for k, v in pair.items():
                 distances.setdefault(k, []).append(v)
         variance = {}
@@ -366,6 +370,7 @@ def plot(payload: dict, trajectories: list, path: Path) -> None:
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
         means = [payload["variants"][v]["seed_distances"][kind]["mean"] for v in variants]
+        means = [np.nan if m is None else m for m in means]  # no comparable pair (different pivot layouts)
         ax_seed.bar(np.arange(len(variants)) + (i - 1.5) * width, means, width, label=kind.replace("_", " "))
     labels = [f"{v}\nKL {payload['variants'][v]['seed_distances']['function_symmetric_kl']['mean']:.3f}"
               for v in variants]  # fmt: skip
@@ -387,6 +392,9 @@ def print_table(payload: dict) -> None:
     print(
         head + f"{'raw dist':>8s} {'canon':>6s} {'descr':>6s} {'sorted':>6s} {'KL':>6s} {'gauge':>8s} {'upd.vert':>8s}"
     )
+    def num(value, width: int, spec: str = ".3f") -> str:
+        return f"{'–':>{width}s}" if value is None else f"{value:{width}{spec}}"
+
     for v, e in payload["variants"].items():
         last = e["update_direction_variance"][max(e["update_direction_variance"], key=int)]
         d = e["seed_distances"]
@@ -395,7 +403,7 @@ def print_table(payload: dict) -> None:
             f"{v:22s} {val['mean']:.4f} ± {val['std'] or 0:.4f} {e['steps_to_target']['mean']:13.0f} "
             f"{last['update']['direction_variance']['mean']:11.4f} "
             f"{last['update_horizontal']['direction_variance']['mean']:11.4f} "
-            f"{d['raw']['mean']:8.3f} {d['canonical']['mean']:6.3f} {d['descriptors']['mean']:6.3f} "
+            f"{num(d['raw']['mean'], 8)} {num(d['canonical']['mean'], 6)} {d['descriptors']['mean']:6.3f} "
             f"{d['descriptors_sorted_heads']['mean']:6.3f} {d['function_symmetric_kl']['mean']:6.3f} "
             f"{e['gauge_share_of_motion']['mean'] or 0:8.3g} {e['mean_update_vertical_share']['mean'] or 0:8.3g}"
         )

@@ -22,6 +22,7 @@ from relational_hf.dynamics import (
     QuotientRecorder,
     QuotientTrajectoryCallback,
     coordinate_distances,
+    final_distances,
     load_trajectory,
     run_dynamics,
     save_trajectory,
@@ -214,3 +215,21 @@ def test_resuming_from_a_checkpoint_continues_the_trajectory(tmp_path):
     assert trajectory["loss_step"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     np.testing.assert_allclose(trajectory["balance_drift"][0], 0.0)  # the drift still refers to the first record
     assert (trajectory["balance_drift"][-1] > 0).all()
+
+
+def test_pivot_runs_with_different_pivot_positions_are_compared_in_invariants_only():
+    """Two pivot-gauge models from different seeds store their free entries at different pivot positions: their raw
+    and canonical sketches are not comparable (left out), their invariants are; two free-gauge models are compared raw."""
+    trajectories = {}
+    for gauge in ("pivot", "free"):
+        for seed in (0, 1):
+            recorder = QuotientRecorder(tiny_relational(gauge, seed=seed), every=1)
+            recorder.record(0)
+            trajectories[gauge, seed] = recorder.trajectory()
+    pivots = [trajectories["pivot", seed] for seed in (0, 1)]
+    assert pivots[0].metadata["layout_signature"] != pivots[1].metadata["layout_signature"]
+    distances = final_distances(pivots)
+    assert "raw" not in distances and "canonical" not in distances  # no comparable pair: left out
+    assert np.isfinite(distances["descriptors"][0, 1])
+    free = final_distances([trajectories["free", seed] for seed in (0, 1)])
+    assert np.isfinite(free["raw"][0, 1]) and free["raw"][0, 1] > 0

@@ -152,12 +152,14 @@ class QuotientRecorder:
         self._pending: dict[str, float] = {}
         self._pending_seconds = 0.0
         names = [n for n, _ in self.params]  # the sketch's coordinates mean the same for equal shapes and names
+        layout = _layout_signature(model)  # ... and equal index buffers (a pivot gauge's pivot positions)
         self.metadata = {
             "every": every,
             "steps": sorted(self.steps),
             "sketch_dim": sketch_dim,
             "sketch_seed": seed,
-            "sketch_signature": hashlib.sha256("\n".join([self.sketch.signature, *names]).encode()).hexdigest()[:16],
+            "sketch_signature": hashlib.sha256("\n".join([self.sketch.signature, layout, *names]).encode()).hexdigest(),
+            "layout_signature": layout,
             "parameter_count": sum(p.numel() for _, p in self.params),
             "residual_rotation_vertical": residual,
             "vertical_groups": [g.key for g in self.projector.groups] if self.projector is not None else [],
@@ -366,6 +368,18 @@ class QuotientRecorder:
         if "balance_reference" in trajectory:
             self.balance_reference = trajectory["balance_reference"]
             self.balance_keys = list(trajectory.metadata.get("balance_groups", [])) or None
+
+
+def _layout_signature(model: nn.Module) -> str:
+    """A hash of the model's integer buffers: the index layouts (a pivot-gauge layer's pivot and free positions) that
+    decide which weight entry a stored coordinate is. Two runs whose layouts differ store different entries at the same
+    place, so their raw and canonical sketches are not comparable (the invariants still are)."""
+    digest = hashlib.sha256()
+    for name, buffer in model.named_buffers():
+        if not (buffer.is_floating_point() or buffer.is_complex()):
+            digest.update(name.encode())
+            digest.update(buffer.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:

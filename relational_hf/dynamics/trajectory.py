@@ -246,8 +246,9 @@ def coordinate_distances(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray
 
 
 def comparable(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """Trajectories grouped by sketch signature (same parameter shapes, sketch seed and dimension): only within a
-    group do the sketch coordinates mean the same thing."""
+    """Trajectories grouped by sketch signature (same parameter names and shapes, sketch seed and dimension, and index
+    layout, e.g. the same pivot positions of a pivot-gauge model): only within a group do the sketch coordinates mean
+    the same thing."""
     groups: dict[str, list[Trajectory]] = {}
     for t in trajectories:
         groups.setdefault(str(t.metadata.get("sketch_signature", "")), []).append(t)
