@@ -110,22 +110,28 @@ def _same_model(run: dict, dims: dict, vocab_size: int) -> bool:
     return run["model_signature"] == model_signature(run["contender"], dims, vocab_size)
 
 
+#: The seed of the learning-rate sweep's runs: one the grid does not use, so that no grid point is the run the sweep
+#: selected on the validation set (results made before this reused the sweep's seed-0 winner; see `caveats`).
+SWEEP_SEED = 1000
+
+
 def lr_sweep(runner: Runner, job: dict, size: str, dims: dict, lrs: list[float]) -> tuple[dict, list[dict]]:
-    """Train one Llama size (seed 0) at each peak LR; the one with the lowest validation loss is frozen for the
-    whole grid. Returns (the sweep's record, its runs)."""
-    logger.info("LR sweep on llama/%s, seed 0: %s", size, lrs)
-    runs = runner.run([dict(job, contender="llama", size=size, dims=dims, seed=0, lr=v) for v in lrs])
+    """Train one Llama size (seed SWEEP_SEED) at each peak LR; the one with the lowest validation loss is frozen for
+    the whole grid. Returns (the sweep's record, its runs)."""
+    logger.info("LR sweep on llama/%s, seed %d: %s", size, SWEEP_SEED, lrs)
+    runs = runner.run([dict(job, contender="llama", size=size, dims=dims, seed=SWEEP_SEED, lr=v) for v in lrs])
     runs.sort(key=lambda r: r["lr"])
     best = min(runs, key=lambda r: r["val_loss"] if math.isfinite(r["val_loss"]) else float("inf"))
     logger.info("chosen peak LR %.0e", best["lr"])
     record = {
         "model": f"llama/{size}",
-        "seed": 0,
+        "seed": SWEEP_SEED,
         "steps": job["steps"],
         "candidates": [{"lr": r["lr"], "val_loss": r["val_loss"]} for r in runs],
         "chosen_lr": best["lr"],
         "at_edge_of_sweep": best["lr"] in (min(lrs), max(lrs)),
-        "how": "lowest validation loss; then frozen for every contender, size and seed",
+        "how": "lowest validation loss; then frozen for every contender, size and seed; the sweep's seed is not one "
+        "of the grid's, so its runs are not grid points",
     }
     return record, runs
 
@@ -171,22 +177,16 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
     previous = load_previous(name, steps, data["vocab_size"], sizes) if args.resume else {"runs": [], "lr_sweep": None}
     deadline = started + 60 * args.max_minutes if args.max_minutes else None
     with Runner(args.workers, args.threads, train_ids, val_blocks) as runner:
-        sweep_runs: list[dict] = []
         if args.lr:
             sweep = {"chosen_lr": args.lr, "how": "given with --lr (no sweep)"}
         elif previous["lr_sweep"] and previous["lr_sweep"].get("model") == f"llama/{sweep_size}":
             sweep = previous["lr_sweep"]
             logger.info("LR sweep taken from the previous results: peak LR %.0e", sweep["chosen_lr"])
         else:
-            sweep, sweep_runs = lr_sweep(runner, job, sweep_size, sizes[sweep_size], budget["sweep_lrs"])
+            sweep, _ = lr_sweep(runner, job, sweep_size, sizes[sweep_size], budget["sweep_lrs"])
         lr = sweep["chosen_lr"]
         wanted = {(c, s, seed) for c in contenders for s in sizes for seed in seeds}
-        # the sweep's winning run is the grid's llama/<sweep size>/seed 0 (same job, same numbers)
-        reuse = [
-            r
-            for r in previous["runs"] + sweep_runs
-            if r["lr"] == lr and (r["contender"], r["size"], r["seed"]) in wanted
-        ]
+        reuse = [r for r in previous["runs"] if r["lr"] == lr and (r["contender"], r["size"], r["seed"]) in wanted]
         reuse = list({(r["contender"], r["size"], r["seed"]): r for r in reuse}.values())
         have = {(r["contender"], r["size"], r["seed"]) for r in reuse}
         largest_first = sorted(sizes, key=lambda s: -sum(sizes[s].values()))
@@ -247,8 +247,6 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
                 r["formula_parameters"],
             )
     payload.update(analyse(runs, sizes))
-    if "model" in sweep:
-        sweep["reused_as_grid_run"] = f"{sweep['model']}/seed 0 (see caveats)"
     payload["caveats"] = caveats({**payload, "runs": runs})
     payload["runs"] = sorted(runs, key=lambda r: (r["contender"], list(sizes).index(r["size"]), r["seed"]))
     payload["wall_seconds"] = time.monotonic() - started  # this invocation (not reused runs)
@@ -261,21 +259,24 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
 
 
 def caveats(payload: dict) -> list[str]:
-    """What the reader of one results JSON must know before trusting its verdicts."""
+    """What the reader of one results JSON must know before trusting its verdicts (also marks, in
+    payload["lr_sweep"], a sweep run reused as a grid point)."""
     out = []
     sweep = payload.get("lr_sweep") or {}
+    sweep.pop("reused_as_grid_run", None)
     if "model" in sweep:
-        size = sweep["model"].split("/", 1)[1]
+        size, seed = sweep["model"].split("/", 1)[1], sweep.get("seed", 0)
         reused = [
             r
             for r in payload.get("runs", [])
-            if r["contender"] == "llama" and r["size"] == size and r["seed"] == 0 and r["lr"] == sweep["chosen_lr"]
+            if r["contender"] == "llama" and r["size"] == size and r["seed"] == seed and r["lr"] == sweep["chosen_lr"]
         ]
         if reused:
+            sweep["reused_as_grid_run"] = f"{sweep['model']}/seed {seed} (see caveats)"
             out.append(
-                f"Llama's {size}/seed 0 point is the LR sweep's winning run, chosen as the lowest validation loss on "
+                f"Llama's {size}/seed {seed} point is the LR sweep's winning run, chosen as the lowest validation loss on "
                 f"this same validation set: that point is selected on the data it is scored on (optimistic for Llama "
-                f"at {size}); a fresh seed-0 run for it has not been made"
+                f"at {size}); new sweeps run on seed {SWEEP_SEED}, outside the grid, which removes this"
             )
     budget, corpus = payload.get("budget", {}), payload.get("corpus", {})
     epochs = budget.get("epochs_per_run")

@@ -191,6 +191,27 @@ def test_verdict_uses_the_local_llama_noise_not_an_average(analysis):
     assert row["same_size_verdict"] == "below the same-size Llama (better)"
 
 
+def test_caveats_flag_a_reused_sweep_winner_and_an_overfitting_budget(quality):
+    """A grid point that is the LR sweep's selected run is flagged (and marked in lr_sweep); several passes over the
+    training tokens with a large validation-training gap are called an overfitting regime."""
+    run = {"contender": "llama", "size": "d32", "seed": 0, "lr": 4e-3, "val_loss": 2.5, "train_loss_last_5pct": 1.8}
+    payload = {
+        "lr_sweep": {"model": "llama/d32", "seed": 0, "chosen_lr": 4e-3},
+        "runs": [run, dict(run, seed=1, val_loss=2.4)],
+        "budget": {"epochs_per_run": 6.0, "seeds": [0, 1]},
+        "corpus": {"train_tokens": 380_000},
+    }
+    notes = quality.caveats(payload)
+    assert any("d32/seed 0 point is the LR sweep's winning run" in n for n in notes)
+    assert payload["lr_sweep"]["reused_as_grid_run"].startswith("llama/d32/seed 0")
+    assert any("overfitting regime" in n and "0.60 to 0.70 nats" in n for n in notes)
+    payload["lr_sweep"]["seed"] = quality.SWEEP_SEED  # a sweep outside the grid: nothing reused
+    payload["budget"]["epochs_per_run"] = 0.5
+    notes = quality.caveats(payload)
+    assert not any("winning run" in n or "overfitting" in n for n in notes)
+    assert "reused_as_grid_run" not in payload["lr_sweep"]
+
+
 def test_wikitext_documents_split_at_top_level_headings(setup):
     text = " \n = First = \n \n text one \n = = Section = = \n more \n = Second = \n text two \n"
     docs = setup.wikitext_documents(text)
@@ -229,6 +250,9 @@ def test_quick_run_writes_the_documented_json(quality, setup, shared_data, tmp_p
     assert data["budget"]["tokens_per_run"] == 6 * setup.BATCH_SIZE * setup.CONTEXT
     assert data["optimizer"]["peak_lr"] == data["lr_sweep"]["chosen_lr"]
     assert data["optimizer"]["peak_lr"] in setup.BUDGETS["quick"]["sweep_lrs"]
+    # the sweep runs on a seed outside the grid: no grid point is the run it selected
+    assert data["lr_sweep"]["seed"] not in data["budget"]["seeds"] and "reused_as_grid_run" not in data["lr_sweep"]
+    assert not any("LR sweep's winning run" in c for c in data["caveats"])
     ran = [c for c in contenders if c not in data["skipped"]]
     assert set(data["results"]) == set(ran)
     assert all(data["skipped"].values())  # a skipped contender says why
