@@ -261,7 +261,8 @@ def validate_finetune_args(args: argparse.Namespace) -> None:
     if args.method != "lora":
         given = [flag for flag, value in lora_flags.items() if value is not None]
         if given or args.merge:
-            raise UsageError(f"{', '.join(given + ['--merge'] * args.merge)} apply only to --method lora")
+            given += ["--merge"] * args.merge
+            raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --method lora")
     if args.method == "lora" and args.projection != "none":
         raise UsageError("--projection update acts on full weights; use it with --method full")
     if args.parallel_suppression_site != "residual" and args.parallel_suppression == 0:

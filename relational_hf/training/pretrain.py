@@ -207,7 +207,10 @@ def validate_train_args(args: argparse.Namespace) -> None:
             if value is not None
         ]
         if given:
-            raise UsageError(f"{', '.join(given)} apply only to --architecture relational (Llama ignores them)")
+            raise UsageError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --architecture relational "
+                "(Llama ignores them)"
+            )
     args.gauge = args.gauge or "pivot"
     args.position_encoding = args.position_encoding or "rope"
     if args.bpe_vocab_size is not None and args.tokenizer != "bpe":
