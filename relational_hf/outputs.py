@@ -160,6 +160,16 @@ def prepare_output_dir(
     return out
 
 
+def remove_if_unused(folder: str | os.PathLike) -> bool:
+    """Remove `folder` when it holds nothing but the marker and empty folders (a run that failed before writing
+    anything); True when removed. Never removes a file other than the marker."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(p.is_file() and p.name != MARKER for p in folder.rglob("*")):
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
 def write_marker(folder: Path, command: str, kind: str) -> None:
     """Write the ownership marker into `folder` (atomically: a temporary file renamed over it)."""
     tmp = folder / f"{MARKER}.tmp"
@@ -174,8 +184,9 @@ def write_marker(folder: Path, command: str, kind: str) -> None:
 
 class OutputLock:
     """An exclusive, non-blocking `fcntl.flock` on the sibling file `.NAME.lock` of an output directory, held for a
-    whole run (`with OutputLock(out): ...`). A second holder fails at once with `UsageError`. The lock is released
-    by the operating system if the process dies; the empty lock file stays."""
+    whole run (`with OutputLock(out): ...`). A second holder fails at once with `UsageError`. The operating system
+    releases the lock if the process dies (the lock file then stays, harmless); a normal exit removes the file while
+    still holding the lock, and a taker checks after locking that the file it locked is still the one at the path."""
 
     def __init__(self, output_dir: str | os.PathLike) -> None:
         self.out = Path(os.path.abspath(output_dir))
@@ -186,17 +197,25 @@ class OutputLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise UsageError(
-                    f"{self.out} is in use by another relational-hf run (lock {self.path.name} held); wait for it to "
-                    "finish or choose another --output-dir"
-                ) from None
-            raise
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise UsageError(
+                        f"{self.out} is in use by another relational-hf run (lock {self.path.name} held); wait for it "
+                        "to finish or choose another --output-dir"
+                    ) from None
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -206,6 +225,10 @@ class OutputLock:
         import fcntl
 
         if self._fd is not None:
+            try:
+                os.unlink(self.path)  # while still locked: a waiting taker sees the inode change and retries
+            except FileNotFoundError:
+                pass
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -392,6 +415,7 @@ __all__ = [
     "normalise_output_dir",
     "prepare_output_dir",
     "read_marker",
+    "remove_if_unused",
     "recover_output_dir",
     "set_aside_incomplete_checkpoints",
     "stage_and_swap",

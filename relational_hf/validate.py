@@ -215,16 +215,21 @@ def looks_like_local_path(source: str) -> bool:
     return "/" in source and os.path.isdir(head)
 
 
-def resolve_model_source(source: str, what: str = "MODEL") -> str:
+def resolve_model_source(source: str, what: str = "MODEL", *, model: bool = True) -> str:
     """Check a model argument before anything is loaded: a local path must exist (a clear "no such file or
-    directory" instead of a failed Hub connection), a local folder must hold a config.json or a GGUF file; anything
-    else must look like a Hub id. Returns `source` unchanged (a path with ~ expanded)."""
+    directory" instead of a failed Hub connection); with `model` a local folder must hold a config.json (or an
+    adapter_config.json, or a GGUF file) and a local file must be a .gguf file. Anything else is taken as a Hub id.
+    Returns `source` (a local path with ~ expanded). Loaders (e.g. a Hub-id/folder/GGUF loader) call it first."""
     if not source or not source.strip():
         raise UsageError(f"{what}: empty model name")
     expanded = os.path.expanduser(source)
     if looks_like_local_path(source):
         if not os.path.exists(expanded):
             raise UsageError(f"{what} {source}: no such file or directory (and not a Hub id)")
+        if not model:
+            return expanded
+        if os.path.isfile(expanded) and not expanded.endswith(".gguf"):
+            raise UsageError(f"{what} {source}: a file, not a model folder (config.json + weights) or a .gguf file")
         if os.path.isdir(expanded) and not (
             os.path.isfile(os.path.join(expanded, "config.json"))
             or os.path.isfile(os.path.join(expanded, "adapter_config.json"))

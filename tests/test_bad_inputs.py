@@ -81,6 +81,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     f["no_traj"].mkdir()
     f["junk_npz"] = root / "junk.npz"
     f["junk_npz"].write_bytes(b"PK\x03\x04 not really a zip")
+    f["ids"] = root / "ids.pt"
+    torch.save(torch.randint(0, 40, (30,)), f["ids"])
     f["a_dir"] = root / "a_dir"
     f["a_dir"].mkdir()
     return f
@@ -235,6 +237,11 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{CV} {{llama}} {{root}}/o --calibration-samples 0", ["--calibration-samples", ">= 1"]),
     (f"{CV} {{llama}} {{root}}/o --tolerance 0", ["--tolerance", "(0, inf)"]),
     (f"{CV} {{llama}} {{root}}/o --tolerance nan", ["--tolerance", "finite"]),
+    (f"{CV} {{a_file}} {{root}}/o", ["SRC", "not a model folder"]),
+    (
+        f"{CV} {{llama}} {{root}}/o9 --slice 0.2 --calibration {{ids}} --seq-len 10 --eval-fraction 0.9",
+        ["--eval-fraction 0.9", "no calibration sequence"],
+    ),
     # --- analyze ---
     (f"{AN} ./missing_model --text {{text}}", ["MODEL_OR_DIR", "no such file or directory"]),
     (f"{AN} {{model}} --text {{root}}/none.txt", ["--text", "no such file or directory"]),
@@ -314,6 +321,9 @@ def test_refusals_change_nothing(files, capsys):
     assert {p.name: p.read_bytes() for p in files["foreign"].iterdir()} == before
     assert cli.main(_argv(f"{T} --block-size 0 --output-dir {{root}}/never", files)) == 2
     assert not (files["root"] / "never").exists()
+    # refused after the output was claimed (the data is checked then): the new folder and its lock file are gone
+    assert cli.main(_argv(f"{T} --train-file {{tiny}} --output-dir {{root}}/claimed", files)) == 2
+    assert not (files["root"] / "claimed").exists() and not (files["root"] / ".claimed.lock").exists()
 
 
 def test_dynamics_out_file_is_named(files, tmp_path, capsys):

@@ -67,6 +67,8 @@ def _split(ids: torch.Tensor, seq_len: int, samples: int, eval_fraction: float) 
         raise SystemExit(f"calibration data too short: {ids.numel()} tokens for --seq-len {seq_len}")
     chunks = ids[: n * seq_len].reshape(n, seq_len)
     n_eval = max(1, int(round(eval_fraction * n)))
+    if n_eval >= n:
+        raise SystemExit(f"--eval-fraction {eval_fraction} leaves no calibration sequence of the {n} in the data")
     return chunks[: n - n_eval][:samples], chunks[n - n_eval :][:samples]
 
 

@@ -251,7 +251,7 @@ def validate_finetune_args(args: argparse.Namespace) -> None:
     and tokenizer sources (a missing local path is named as such) and fills the LoRA defaults."""
     args.model = resolve_model_source(args.model, "MODEL")
     if args.tokenizer not in (None, "byte"):
-        args.tokenizer = resolve_model_source(args.tokenizer, "--tokenizer")
+        args.tokenizer = resolve_model_source(args.tokenizer, "--tokenizer", model=False)
     if args.train_file and args.dataset:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
@@ -267,6 +267,15 @@ def validate_finetune_args(args: argparse.Namespace) -> None:
         raise UsageError("--projection update acts on full weights; use it with --method full")
     if args.parallel_suppression_site != "residual" and args.parallel_suppression == 0:
         raise UsageError("--parallel-suppression-site needs --parallel-suppression > 0")
+    if args.report_to not in ("none", "", "all"):
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        unknown = [name for name in args.report_to.split(",") if name not in INTEGRATION_TO_CALLBACK]
+        if unknown:
+            raise UsageError(
+                f"--report-to: unknown integration(s) {', '.join(unknown)}; known: none, all, "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
     args.lora_r = args.lora_r or 8
     args.lora_alpha = args.lora_alpha or 16.0
     args.lora_dropout = args.lora_dropout or 0.0
@@ -435,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_finetune_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = run_finetune(args)
+    try:
+        result = run_finetune(args)
+    except UsageError as err:  # one line naming the flag, as for the parser's own errors (exit 2)
+        parser.error(str(err))
     if result.main_process:
         print(format_finetune_result(result))
     return 0

@@ -28,6 +28,7 @@ from ..outputs import (
     complete_checkpoint,
     normalise_output_dir,
     prepare_output_dir,
+    remove_if_unused,
     stage_and_swap,
 )
 from ..validate import (
@@ -338,7 +339,14 @@ def claimed_output(args: argparse.Namespace, command: str, kind: str) -> Iterato
         yield out
         return
     with OutputLock(out):
-        yield prepare_output_dir(out, overwrite=args.overwrite, resume=args.resume, command=command, kind=kind)
+        existed = out.exists()
+        prepared = prepare_output_dir(out, overwrite=args.overwrite, resume=args.resume, command=command, kind=kind)
+        try:
+            yield prepared
+        except BaseException:
+            if not existed:  # a run that failed before writing anything leaves no empty folder behind
+                remove_if_unused(prepared)
+            raise
 
 
 def run_train(args: argparse.Namespace) -> TrainResult:
@@ -463,6 +471,9 @@ def format_result(result: TrainResult, model_name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    result = run_train(args)
+    try:
+        result = run_train(args)
+    except UsageError as err:  # one line naming the flag, as for the parser's own errors (exit 2)
+        parser.error(str(err))
     print(format_result(result, args.architecture))
     return 0
