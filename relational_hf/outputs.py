@@ -72,8 +72,10 @@ _AT_FDCWD = -100
 
 
 def is_project_output(path: str | os.PathLike) -> bool:
-    """True when `path` is a directory written by this project (it holds the marker file)."""
-    return (Path(path) / MARKER).is_file()
+    """True when `path` is a directory written by this project: it holds the marker file, or (outputs of versions
+    before the marker) a config.json beside the `trainer_state/` folder that `train`/`finetune` keep."""
+    path = Path(path)
+    return (path / MARKER).is_file() or ((path / "config.json").is_file() and (path / TRAINER_DIR).is_dir())
 
 
 def read_marker(path: str | os.PathLike) -> dict:

@@ -247,6 +247,10 @@ def test_train_resumes_from_the_complete_checkpoint_and_keeps_user_files(tmp_pat
     assert "8 steps" in printed
     assert (out / "trainer_state" / "incomplete-checkpoint-9").is_dir()
     assert (out / "thesis.tex").read_text() == "precious" and loads(out) is not None
+    # resuming with other model flags is refused before training, naming the setting and its flag
+    assert cli.main([*common, "--max-steps", "9", "--resume", "--hidden-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "hidden_size 32" in err and "--hidden-size" in err
 
 
 def test_a_diverged_run_does_not_replace_the_previous_checkpoint(tmp_path, small_text, monkeypatch, capsys):
@@ -313,3 +317,18 @@ def test_push_stages_no_trainer_state_and_no_pickles_at_any_depth(tmp_path):
     _stage(src, staging, None)
     staged = {p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file() or p.is_symlink()}
     assert staged == {name for name, kept in files.items() if kept}
+
+
+def test_outputs_of_earlier_versions_count_as_project_outputs(tmp_path):
+    """A folder saved before the marker existed (config.json beside trainer_state/) is accepted; a folder with only
+    a config.json is not, and is left untouched."""
+    legacy, foreign = tmp_path / "legacy", tmp_path / "foreign"
+    save(tiny(1), legacy)
+    (legacy / MARKER).unlink()
+    (legacy / "trainer_state").mkdir()
+    assert outputs.prepare_output_dir(legacy) == legacy and (legacy / MARKER).is_file()
+    save(tiny(1), foreign)
+    (foreign / MARKER).unlink()
+    with pytest.raises(UsageError, match="not written by relational-hf"):
+        outputs.prepare_output_dir(foreign)
+    assert not (foreign / MARKER).exists()

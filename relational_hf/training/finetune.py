@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from ..errors import UsageError
 from ..outputs import TRAINER_DIR, complete_checkpoint, normalise_output_dir, stage_and_swap
@@ -325,16 +325,18 @@ def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
     started = time.monotonic()
     train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
     tokenizer = _load_tokenizer(args)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    check_weights_for_projection(model, args.projection)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
     check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {source})")
-    if int(max(train_ids.max(), val_ids.max())) >= model.config.vocab_size:
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)  # no weights yet
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None and int(max(train_ids.max(), val_ids.max())) >= vocab_size:
         raise UsageError(
             f"the tokenizer produces ids up to {int(max(train_ids.max(), val_ids.max()))} but the model's vocabulary "
-            f"has {model.config.vocab_size} entries: pass the tokenizer the checkpoint was trained with (--tokenizer)"
+            f"has {vocab_size} entries: pass the tokenizer the checkpoint was trained with (--tokenizer)"
         )
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    check_weights_for_projection(model, args.projection)
     logger.info("corpus: %s; %d train / %d validation tokens", source, train_ids.numel(), val_ids.numel())
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
     ppl_before = perplexity(model, val_blocks, progress=True)

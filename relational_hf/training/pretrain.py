@@ -8,6 +8,7 @@ perplexity, saves a checkpoint and tokenizer that the Auto classes load, and pri
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -316,6 +317,28 @@ def save_atomically(
     stage_and_swap(output_dir, write, command=command, kind=kind)
 
 
+_RESUME_FIELDS = (*_CONFIG_FLAGS, "model_type", "gauge", "position_encoding", "value_parallel_removal")
+
+
+def check_resume_config(config, checkpoint: Path) -> None:
+    """`UsageError` when the model the flags describe differs from the one saved in the trainer checkpoint that
+    --resume would continue (the weights would not fit), naming each differing setting and its flag."""
+    try:
+        saved = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # a checkpoint without a readable config: the Trainer reports what it cannot load
+    new = config.to_dict()
+    differ = [
+        f"{name} {saved[name]!r} (now {new.get(name)!r}; {_CONFIG_FLAGS.get(name, '--' + name.replace('_', '-'))})"
+        for name in _RESUME_FIELDS
+        if name in saved and saved[name] != new.get(name)
+    ]
+    if differ:
+        raise UsageError(
+            f"--resume: {checkpoint.name} was trained with {', '.join(differ)}; pass the model flags of that run"
+        )
+
+
 def check_blocks(ids: torch.Tensor, block_size: int, what: str, extra: int = 0) -> None:
     """`UsageError` unless the token stream `ids` holds at least one --block-size block plus `extra` tokens (checked
     before training: random training windows need one token more than a block)."""
@@ -379,6 +402,8 @@ def _train(args: argparse.Namespace, out: Path) -> TrainResult:
 
     trainer_dir = out / TRAINER_DIR
     resume_from = complete_checkpoint(trainer_dir) if args.resume else None
+    if resume_from is not None:
+        check_resume_config(model.config, Path(resume_from))
     train_set = RandomBlockDataset(train_ids, args.block_size, args.max_steps * args.batch_size, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=str(trainer_dir),
