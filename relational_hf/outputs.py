@@ -16,8 +16,9 @@ Guarantees (see the README section "What is guaranteed on failure"):
   `recover_output_dir` (run at the start of every command) finishes or undoes a swap a crash interrupted.
 - **Complete trainer checkpoints.** The Trainer writes `trainer_state.json` last into `checkpoint-N/`;
   `complete_checkpoint` accepts a checkpoint only when that file parses and the weights it needs are present, and
-  `set_aside_incomplete_checkpoints` renames the others to `incomplete-checkpoint-N` (kept, never deleted), so that
-  neither `--resume` nor the Trainer's rotation picks them.
+  `set_aside_incomplete_checkpoints` renames the others to `incomplete-checkpoint-N` (and, when a fresh run starts
+  in an earlier run's folder, that run's checkpoints to `superseded-checkpoint-N`), so that neither `--resume` nor
+  the Trainer's rotation picks them; they are removed only after the new run's model is saved.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def prepare_output_dir(
             "replace it: choose another directory, or pass --overwrite"
         )
     write_marker(out, command, kind)
-    set_aside_incomplete_checkpoints(out / TRAINER_DIR)
+    set_aside_incomplete_checkpoints(out / TRAINER_DIR, everything=not resume)
     return out
 
 
@@ -382,19 +383,33 @@ def _checkpoints(trainer_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def set_aside_incomplete_checkpoints(trainer_dir: str | os.PathLike) -> list[Path]:
-    """Rename every incomplete `checkpoint-N` under `trainer_dir` to `incomplete-checkpoint-N` (kept for inspection;
-    invisible to `--resume` and to the Trainer's rotation). Returns the new paths."""
+def set_aside_incomplete_checkpoints(trainer_dir: str | os.PathLike, *, everything: bool = False) -> list[Path]:
+    """Rename every incomplete `checkpoint-N` under `trainer_dir` to `incomplete-checkpoint-N`, and with `everything`
+    (a fresh run into an earlier run's folder) the complete ones to `superseded-checkpoint-N`. Set-aside folders are
+    invisible to `--resume` and to the Trainer's rotation (which keeps the highest step and would otherwise delete
+    the new run's checkpoints); `drop_set_aside_checkpoints` removes them once the new run has saved its model.
+    Returns the new paths."""
     moved = []
     for _step, folder in _checkpoints(Path(trainer_dir)):
-        if not checkpoint_is_complete(folder):
-            target = folder.with_name(f"incomplete-{folder.name}")
+        complete = checkpoint_is_complete(folder)
+        if everything or not complete:
+            target = folder.with_name(f"{'superseded' if complete else 'incomplete'}-{folder.name}")
             if target.exists():
                 shutil.rmtree(target)
             os.rename(folder, target)
-            logger.warning("set aside the incomplete trainer checkpoint %s as %s", folder, target.name)
+            logger.warning("set aside the trainer checkpoint %s as %s", folder, target.name)
             moved.append(target)
     return moved
+
+
+def drop_set_aside_checkpoints(trainer_dir: str | os.PathLike) -> None:
+    """Remove the `incomplete-checkpoint-N` / `superseded-checkpoint-N` folders under `trainer_dir`: called after a
+    run's final model is safely in place, when no resume can need them."""
+    trainer_dir = Path(trainer_dir)
+    if trainer_dir.is_dir():
+        for folder in trainer_dir.iterdir():
+            if folder.is_dir() and re.match(r"^(incomplete|superseded)-checkpoint-\d+$", folder.name):
+                shutil.rmtree(folder)
 
 
 def complete_checkpoint(trainer_dir: str | os.PathLike) -> str:
@@ -411,6 +426,7 @@ __all__ = [
     "OutputLock",
     "checkpoint_is_complete",
     "complete_checkpoint",
+    "drop_set_aside_checkpoints",
     "exchange",
     "holds_full_checkpoint",
     "is_project_output",

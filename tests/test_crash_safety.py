@@ -244,13 +244,17 @@ def test_train_resumes_from_the_complete_checkpoint_and_keeps_user_files(tmp_pat
     (out / "trainer_state" / "checkpoint-9" / "trainer_state.json").unlink()
     assert cli.main([*common, "--max-steps", "8", "--resume"]) == 0  # no --overwrite needed: our own output now
     printed = capsys.readouterr().out
-    assert "8 steps" in printed
-    assert (out / "trainer_state" / "incomplete-checkpoint-9").is_dir()
+    assert "8 steps" in printed  # resumed from checkpoint-6: checkpoint-9 has no state to resume from
     assert (out / "thesis.tex").read_text() == "precious" and loads(out) is not None
+    assert not (out / "trainer_state" / "incomplete-checkpoint-9").exists()  # dropped once the model was saved
     # resuming with other model flags is refused before training, naming the setting and its flag
     assert cli.main([*common, "--max-steps", "9", "--resume", "--hidden-size", "64"]) == 2
     err = capsys.readouterr().err
     assert "--resume" in err and "hidden_size 32" in err and "--hidden-size" in err
+    # a fresh run in the same folder: the earlier run's checkpoint-6 (a higher step) must not make the Trainer's
+    # rotation delete the new run's checkpoint-3
+    assert cli.main([*common, "--max-steps", "3"]) == 0
+    assert sorted(p.name for p in (out / "trainer_state").iterdir() if p.is_dir()) == ["checkpoint-3"]
 
 
 def test_a_diverged_run_does_not_replace_the_previous_checkpoint(tmp_path, small_text, monkeypatch, capsys):

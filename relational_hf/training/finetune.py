@@ -20,7 +20,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from ..errors import UsageError
-from ..outputs import TRAINER_DIR, complete_checkpoint, normalise_output_dir, stage_and_swap
+from ..outputs import (
+    TRAINER_DIR,
+    complete_checkpoint,
+    drop_set_aside_checkpoints,
+    normalise_output_dir,
+    stage_and_swap,
+)
 from ..validate import (
     fraction_closed_open,
     int_at_least,
@@ -411,6 +417,7 @@ def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
                 tokenizer.save_pretrained(folder / "merged")
 
         stage_and_swap(output_dir, write, command="finetune", kind=args.method)
+        drop_set_aside_checkpoints(trainer_dir)
     trainer.accelerator.wait_for_everyone()
     return FinetuneResult(
         str(args.output_dir),

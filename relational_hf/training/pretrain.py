@@ -27,6 +27,7 @@ from ..outputs import (
     TRAINER_DIR,
     OutputLock,
     complete_checkpoint,
+    drop_set_aside_checkpoints,
     normalise_output_dir,
     prepare_output_dir,
     remove_if_unused,
@@ -453,6 +454,7 @@ def _train(args: argparse.Namespace, out: Path) -> TrainResult:
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
         save_atomically(model, tokenizer, out, command="train", kind="full")
+        drop_set_aside_checkpoints(trainer_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed) if args.sample_tokens else ""
     return TrainResult(
         str(args.output_dir), n_params, val_ppl, uni_ppl, trainer.state.global_step, time.monotonic() - started, sample
