@@ -107,8 +107,8 @@ def normalise_output_dir(output_dir: str | os.PathLike, flag: str = "--output-di
     text = str(output_dir)
     if not text.strip():
         raise UsageError(f"{flag}: empty path")
-    out = Path(os.path.abspath(os.path.expanduser(text)))
-    cwd = Path(os.getcwd())
+    out = Path(os.path.realpath(os.path.expanduser(text)))  # a symbolic link: the swap happens at its target
+    cwd = Path(os.path.realpath(os.getcwd()))
     if out == cwd or out in cwd.parents or out.parent == out:
         raise UsageError(
             f"{flag} {text}: the output directory cannot be the current directory or one of its parents (a save "
@@ -192,7 +192,7 @@ class OutputLock:
     still holding the lock, and a taker checks after locking that the file it locked is still the one at the path."""
 
     def __init__(self, output_dir: str | os.PathLike) -> None:
-        self.out = Path(os.path.abspath(output_dir))
+        self.out = Path(os.path.realpath(output_dir))
         self.path = _sibling(self.out, "lock")
         self._fd: int | None = None
 
@@ -307,20 +307,24 @@ def stage_and_swap(
     """Replace the checkpoint in `output_dir` by what `write(staging_folder)` writes, so that a crash at any point
     leaves a complete old or new checkpoint (module docstring). Carries over `trainer_state/` and every file of
     the old folder that is not a checkpoint artefact (hard links). Returns the output path."""
-    out = Path(os.path.abspath(output_dir))
+    out = Path(os.path.realpath(output_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     recover_output_dir(out)
     staging = _sibling(out, "staging")
     if staging.exists():
         shutil.rmtree(staging)  # a staging folder is never the only complete copy (recover_output_dir saw to that)
     staging.mkdir()
-    write(staging)
-    if out.is_dir():
-        for entry in out.iterdir():
-            if (entry.name == TRAINER_DIR or not _is_artefact(entry.name)) and not (staging / entry.name).exists():
-                _link_tree(entry, staging / entry.name)
-    write_marker(staging, command, kind)  # last: a staging folder with the marker is complete
-    _fsync_tree(staging)
+    try:
+        write(staging)
+        if out.is_dir():
+            for entry in out.iterdir():
+                if (entry.name == TRAINER_DIR or not _is_artefact(entry.name)) and not (staging / entry.name).exists():
+                    _link_tree(entry, staging / entry.name)
+        write_marker(staging, command, kind)  # last: a staging folder with the marker is complete
+        _fsync_tree(staging)
+    except Exception:  # a failed write (disk full, an error in `write`): the old checkpoint was never touched
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if not out.exists():
         os.rename(staging, out)
     elif exchange(staging, out):
@@ -342,7 +346,7 @@ def recover_output_dir(output_dir: str | os.PathLike) -> None:
     """Finish or undo a swap that a crash interrupted: when NAME is missing, the complete staging folder (marker
     written) or else `.NAME.old` becomes NAME again; leftovers beside a present NAME are removed (they are
     either an unfinished staging folder or a superseded checkpoint)."""
-    out = Path(os.path.abspath(output_dir))
+    out = Path(os.path.realpath(output_dir))
     staging, old = _sibling(out, "staging"), _sibling(out, "old")
     if not out.exists():
         if staging.is_dir() and (staging / MARKER).is_file():

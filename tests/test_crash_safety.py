@@ -336,3 +336,25 @@ def test_outputs_of_earlier_versions_count_as_project_outputs(tmp_path):
     with pytest.raises(UsageError, match="not written by relational-hf"):
         outputs.prepare_output_dir(foreign)
     assert not (foreign / MARKER).exists()
+
+
+def test_a_failed_write_leaves_the_old_checkpoint_and_no_staging_folder(two_models):
+    out, old_fp, new, _new_fp = two_models
+
+    def disk_full(folder):
+        new.save_pretrained(folder)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        stage_and_swap(out, disk_full)
+    assert loads(out) == old_fp
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
+
+
+def test_a_symlinked_output_directory_stays_a_link_to_the_new_checkpoint(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    save(tiny(1), real)
+    link.symlink_to(real)
+    new = tiny(2)
+    save(new, outputs.normalise_output_dir(link))
+    assert link.is_symlink() and loads(link) == fingerprint(new) == loads(real)
