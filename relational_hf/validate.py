@@ -240,6 +240,13 @@ def resolve_model_source(source: str, what: str = "MODEL", *, model: bool = True
     return source
 
 
+def check_dataset_source(name: str | None, flag: str = "--dataset") -> None:
+    """A `datasets.load_dataset` name that can only be a local path must exist (else "no such file or directory",
+    not a failed download)."""
+    if name and looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+        raise UsageError(f"{flag} {name}: no such file or directory (and not a dataset name on the Hub)")
+
+
 def require(condition: bool, message: str) -> None:
     """Raise `UsageError(message)` unless `condition`."""
     if not condition:
@@ -320,6 +327,7 @@ def check_dynamics_args(args: argparse.Namespace) -> None:
 __all__ = [
     "check_analyze_args",
     "check_convert_args",
+    "check_dataset_source",
     "check_dynamics_args",
     "check_redundancy_args",
     "check_text_file",

@@ -163,6 +163,7 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{T} --dataset-config wikitext-2-raw-v1", ["--dataset-config", "--dataset"]),
     (f"{T} --text-column ''", ["--text-column", "empty"]),
     (f"{T} --dataset ''", ["--dataset", "empty"]),
+    (f"{T} --dataset ./corpora/wiki", ["--dataset ./corpora/wiki", "no such file or directory"]),
     (f"{T} --train-file {{short_val}} --block-size 1024", ["validation text", "--block-size"]),
     (f"{T} --train-file {{text}} --block-size 100000", ["training text", "--block-size"]),
     # --- train: output directory ---
@@ -208,6 +209,8 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{FT} {{model}} --train-file {{latin1}}", ["--train-file", "not valid UTF-8"]),
     (f"{FT} {{model}} --train-file {{text}} --dataset x", ["--train-file", "--dataset"]),
     (f"{FT} {{model}} --resume --output-dir {{root}}/no_run", ["--resume", "does not exist"]),
+    (f"{FT} {{model}} --dataset {{root}}/no_dataset", ["--dataset", "no such file or directory"]),
+    (f"{FT} {{model}} --report-to nowhere", ["--report-to", "nowhere", "tensorboard"]),
     (
         f"{FT} {{fp16}} --projection update --train-file {{text}} --block-size 32 --output-dir {{root}}/ft16",
         ["--projection update", "fp32", "float16"],

@@ -28,6 +28,7 @@ from ..outputs import (
     stage_and_swap,
 )
 from ..validate import (
+    check_dataset_source,
     fraction_closed_open,
     int_at_least,
     nonempty_str,
@@ -262,6 +263,7 @@ def validate_finetune_args(args: argparse.Namespace) -> None:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
         raise UsageError("--dataset-config needs --dataset")
+    check_dataset_source(args.dataset)
     lora_flags = {"--lora-r": args.lora_r, "--lora-alpha": args.lora_alpha, "--lora-dropout": args.lora_dropout}
     lora_flags["--lora-targets"] = args.lora_targets
     if args.method != "lora":

@@ -34,6 +34,7 @@ from ..outputs import (
     stage_and_swap,
 )
 from ..validate import (
+    check_dataset_source,
     int_at_least,
     nonempty_str,
     nonnegative_float,
@@ -198,6 +199,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
         raise UsageError("--dataset-config needs --dataset")
+    check_dataset_source(args.dataset)
     if args.architecture == "llama":
         given = [
             flag
