@@ -491,9 +491,8 @@ def format_result(result: TrainResult, model_name: str) -> str:
             f"validation perplexity: {result.val_perplexity:.3f}   (unigram perplexity of the corpus: "
             f"{result.unigram_perplexity:.3f}; {gain:.2f} nats/token better)",
             f"saved to {result.output_dir} (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)",
-            "sample:",
-            "  " + result.sample.replace("\n", "\n  "),
         ]
+        + (["sample:", "  " + result.sample.replace("\n", "\n  ")] if result.sample else [])
     )
 
 
