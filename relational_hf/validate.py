@@ -277,7 +277,10 @@ def check_convert_args(args: argparse.Namespace) -> None:
         raise UsageError(f"OUT {out}: exists and is not a directory")
     if os.path.isdir(args.src) and out.exists() and os.path.samefile(args.src, out):
         raise UsageError(f"OUT {out} is SRC's own folder; choose another folder (nothing was changed)")
-    if out.is_dir() and any(out.iterdir()) and not (out / "conversion_report.json").is_file():
+    from .outputs import is_project_output
+
+    earlier = (out / "conversion_report.json").is_file() or is_project_output(out)
+    if out.is_dir() and any(out.iterdir()) and not earlier:
         raise UsageError(
             f"OUT {out} is not empty and holds no earlier conversion (conversion_report.json); choose a new or empty "
             "folder (nothing was changed)"
