@@ -199,9 +199,15 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"{self.out}: cannot create its parent folder ({err.strerror})") from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise UsageError(f"{self.out}: cannot create the lock file {self.path} ({err.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:

@@ -266,7 +266,10 @@ def lm_blocks(ids: torch.Tensor, block_size: int, max_tokens: int | None = None)
         ids = ids[:max_tokens]
     n = ids.numel() // block_size
     if n == 0:
-        raise ValueError(f"text of {ids.numel()} tokens is shorter than one block of {block_size}")
+        raise ValueError(
+            f"text of {ids.numel()} tokens is shorter than one block of {block_size} tokens (the sequence length: "
+            "--block-size / --seq-len)"
+        )
     return ids[: n * block_size].view(n, block_size)
 
 
