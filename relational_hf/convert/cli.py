@@ -41,8 +41,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "--eval-fraction of it is held out to report the perplexity change",
     )
     parser.add_argument("--seq-len", type=int_at_least(2), default=128, help="calibration sequence length in tokens")
-    parser.add_argument("--calibration-samples", type=positive_int, default=64, help="at most this many calibration sequences")
-    parser.add_argument("--eval-fraction", type=fraction_open, default=0.2, help="share of the calibration tokens held out")
+    parser.add_argument(
+        "--calibration-samples", type=positive_int, default=64, help="at most this many calibration sequences"
+    )
+    parser.add_argument(
+        "--eval-fraction", type=fraction_open, default=0.2, help="share of the calibration tokens held out"
+    )
     parser.add_argument("--tolerance", type=positive_float, default=1e-4, help="max |logit difference| accepted (fp32)")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
     return parser

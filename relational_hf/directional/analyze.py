@@ -68,7 +68,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument("--group-size", type=positive_int, default=128, help="quantisation group size (default: 128)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped with the checkpoint")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the calibration/evaluation split and of sampling")
+    parser.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="seed of the calibration/evaluation split and of sampling"
+    )
     return parser
 
 
