@@ -28,7 +28,9 @@ class Crash(BaseException):
 
 def tiny(seed: int) -> RelationalForCausalLM:
     torch.manual_seed(seed)
-    config = RelationalConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = RelationalConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     return RelationalForCausalLM(config)
 
 
@@ -133,7 +135,9 @@ def test_a_save_killed_by_a_signal_between_the_renames(two_models, tmp_path):
     """A real process death (os._exit: no clean-up runs) between the two renames of the fallback swap."""
     out, old_fp, new, new_fp = two_models
     new.save_pretrained(tmp_path / "new_files")
-    script = LIGHT_IMPORT + f"""
+    script = (
+        LIGHT_IMPORT
+        + f"""
 outputs.exchange = lambda a, b: False
 real, calls = os.rename, []
 def rename(a, b):
@@ -145,6 +149,7 @@ os.rename = rename
 write = lambda folder: shutil.copytree({str(tmp_path / "new_files")!r}, folder, dirs_exist_ok=True)
 outputs.stage_and_swap({str(out)!r}, write)
 """
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 9, done.stderr
     assert not out.exists() and loads(out.with_name(".run.old")) == old_fp  # the old one is whole, beside
@@ -174,11 +179,14 @@ def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path, capsys):
 
 def test_a_lock_held_by_another_process_refuses_until_that_process_dies(tmp_path):
     out = tmp_path / "run"
-    script = LIGHT_IMPORT + f"""
+    script = (
+        LIGHT_IMPORT
+        + f"""
 outputs.OutputLock({str(out)!r}).__enter__()
 print("locked", flush=True)
 sys.stdin.read()
 """
+    )
     holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
