@@ -197,8 +197,11 @@ class OutputLock:
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
-        import fcntl
-
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: no lock, said once
+            logger.warning("file locking is not available on this platform: %s is not locked", self.out)
+            return self
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -231,9 +234,9 @@ class OutputLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        import fcntl
-
         if self._fd is not None:
+            import fcntl
+
             try:
                 os.unlink(self.path)  # while still locked: a waiting taker sees the inode change and retries
             except FileNotFoundError:
