@@ -1,10 +1,17 @@
-"""The `relational-hf` command: train | convert | redundancy | analyze | push | bench."""
+"""The `relational-hf` command: train | finetune | convert | redundancy | analyze | dynamics | push | bench.
+
+A mistake the user can fix (a flag out of range, a missing, binary or non-UTF-8 file, an output directory that would
+be overwritten, a model path that does not exist) ends with one line, ``relational-hf <command>: error: <message>``,
+and exit status 2; ``--debug`` shows the traceback instead."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from .errors import UsageError
+from .validate import existing_dir
 
 
 def _train(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +53,9 @@ QUICK_BENCHMARKS: dict[str, tuple[str, ...]] = {
 def _bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run the quick versions of the benchmarks in benchmarks/ (a source checkout)")
     p.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(QUICK_BENCHMARKS)})")
-    p.add_argument("--dir", default=None, help="the benchmarks folder (default: ./benchmarks or the checkout's)")
+    p.add_argument(
+        "--dir", type=existing_dir, default=None, help="the benchmarks folder (default: ./benchmarks or the checkout's)"
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -61,14 +70,14 @@ def _run_bench(args: argparse.Namespace) -> int:
     )
     folder = next((c for c in candidates if (c / "common.py").is_file()), None)
     if folder is None:
-        raise FileNotFoundError("no benchmarks folder found (run from a source checkout or pass --dir)")
+        raise UsageError("no benchmarks folder found (run from a source checkout or pass --dir)")
     unknown = sorted(set(args.names) - set(QUICK_BENCHMARKS))
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; available: {sorted(QUICK_BENCHMARKS)}")
+        raise UsageError(f"unknown benchmark(s) {unknown}; available: {sorted(QUICK_BENCHMARKS)}")
     names = args.names or list(QUICK_BENCHMARKS)
     absent = [name for name in names if not (folder / f"{name}.py").is_file()]
     if absent:
-        raise FileNotFoundError(f"benchmark script(s) {absent} not found in {folder}")
+        raise UsageError(f"benchmark script(s) {absent} not found in {folder}")
     unlisted = sorted(p.stem for p in folder.glob("*.py") if p.stem not in QUICK_BENCHMARKS and p.stem != "common")
     if unlisted and not args.names:
         print(f"not run (no quick version listed): {', '.join(unlisted)}", flush=True)
@@ -146,24 +155,49 @@ COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _dynamics, _push
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relational-hf", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="relational-hf",
+        description=__doc__.split("\n\n")[0],
+        epilog="Run `relational-hf COMMAND --help` for the flags of a command.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
     return parser
 
 
+# Errors a user can cause and fix: reported in one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+REPORTED_ERRORS = (*USER_ERRORS, RuntimeError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv`, run the command; returns the exit status (0 success, 2 usage error or failure reported in one
+    line; argparse's own errors also exit 2)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or an argparse error, already printed with the flag named (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
     level = logging.INFO if args.verbose else getattr(args, "log_level", logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+    except REPORTED_ERRORS as err:
+        if args.debug:
+            raise
         print(f"relational-hf {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except SystemExit as exit_:  # a command that stops with a message (SystemExit("...")): same one-line form
+        if isinstance(exit_.code, str):
+            print(f"relational-hf {args.command}: error: {exit_.code}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print(f"relational-hf {args.command}: interrupted", file=sys.stderr)
+        return 130
     return code if isinstance(code, int) else 0
 
 

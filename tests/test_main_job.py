@@ -49,7 +49,7 @@ def test_train_file_and_offline_dataset_errors(tmp_path, capsys):
     assert cli.main(["train", "--train-file", str(short), "--output-dir", str(tmp_path / "x")]) == 2
     assert "need at least 1000" in capsys.readouterr().err
     assert cli.main(["train", "--train-file", str(tmp_path / "nope.txt")]) == 2
-    assert "not found" in capsys.readouterr().err
+    assert "no such file or directory" in capsys.readouterr().err
     assert cli.main(["train", "--dataset", "surely-not-a-dataset-name-xyz", "--output-dir", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert "could not load dataset 'surely-not-a-dataset-name-xyz'" in err and "Traceback" not in err

@@ -10,6 +10,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..validate import (
+    check_convert_args,
+    fraction_closed_open,
+    fraction_open,
+    int_at_least,
+    positive_float,
+    positive_int,
+    text_or_ids_file,
+)
 from .relational import to_relational
 
 
@@ -19,22 +28,26 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("out", metavar="OUT", type=Path, help="output folder for the relational checkpoint")
     parser.add_argument(
         "--slice",
-        type=float,
+        type=fraction_closed_open,
         default=0.0,
         dest="slice_fraction",
         help="fraction of residual directions to drop after the principal gauge (0: exact conversion)",
     )
     parser.add_argument(
         "--calibration",
-        type=Path,
+        type=text_or_ids_file,
         default=None,
         help="calibration text (tokenised with SRC's tokenizer) or a .pt tensor of token ids; the last "
         "--eval-fraction of it is held out to report the perplexity change",
     )
-    parser.add_argument("--seq-len", type=int, default=128, help="calibration sequence length in tokens")
-    parser.add_argument("--calibration-samples", type=int, default=64, help="at most this many calibration sequences")
-    parser.add_argument("--eval-fraction", type=float, default=0.2, help="share of the calibration tokens held out")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| accepted (fp32)")
+    parser.add_argument("--seq-len", type=int_at_least(2), default=128, help="calibration sequence length in tokens")
+    parser.add_argument(
+        "--calibration-samples", type=positive_int, default=64, help="at most this many calibration sequences"
+    )
+    parser.add_argument(
+        "--eval-fraction", type=fraction_open, default=0.2, help="share of the calibration tokens held out"
+    )
+    parser.add_argument("--tolerance", type=positive_float, default=1e-4, help="max |logit difference| accepted (fp32)")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
     return parser
 
@@ -58,6 +71,8 @@ def _split(ids: torch.Tensor, seq_len: int, samples: int, eval_fraction: float) 
         raise SystemExit(f"calibration data too short: {ids.numel()} tokens for --seq-len {seq_len}")
     chunks = ids[: n * seq_len].reshape(n, seq_len)
     n_eval = max(1, int(round(eval_fraction * n)))
+    if n_eval >= n:
+        raise SystemExit(f"--eval-fraction {eval_fraction} leaves no calibration sequence of the {n} in the data")
     return chunks[: n - n_eval][:samples], chunks[n - n_eval :][:samples]
 
 
@@ -65,6 +80,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """(Importing this package registers the relational architecture with the Auto classes.)
     Load SRC in fp32, convert with `to_relational` (verified), save OUT (safetensors, config, code files for
     trust_remote_code, SRC's tokenizer when it has one, conversion_report.json) and print the report."""
+    check_convert_args(args)
     model = AutoModelForCausalLM.from_pretrained(
         args.src, dtype=torch.float32, trust_remote_code=args.trust_remote_code
     )

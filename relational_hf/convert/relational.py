@@ -240,6 +240,9 @@ def to_relational(
     attends to the full context): a warning is issued and the check runs on sequences inside the window.
     """
     _check_supported(model)
+    from .preflight import check_pivot_gauge_exists
+
+    check_pivot_gauge_exists(model)  # names the layer and head of a rank-deficient block
     if not 0.0 <= slice_fraction < 1.0:
         raise ValueError(f"slice_fraction must be in [0, 1), got {slice_fraction}")
     if slice_fraction > 0 and calibration_data is None:

@@ -15,6 +15,15 @@ from pathlib import Path
 import torch
 
 from ..training.data import lm_blocks as token_blocks
+from ..validate import (
+    check_analyze_args,
+    finite_float,
+    fraction_closed_open,
+    int_at_least,
+    nonnegative_int,
+    positive_int,
+    text_file,
+)
 from .compression import COMPRESSION_SETTINGS, CompressionReport, compression_report, settings_from
 from .decompose import decompose_dataset
 from .edits import scale_components
@@ -30,16 +39,16 @@ DEFAULT_SWEEP = (0.0, 0.5, 1.5)
 def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `relational-hf analyze`."""
     parser.add_argument("model", metavar="MODEL_OR_DIR", help="a saved model folder or a model id in the local cache")
-    parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to analyse")
+    parser.add_argument("--text", type=text_file, required=True, metavar="FILE", help="UTF-8 text to analyse")
     parser.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: analysis)")
-    parser.add_argument("--max-tokens", type=int, default=16384, metavar="N", help="tokens of the text used")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per row (default: 256)")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--max-tokens", type=positive_int, default=16384, metavar="N", help="tokens of the text used")
+    parser.add_argument("--seq-len", type=int_at_least(2), default=256, help="tokens per row (default: 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES, help="sites to measure and sweep")
     parser.add_argument(
         "--sweep-values",
         nargs="+",
-        type=float,
+        type=finite_float,
         default=list(DEFAULT_SWEEP),
         metavar="S",
         help="scales s_par and s_perp tried at each site (default: 0 0.5 1.5)",
@@ -53,13 +62,15 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument(
         "--calibration-fraction",
-        type=float,
+        type=fraction_closed_open,
         default=0.25,
         help="share of the rows used to calibrate Wanda (default: 0.25)",
     )
-    parser.add_argument("--group-size", type=int, default=128, help="quantisation group size (default: 128)")
+    parser.add_argument("--group-size", type=positive_int, default=128, help="quantisation group size (default: 128)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped with the checkpoint")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the calibration/evaluation split and of sampling")
+    parser.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="seed of the calibration/evaluation split and of sampling"
+    )
     return parser
 
 
@@ -82,6 +93,7 @@ def _load(args: argparse.Namespace):
 
 def run_analyze(args: argparse.Namespace) -> dict:
     """Run the analysis the flags ask for, write the JSON report and the figures, print a table; returns the report."""
+    check_analyze_args(args)
     torch.manual_seed(args.seed)
     settings = settings_from(args.compression)
     out = Path(args.out)

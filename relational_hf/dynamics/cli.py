@@ -14,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..validate import check_dynamics_args
 from .plots import plot_all, seed_distance_table, setting_name
 from .trajectory import find_trajectories, load_trajectory
 
@@ -39,6 +40,7 @@ def add_dynamics_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 def run_dynamics(args: argparse.Namespace) -> int:
     """Load the trajectories of `args.runs`, write the figures and summary.json into `args.out`, print a line per
     run (gauge share of the motion, mean vertical share of the updates). Returns the exit code."""
+    check_dynamics_args(args)
     trajectories = [load_trajectory(p) for p in find_trajectories(args.runs)]
     paths = plot_all(trajectories, args.out)
     summary = {

@@ -13,6 +13,7 @@ import argparse
 import fnmatch
 import json
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -21,14 +22,45 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, get_token
 
+from ..validate import existing_dir, nonempty_str
 from .card import build_model_card, read_config
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMIT_MESSAGE = "Upload checkpoint with relational-hf"
-# Not published: version-control and cache folders, Trainer state that only resuming needs, and the
-# checkpoint-* subfolders a Trainer output directory holds.
-EXCLUDED = (".git/*", ".cache/*", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "checkpoint-*/*")
+# Not published, at any depth: version-control and cache folders, Trainer state that only resuming needs (the
+# trainer_state/ folder `relational-hf train` keeps, checkpoint-* folders, their set-aside incomplete-checkpoint-*),
+# pickled files (optimizer, scheduler, RNG state, training arguments: loading a pickle runs code), and the ownership
+# marker and lock files of `relational_hf.outputs`.
+EXCLUDED_DIRS = (
+    ".git",
+    ".cache",
+    ".huggingface",
+    "__pycache__",
+    "trainer_state",
+    "checkpoint-*",
+    "incomplete-checkpoint-*",
+)
+EXCLUDED_FILES = (
+    "*.pt",
+    "*.pth",
+    "*.pkl",
+    "*.pickle",
+    "*.ckpt",
+    "*.bin",
+    ".relational-hf-output*",
+    ".*.lock",
+    ".DS_Store",
+)
+
+
+def is_excluded(relative: str) -> bool:
+    """True when the file at `relative` (a POSIX path inside the checkpoint folder) is not published: some folder on
+    its path matches `EXCLUDED_DIRS`, or its name matches `EXCLUDED_FILES` (module comment)."""
+    *folders, name = relative.split("/")
+    if any(fnmatch.fnmatch(part, pattern) for part in folders for pattern in EXCLUDED_DIRS):
+        return True
+    return any(fnmatch.fnmatch(name, pattern) for pattern in EXCLUDED_FILES)
 
 
 def validate_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
@@ -58,7 +90,7 @@ def _stage(checkpoint_dir: Path, staging: Path, readme: str | None) -> None:
     """Mirror the publishable files of `checkpoint_dir` into `staging` and write the card as README.md."""
     for source in sorted(checkpoint_dir.rglob("*")):
         relative = source.relative_to(checkpoint_dir).as_posix()
-        if not source.is_file() or any(fnmatch.fnmatch(relative, pattern) for pattern in EXCLUDED):
+        if not source.is_file() or is_excluded(relative):
             continue
         target = staging / relative
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -134,19 +166,47 @@ def push_checkpoint(
     return str(commit.commit_url)
 
 
+def repo_id_arg(text: str) -> str:
+    """An argparse type: a Hub repository id, `name` or `namespace/name` (letters, digits, '-', '_', '.')."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError as err:
+        raise argparse.ArgumentTypeError(f"not a valid Hub repository id {text!r}: {err}") from None
+    return text
+
+
+def url_arg(text: str) -> str:
+    """An argparse type: an http(s) URL."""
+    if not re.match(r"^https?://[^\s/]+", text):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")
+
+
 def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the arguments of `relational-hf push CKPT_DIR REPO_ID [--private] [--endpoint URL] [--token T] [--message M]`."""
-    parser.add_argument("checkpoint_dir", help="directory written by save_pretrained() (config.json + *.safetensors)")
-    parser.add_argument("repo_id", help="namespace/name on the Hub; a bare name goes under your account")
+    parser.add_argument(
+        "checkpoint_dir",
+        type=existing_dir,
+        help="directory written by save_pretrained() (config.json + *.safetensors)",
+    )
+    parser.add_argument(
+        "repo_id", type=repo_id_arg, help="namespace/name on the Hub; a bare name goes under your account"
+    )
     parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT, else the public Hub)")
+    parser.add_argument(
+        "--endpoint", type=url_arg, default=None, help="Hub URL (default: HF_ENDPOINT, else the public Hub)"
+    )
     parser.add_argument(
         "--token",
         default=None,
         help="access token (default: HF_TOKEN, else the stored `hf auth login`); "
         "prefer those, a token on the command line is visible to other users of the machine",
     )
-    parser.add_argument("--message", default=None, help=f"commit message (default: {DEFAULT_COMMIT_MESSAGE!r})")
+    parser.add_argument(
+        "--message", type=nonempty_str, default=None, help=f"commit message (default: {DEFAULT_COMMIT_MESSAGE!r})"
+    )
     return parser
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..validate import check_redundancy_args, fraction_open
 from .report import plot_head_similarity, plot_redundancy_by_layer, redundancy_report, redundancy_report_from_config
 
 
@@ -28,7 +29,7 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     )
     parser.add_argument(
         "--rank-tol",
-        type=float,
+        type=fraction_open,
         default=1e-3,
         help="relative tolerance of the effective rank (singular values > tol x largest)",
     )
@@ -41,6 +42,7 @@ def run_redundancy(args: argparse.Namespace) -> int:
     """(Importing this package registers the relational architecture with the Auto classes.)
     Load MODEL_OR_DIR with AutoModelForCausalLM (or only its config with --meta), print the Markdown report to
     stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
+    check_redundancy_args(args)
     if args.meta:
         config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         report = redundancy_report_from_config(config)

@@ -3,6 +3,7 @@ parallel-suppression settings of DESIGN.md sections 2.3 and 3."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -52,5 +53,7 @@ class RelationalTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"parallel_suppression_site must be one of {SUPPRESSION_SITES}, got {self.parallel_suppression_site!r}"
             )
-        if not self.parallel_suppression_coef >= 0.0:
-            raise ValueError(f"parallel_suppression_coef must be >= 0, got {self.parallel_suppression_coef}")
+        if not 0.0 <= self.parallel_suppression_coef < math.inf:
+            raise ValueError(
+                f"parallel_suppression_coef must be a finite number >= 0, got {self.parallel_suppression_coef}"
+            )

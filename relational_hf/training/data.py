@@ -11,9 +11,11 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
+
+from ..errors import UsageError
+from ..validate import check_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +151,16 @@ def load_texts(
     """(train_text, val_text, source description) from a text file, a `datasets` name, or the built-in corpus.
 
     A dataset that cannot be loaded (offline, unknown name) raises a RuntimeError saying so, not a traceback from
-    deep inside `datasets`."""
+    deep inside `datasets`; a missing, binary or non-UTF-8 `train_file` raises `UsageError` naming it."""
     if train_file and dataset:
-        raise ValueError("give either --train-file or --dataset, not both")
+        raise UsageError("give either --train-file or --dataset, not both")
     if train_file:
-        path = Path(train_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"training text file not found: {path}")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        path = check_text_file(train_file, "--train-file")  # exists, UTF-8, not binary: named errors
+        text = path.read_text(encoding="utf-8")
         if len(text) < 1000:
-            raise ValueError(f"{path} holds only {len(text)} characters; need at least 1000 to train and validate")
+            raise UsageError(
+                f"--train-file {path} holds only {len(text)} characters; need at least 1000 to train and validate"
+            )
         train, val = split_text(text, val_fraction)
         return train, val, f"file {path.name}"
     if dataset:
@@ -264,7 +266,10 @@ def lm_blocks(ids: torch.Tensor, block_size: int, max_tokens: int | None = None)
         ids = ids[:max_tokens]
     n = ids.numel() // block_size
     if n == 0:
-        raise ValueError(f"text of {ids.numel()} tokens is shorter than one block of {block_size}")
+        raise ValueError(
+            f"text of {ids.numel()} tokens is shorter than one block of {block_size} tokens (the sequence length: "
+            "--block-size / --seq-len)"
+        )
     return ids[: n * block_size].view(n, block_size)
 
 

@@ -11,17 +11,38 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
+from ..errors import UsageError
+from ..outputs import (
+    TRAINER_DIR,
+    complete_checkpoint,
+    drop_set_aside_checkpoints,
+    normalise_output_dir,
+    stage_and_swap,
+)
+from ..validate import (
+    check_dataset_source,
+    fraction_closed_open,
+    int_at_least,
+    nonempty_str,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    resolve_model_source,
+    text_file,
+)
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
 from .data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
 from .metrics import perplexity
-from .pretrain import TimeLimitCallback, last_checkpoint, save_atomically
+from .pretrain import TimeLimitCallback, check_blocks, claimed_output
 from .trainer import RelationalTrainer
 
 logger = logging.getLogger(__name__)
@@ -31,7 +52,9 @@ DEFAULT_OUTPUT_DIR = "checkpoints/finetuned"
 
 def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `relational-hf finetune` and `training_scripts/finetune.py`."""
-    parser.add_argument("model", help="checkpoint to start from: a local directory or a Hub id (causal LM)")
+    parser.add_argument(
+        "model", type=nonempty_str, help="checkpoint to start from: a local directory or a Hub id (causal LM)"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -42,10 +65,19 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "--trust-remote-code", action="store_true", help="allow checkpoints whose modeling code lives in the repo"
     )
     data = parser.add_argument_group("data")
-    data.add_argument("--train-file", help="a UTF-8 text file to train on (last 10%% of lines validate)")
-    data.add_argument("--dataset", help="a `datasets.load_dataset` name (needs network or a local dataset dir)")
+    data.add_argument(
+        "--train-file", type=text_file, help="a UTF-8 text file to train on (last 10%% of lines validate)"
+    )
+    data.add_argument(
+        "--dataset", type=nonempty_str, help="a `datasets.load_dataset` name (needs network or a local dataset dir)"
+    )
     data.add_argument("--dataset-config", help="the dataset configuration name, e.g. wikitext-2-raw-v1")
-    data.add_argument("--text-column", default="text", help="dataset column holding the text (default: %(default)s)")
+    data.add_argument(
+        "--text-column",
+        type=nonempty_str,
+        default="text",
+        help="dataset column holding the text (default: %(default)s)",
+    )
     method = parser.add_argument_group("method")
     method.add_argument(
         "--method",
@@ -53,18 +85,22 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         default="full",
         help="full: every weight trains; lora: PEFT LoRA adapters on --lora-targets, base weights frozen",
     )
-    method.add_argument("--lora-r", type=int, default=8, help="LoRA rank r (default: %(default)s)")
+    method.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank r (default: 8)")
     method.add_argument(
         "--lora-alpha",
-        type=float,
-        default=16.0,
-        help="LoRA alpha; the update is scaled by alpha / r (default: %(default)s)",
+        type=positive_float,
+        default=None,
+        help="LoRA alpha > 0; the update is scaled by alpha / r (default: 16)",
     )
     method.add_argument(
-        "--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input (default: %(default)s)"
+        "--lora-dropout",
+        type=fraction_closed_open,
+        default=None,
+        help="dropout on the LoRA input, in [0, 1) (default: 0)",
     )
     method.add_argument(
         "--lora-targets",
+        type=nonempty_str,
         default=None,
         help="comma-separated module names to adapt (default: q,k,v,o,gate,up,down_proj where the model has them, "
         "else all linear layers)",
@@ -83,7 +119,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     method.add_argument(
         "--parallel-suppression",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         help="lambda of the soft parallel-suppression term lambda * mean cos^2(y, z) (default: %(default)s = off)",
     )
@@ -98,53 +134,79 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     train.add_argument(
         "--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"where results go (default: {DEFAULT_OUTPUT_DIR})"
     )
-    train.add_argument("--block-size", type=int, default=128, help="context length in tokens (default: %(default)s)")
     train.add_argument(
-        "--batch-size", type=int, default=8, help="sequences per micro-batch and process (default: %(default)s)"
+        "--overwrite",
+        action="store_true",
+        help="allow an --output-dir that is not empty and was not written by relational-hf, or the model's own "
+        "folder (full fine-tuning); its checkpoint files are replaced, other files kept",
+    )
+    train.add_argument(
+        "--block-size", type=int_at_least(2), default=128, help="context length in tokens (default: %(default)s)"
+    )
+    train.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        help="sequences per micro-batch and process (default: %(default)s)",
     )
     train.add_argument(
         "--gradient-accumulation-steps",
-        type=int,
+        type=positive_int,
         default=1,
         help="micro-batches per optimizer step (default: %(default)s)",
     )
     train.add_argument(
         "--max-steps",
-        type=int,
+        type=positive_int,
         default=200,
         help="optimizer steps; the time limit may stop earlier (default: %(default)s)",
     )
     train.add_argument(
-        "--max-minutes", type=float, default=10.0, help="stop training after this many minutes (default: %(default)s)"
+        "--max-minutes",
+        type=positive_float,
+        default=10.0,
+        help="stop training after this many minutes (default: %(default)s)",
     )
-    train.add_argument("--learning-rate", type=float, default=None, help="peak LR (default: 1e-3 LoRA, 3e-4 full)")
+    train.add_argument(
+        "--learning-rate", type=positive_float, default=None, help="peak LR > 0 (default: 1e-3 LoRA, 3e-4 full)"
+    )
     train.add_argument(
         "--warmup-steps",
-        type=int,
+        type=nonnegative_int,
         default=10,
         help="linear warm-up steps before the cosine decay (default: %(default)s)",
     )
-    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
+    train.add_argument(
+        "--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay (default: %(default)s)"
+    )
     train.add_argument(
         "--seed",
-        type=int,
+        type=nonnegative_int,
         default=0,
         help="seed of LoRA initialisation, data sampling and order (default: %(default)s)",
     )
     train.add_argument(
         "--logging-steps",
-        type=int,
+        type=positive_int,
         default=10,
         help="log loss and the relational metrics every N steps (default: %(default)s)",
     )
     train.add_argument(
-        "--save-steps", type=int, default=100, help="trainer checkpoint interval, for --resume (default: %(default)s)"
+        "--save-steps",
+        type=positive_int,
+        default=100,
+        help="trainer checkpoint interval, for --resume (default: %(default)s)",
     )
     train.add_argument(
-        "--resume", action="store_true", help="continue from the last trainer checkpoint in OUTPUT_DIR/trainer_state"
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete trainer checkpoint in OUTPUT_DIR/trainer_state",
     )
     train.add_argument(
-        "--eval-blocks", type=int, default=32, help="validation blocks used for perplexity (default: %(default)s)"
+        "--eval-blocks",
+        type=positive_int,
+        default=32,
+        help="validation blocks used for perplexity (default: %(default)s)",
     )
     train.add_argument(
         "--report-to", default="none", help="Trainer logging integrations, e.g. tensorboard (default: none)"
@@ -173,7 +235,7 @@ def _load_tokenizer(args: argparse.Namespace):
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ValueError(
+        raise UsageError(
             f"could not load a tokenizer from {source!r} ({err}); pass --tokenizer PATH, or --tokenizer byte for "
             "checkpoints trained with the byte-level tokenizer"
         ) from None
@@ -191,23 +253,98 @@ def lora_targets(model: torch.nn.Module, requested: str | None) -> list[str] | s
     return found or "all-linear"
 
 
-def run_finetune(args: argparse.Namespace) -> FinetuneResult:
-    """Fine-tune as the flags say; returns the measured figures (see the module docstring)."""
+def validate_finetune_args(args: argparse.Namespace) -> None:
+    """Check the flags of `finetune` before any model is loaded: `UsageError` naming the flag. Resolves the model
+    and tokenizer sources (a missing local path is named as such) and fills the LoRA defaults."""
+    args.model = resolve_model_source(args.model, "MODEL")
+    if args.tokenizer not in (None, "byte"):
+        args.tokenizer = resolve_model_source(args.tokenizer, "--tokenizer", model=False)
+    if args.train_file and args.dataset:
+        raise UsageError("give either --train-file or --dataset, not both")
+    if args.dataset_config and not args.dataset:
+        raise UsageError("--dataset-config needs --dataset")
+    check_dataset_source(args.dataset)
+    lora_flags = {"--lora-r": args.lora_r, "--lora-alpha": args.lora_alpha, "--lora-dropout": args.lora_dropout}
+    lora_flags["--lora-targets"] = args.lora_targets
+    if args.method != "lora":
+        given = [flag for flag, value in lora_flags.items() if value is not None]
+        if given or args.merge:
+            given += ["--merge"] * args.merge
+            raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --method lora")
     if args.method == "lora" and args.projection != "none":
-        raise ValueError("--projection update acts on full weights; use it with --method full")
-    if args.merge and args.method != "lora":
-        raise ValueError("--merge applies to --method lora")
+        raise UsageError("--projection update acts on full weights; use it with --method full")
+    if args.parallel_suppression_site != "residual" and args.parallel_suppression == 0:
+        raise UsageError("--parallel-suppression-site needs --parallel-suppression > 0")
+    if args.report_to not in ("none", "", "all"):
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        unknown = [name for name in args.report_to.split(",") if name not in INTEGRATION_TO_CALLBACK]
+        if unknown:
+            raise UsageError(
+                f"--report-to: unknown integration(s) {', '.join(unknown)}; known: none, all, "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
+    args.lora_r = args.lora_r or 8
+    args.lora_alpha = args.lora_alpha or 16.0
+    args.lora_dropout = args.lora_dropout or 0.0
+    out = normalise_output_dir(args.output_dir)
+    if os.path.isdir(args.model) and out == Path(os.path.abspath(args.model)):
+        if args.method == "lora":
+            raise UsageError(
+                f"--output-dir {args.output_dir} is the model's own folder: LoRA adapter files beside its weights "
+                "would make it unloadable; choose another directory"
+            )
+        if not args.overwrite:
+            raise UsageError(
+                f"--output-dir {args.output_dir} is the model's own folder: the fine-tuned weights would replace "
+                "the base; choose another directory, or pass --overwrite"
+            )
+
+
+def check_weights_for_projection(model: torch.nn.Module, projection: str) -> None:
+    """`--projection update` solves eigen-problems on the weights: fp16/bf16 weights are refused with a clear
+    message (before any training) instead of failing inside `torch.linalg.eigh`."""
+    if projection == "none":
+        return
+    low = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for p in model.parameters()
+            if p.dtype not in (torch.float32, torch.float64)
+        }
+    )
+    if low:
+        raise UsageError(
+            f"--projection update needs fp32 weights; the model's are {', '.join(low)} (save it in float32, or "
+            "fine-tune without --projection)"
+        )
+
+
+def run_finetune(args: argparse.Namespace) -> FinetuneResult:
+    """Fine-tune as the flags say; returns the measured figures (see the module docstring). Every flag, the output
+    directory and the data are checked before training starts; the save never leaves a half-written directory."""
+    validate_finetune_args(args)
+    with claimed_output(args, "finetune", args.method) as out:
+        return _finetune(args, out)
+
+
+def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
     set_seed(args.seed)
     started = time.monotonic()
-    tokenizer = _load_tokenizer(args)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
+    tokenizer = _load_tokenizer(args)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
-    if int(max(train_ids.max(), val_ids.max())) >= model.config.vocab_size:
-        raise ValueError(
+    check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
+    check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {source})")
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)  # no weights yet
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None and int(max(train_ids.max(), val_ids.max())) >= vocab_size:
+        raise UsageError(
             f"the tokenizer produces ids up to {int(max(train_ids.max(), val_ids.max()))} but the model's vocabulary "
-            f"has {model.config.vocab_size} entries: pass the tokenizer the checkpoint was trained with"
+            f"has {vocab_size} entries: pass the tokenizer the checkpoint was trained with (--tokenizer)"
         )
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    check_weights_for_projection(model, args.projection)
     logger.info("corpus: %s; %d train / %d validation tokens", source, train_ids.numel(), val_ids.numel())
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
     ppl_before = perplexity(model, val_blocks, progress=True)
@@ -223,12 +360,15 @@ def run_finetune(args: argparse.Namespace) -> FinetuneResult:
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
         )
-        model = get_peft_model(model, config)
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as err:
+            raise UsageError(f"--lora-targets: {err}") from None
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    output_dir = Path(args.output_dir)
-    trainer_dir = output_dir / "trainer_state"
+    trainer_dir = output_dir / TRAINER_DIR
+    resume_from = complete_checkpoint(trainer_dir) if args.resume else None
     learning_rate = args.learning_rate or (1e-3 if args.method == "lora" else 3e-4)
     samples = args.max_steps * args.batch_size * args.gradient_accumulation_steps
     training_args = RelationalTrainingArguments(
@@ -257,25 +397,32 @@ def run_finetune(args: argparse.Namespace) -> FinetuneResult:
         train_dataset=RandomBlockDataset(train_ids, args.block_size, samples, seed=args.seed),
         callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(trainer_dir) if args.resume else None)
+    trainer.train(resume_from_checkpoint=resume_from)
     ppl_after = perplexity(model, val_blocks, progress=True)
+    if not math.isfinite(ppl_after):
+        raise RuntimeError(
+            f"fine-tuning diverged (validation perplexity {ppl_after}); nothing was saved and {args.output_dir} "
+            "keeps its previous content: lower --learning-rate"
+        )
 
     merged_dir = str(output_dir / "merged") if args.merge else None
     main_process = trainer.is_world_process_zero()
     if main_process:  # under torchrun / accelerate launch one process writes
-        if args.method == "lora":
-            output_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(output_dir)
-            tokenizer.save_pretrained(output_dir)
+
+        def write(folder: Path) -> None:
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
             if args.merge:
                 from .peft_support import merge_and_unload
 
-                save_atomically(merge_and_unload(model), tokenizer, merged_dir)
-        else:
-            save_atomically(model, tokenizer, output_dir)
+                merge_and_unload(model).save_pretrained(folder / "merged")
+                tokenizer.save_pretrained(folder / "merged")
+
+        stage_and_swap(output_dir, write, command="finetune", kind=args.method)
+        drop_set_aside_checkpoints(trainer_dir)
     trainer.accelerator.wait_for_everyone()
     return FinetuneResult(
-        str(output_dir),
+        str(args.output_dir),
         args.method,
         n_params,
         n_trainable,
@@ -308,7 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_finetune_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = run_finetune(args)
+    try:
+        result = run_finetune(args)
+    except UsageError as err:  # one line naming the flag, as for the parser's own errors (exit 2)
+        parser.error(str(err))
     if result.main_process:
         print(format_finetune_result(result))
     return 0

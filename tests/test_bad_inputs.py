@@ -1,0 +1,360 @@
+"""Every command refuses bad input before any work, with one line that names the flag or file and what is allowed.
+
+Each case runs `relational_hf.cli.main([...])` in-process and checks: exit status 2, no traceback, and the error
+message contains the expected words (the flag or file, and the rule). Training is forbidden in this module (a
+Trainer.train call fails the test), so every check must happen before the expensive work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from relational_hf import cli
+from relational_hf.outputs import MARKER
+from relational_hf.training.data import byte_level_tokenizer, generate_corpus
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Inputs good and bad: texts, checkpoints (relational fp32/fp16, Llama), foreign folders, junk files."""
+    from tiny_models import tiny_llama
+
+    from relational_hf import RelationalConfig, RelationalForCausalLM
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    f = {"root": root}
+    f["text"] = root / "train.txt"
+    f["text"].write_text(generate_corpus(400, seed=2), encoding="utf-8")
+    f["short_val"] = root / "shortval.txt"
+    f["short_val"].write_text("ada counts one two three.\n" * 60, encoding="utf-8")  # ~1.5k chars: val < 1024 tokens
+    f["binary"] = root / "weights.bin"
+    f["binary"].write_bytes(bytes(range(256)) * 20)
+    f["latin1"] = root / "latin1.txt"
+    f["latin1"].write_bytes(("caf\xe9 na\xefve " * 200).encode("latin-1"))
+    f["empty"] = root / "empty.txt"
+    f["empty"].write_text("")
+    f["tiny"] = root / "tiny.txt"
+    f["tiny"].write_text("too short")
+    f["a_file"] = root / "plain_file"
+    f["a_file"].write_text("x")
+    f["foreign"] = root / "foreign"
+    f["foreign"].mkdir()
+    (f["foreign"] / "thesis.tex").write_text("precious")
+    f["no_config"] = root / "no_config"
+    f["no_config"].mkdir()
+    (f["no_config"] / "notes.txt").write_text("no model here")
+    torch.manual_seed(0)
+    tokenizer = byte_level_tokenizer()
+    config = RelationalConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    model = RelationalForCausalLM(config)
+    f["model"] = root / "model"
+    model.save_pretrained(f["model"])
+    tokenizer.save_pretrained(f["model"])
+    f["fp16"] = root / "model_fp16"
+    model.half().save_pretrained(f["fp16"])
+    tokenizer.save_pretrained(f["fp16"])
+    f["llama"] = root / "llama"
+    tiny_llama().save_pretrained(f["llama"])
+    f["bin_only"] = root / "bin_only"
+    f["bin_only"].mkdir()
+    (f["bin_only"] / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (f["bin_only"] / "pytorch_model.bin").write_bytes(b"0")
+    f["lora_out"] = root / "lora_out"
+    f["lora_out"].mkdir()
+    (f["lora_out"] / MARKER).write_text(json.dumps({"command": "finetune", "kind": "lora"}))
+    f["incomplete"] = root / "incomplete_run"
+    (f["incomplete"] / "trainer_state" / "checkpoint-5").mkdir(parents=True)
+    (f["incomplete"] / MARKER).write_text(json.dumps({"command": "train", "kind": "full"}))
+    (f["incomplete"] / "trainer_state" / "checkpoint-5" / "model.safetensors").write_bytes(b"partial")
+    f["no_traj"] = root / "no_traj"
+    f["no_traj"].mkdir()
+    f["junk_npz"] = root / "junk.npz"
+    f["junk_npz"].write_bytes(b"PK\x03\x04 not really a zip")
+    f["ids"] = root / "ids.pt"
+    torch.save(torch.randint(0, 40, (30,)), f["ids"])
+    f["a_dir"] = root / "a_dir"
+    f["a_dir"].mkdir()
+    return f
+
+
+@pytest.fixture(autouse=True)
+def _no_training(monkeypatch, tmp_path):
+    """Bad input must be refused before training: any Trainer.train call fails the test. Runs in a fresh cwd."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("training started although the input is invalid")
+
+    monkeypatch.setattr(transformers.Trainer, "train", forbidden)
+    monkeypatch.chdir(tmp_path)
+
+
+T, FT, CV, AN, RD, PU, DY = "train", "finetune", "convert", "analyze", "redundancy", "push", "dynamics"
+
+# (command line with {name} placeholders for the fixture files, words the error message must contain)
+CASES: list[tuple[str, list[str]]] = [
+    # --- train: numbers ---
+    (f"{T} --block-size 0", ["--block-size", ">= 2", "'0'"]),
+    (f"{T} --block-size 1", ["--block-size", ">= 2"]),
+    (f"{T} --block-size abc", ["--block-size", "integer"]),
+    (f"{T} --block-size 2.5", ["--block-size", "integer"]),
+    (f"{T} --batch-size 0", ["--batch-size", ">= 1"]),
+    (f"{T} --batch-size -3", ["--batch-size", ">= 1"]),
+    (f"{T} --max-steps 0", ["--max-steps", ">= 1"]),
+    (f"{T} --max-minutes -1", ["--max-minutes", "(0, inf)"]),
+    (f"{T} --max-minutes nan", ["--max-minutes", "finite"]),
+    (f"{T} --max-minutes inf", ["--max-minutes", "finite"]),
+    (f"{T} --max-minutes 0", ["--max-minutes", "(0, inf)"]),
+    (f"{T} --learning-rate inf", ["--learning-rate", "finite"]),
+    (f"{T} --learning-rate 0", ["--learning-rate", "(0, inf)"]),
+    (f"{T} --learning-rate=-1e-3", ["--learning-rate", "(0, inf)"]),
+    (f"{T} --learning-rate nan", ["--learning-rate", "finite"]),
+    (f"{T} --learning-rate fast", ["--learning-rate", "must be a number"]),
+    (f"{T} --weight-decay -1", ["--weight-decay", "[0, inf)"]),
+    (f"{T} --weight-decay nan", ["--weight-decay", "finite"]),
+    (f"{T} --save-steps 0", ["--save-steps", ">= 1"]),
+    (f"{T} --eval-blocks 0", ["--eval-blocks", ">= 1"]),
+    (f"{T} --eval-blocks -1", ["--eval-blocks", ">= 1"]),
+    (f"{T} --sample-tokens -1", ["--sample-tokens", ">= 0"]),
+    (f"{T} --warmup-steps -1", ["--warmup-steps", ">= 0"]),
+    (f"{T} --seed -1", ["--seed", ">= 0"]),
+    (f"{T} --tokenizer bpe --bpe-vocab-size 10", ["--bpe-vocab-size", ">= 260"]),
+    (f"{T} --bpe-vocab-size 5000", ["--bpe-vocab-size", "--tokenizer bpe"]),
+    (f"{T} --parallel-suppression -1", ["--parallel-suppression", "[0, inf)"]),
+    (f"{T} --parallel-suppression nan", ["--parallel-suppression", "finite"]),
+    (f"{T} --parallel-suppression-site value", ["--parallel-suppression-site", "--parallel-suppression > 0"]),
+    # --- train: model shape ---
+    (f"{T} --hidden-size 0", ["--hidden-size", ">= 1"]),
+    (f"{T} --layers 0", ["--layers", ">= 1"]),
+    (f"{T} --heads 0", ["--heads", ">= 1"]),
+    (f"{T} --heads 3", ["--heads 3", "--hidden-size 128"]),
+    (f"{T} --kv-heads 3", ["--kv-heads 3", "--heads 4"]),
+    (f"{T} --kv-heads 8", ["--kv-heads 8", "divide"]),
+    (f"{T} --kv-heads 0", ["--kv-heads", ">= 1"]),
+    (f"{T} --intermediate-size 0", ["--intermediate-size", ">= 1"]),
+    (f"{T} --qk-rank 0", ["--qk-rank", ">= 1"]),
+    (f"{T} --qk-rank 3", ["--qk-rank", "even"]),
+    (f"{T} --qk-rank 64", ["--qk-rank"]),
+    (f"{T} --architecture llama --qk-rank 8", ["--qk-rank", "relational"]),
+    (f"{T} --architecture llama --value-parallel-removal", ["--value-parallel-removal", "relational"]),
+    (f"{T} --architecture llama --gauge free", ["--gauge", "relational"]),
+    (f"{T} --architecture llama --position-encoding none", ["--position-encoding", "relational"]),
+    (f"{T} --architecture gpt", ["--architecture", "invalid choice"]),
+    (f"{T} --tokenizer words", ["--tokenizer", "invalid choice"]),
+    (f"{T} --projection maybe", ["--projection", "invalid choice"]),
+    # --- train: data ---
+    (f"{T} --train-file {{root}}/missing.txt", ["--train-file", "no such file or directory", "missing.txt"]),
+    (f"{T} --train-file {{binary}}", ["--train-file", "weights.bin", "binary"]),
+    (f"{T} --train-file {{latin1}}", ["--train-file", "latin1.txt", "not valid UTF-8"]),
+    (f"{T} --train-file {{empty}}", ["--train-file", "empty.txt", "empty"]),
+    (f"{T} --train-file {{a_dir}}", ["--train-file", "not a regular file"]),
+    (f"{T} --train-file {{tiny}}", ["--train-file", "tiny.txt", "need at least 1000"]),
+    (f"{T} --train-file {{text}} --dataset wikitext", ["--train-file", "--dataset"]),
+    (f"{T} --dataset-config wikitext-2-raw-v1", ["--dataset-config", "--dataset"]),
+    (f"{T} --text-column ''", ["--text-column", "empty"]),
+    (f"{T} --dataset ''", ["--dataset", "empty"]),
+    (f"{T} --dataset ./corpora/wiki", ["--dataset ./corpora/wiki", "no such file or directory"]),
+    (f"{T} --train-file {{short_val}} --block-size 1024", ["validation text", "--block-size"]),
+    (f"{T} --train-file {{text}} --block-size 100000", ["training text", "--block-size"]),
+    # --- train: output directory ---
+    (f"{T} --output-dir .", ["--output-dir", "current directory"]),
+    (f"{T} --output-dir ..", ["--output-dir", "current directory"]),
+    (f"{T} --output-dir ''", ["--output-dir", "empty"]),
+    (f"{T} --output-dir {{foreign}}", ["--output-dir", "not empty", "--overwrite"]),
+    (f"{T} --output-dir {{a_file}}", ["--output-dir", "not a directory"]),
+    (f"{T} --output-dir {{lora_out}}", ["--output-dir", "lora", "--overwrite"]),
+    (f"{T} --resume --output-dir {{root}}/never_ran", ["--resume", "does not exist"]),
+    (f"{T} --resume --output-dir {{incomplete}}", ["--resume", "no complete trainer checkpoint"]),
+    # --- finetune ---
+    (f"{FT} ./no/such/model", ["MODEL", "no such file or directory"]),
+    (f"{FT} {{root}}/nothing_here", ["MODEL", "no such file or directory"]),
+    (f"{FT} {{no_config}}", ["MODEL", "no config.json"]),
+    (f"{FT} {{model}} --tokenizer ./missing_tok", ["--tokenizer", "no such file or directory"]),
+    (f"{FT} {{model}} --lora-r 0 --method lora", ["--lora-r", ">= 1"]),
+    (f"{FT} {{model}} --method lora --lora-alpha 0", ["--lora-alpha", "(0, inf)"]),
+    (f"{FT} {{model}} --method lora --lora-alpha nan", ["--lora-alpha", "finite"]),
+    (f"{FT} {{model}} --method lora --lora-dropout 1.0", ["--lora-dropout", "[0, 1)"]),
+    (f"{FT} {{model}} --method lora --lora-dropout -0.1", ["--lora-dropout", "[0, 1)"]),
+    (f"{FT} {{model}} --method lora --lora-targets ''", ["--lora-targets", "empty"]),
+    (f"{FT} {{model}} --learning-rate 0", ["--learning-rate", "(0, inf)"]),
+    (f"{FT} {{model}} --learning-rate inf", ["--learning-rate", "finite"]),
+    (f"{FT} {{model}} --gradient-accumulation-steps 0", ["--gradient-accumulation-steps", ">= 1"]),
+    (f"{FT} {{model}} --logging-steps 0", ["--logging-steps", ">= 1"]),
+    (f"{FT} {{model}} --save-steps 0", ["--save-steps", ">= 1"]),
+    (f"{FT} {{model}} --eval-blocks 0", ["--eval-blocks", ">= 1"]),
+    (f"{FT} {{model}} --max-steps 0", ["--max-steps", ">= 1"]),
+    (f"{FT} {{model}} --max-minutes nan", ["--max-minutes", "finite"]),
+    (f"{FT} {{model}} --weight-decay -1", ["--weight-decay", "[0, inf)"]),
+    (f"{FT} {{model}} --block-size 1", ["--block-size", ">= 2"]),
+    (f"{FT} {{model}} --batch-size 0", ["--batch-size", ">= 1"]),
+    (f"{FT} {{model}} --parallel-suppression -1", ["--parallel-suppression", "[0, inf)"]),
+    (f"{FT} {{model}} --method lora --projection update", ["--projection", "--method full"]),
+    (f"{FT} {{model}} --merge", ["--merge", "--method lora"]),
+    (f"{FT} {{model}} --lora-r 4", ["--lora-r", "--method lora"]),
+    (f"{FT} {{model}} --method lora --output-dir {{model}}", ["--output-dir", "model's own folder"]),
+    (f"{FT} {{model}} --method lora --output-dir {{llama}}", ["--output-dir", "full model checkpoint"]),
+    (f"{FT} {{model}} --output-dir {{model}}", ["--output-dir", "model's own folder", "--overwrite"]),
+    (f"{FT} {{model}} --output-dir {{foreign}}", ["--output-dir", "not empty"]),
+    (f"{FT} {{model}} --train-file {{binary}}", ["--train-file", "binary"]),
+    (f"{FT} {{model}} --train-file {{latin1}}", ["--train-file", "not valid UTF-8"]),
+    (f"{FT} {{model}} --train-file {{text}} --dataset x", ["--train-file", "--dataset"]),
+    (f"{FT} {{model}} --resume --output-dir {{root}}/no_run", ["--resume", "does not exist"]),
+    (f"{FT} {{model}} --dataset {{root}}/no_dataset", ["--dataset", "no such file or directory"]),
+    (f"{FT} {{model}} --report-to nowhere", ["--report-to", "nowhere", "tensorboard"]),
+    (
+        f"{FT} {{fp16}} --projection update --train-file {{text}} --block-size 32 --output-dir {{root}}/ft16",
+        ["--projection update", "fp32", "float16"],
+    ),
+    (
+        f"{FT} {{model}} --method lora --lora-targets nonexistent_proj --train-file {{text}} --block-size 32 "
+        f"--eval-blocks 1 --output-dir {{root}}/ftlora",
+        ["--lora-targets"],
+    ),
+    (f"{FT} {{model}} --train-file {{text}} --block-size 100000 --output-dir {{root}}/ftbig", ["--block-size"]),
+    # --- convert ---
+    (f"{CV} ./missing_src {{root}}/out1", ["SRC", "no such file or directory"]),
+    (f"{CV} {{no_config}} {{root}}/out2", ["SRC", "no config.json"]),
+    (f"{CV} {{llama}} {{a_file}}", ["OUT", "not a directory"]),
+    (f"{CV} {{llama}} {{foreign}}", ["OUT", "not empty"]),
+    (f"{CV} {{llama}} {{llama}}", ["OUT", "SRC's own folder"]),
+    (f"{CV} {{llama}} {{root}}/o --slice 1.0", ["--slice", "[0, 1)"]),
+    (f"{CV} {{llama}} {{root}}/o --slice -0.1", ["--slice", "[0, 1)"]),
+    (f"{CV} {{llama}} {{root}}/o --slice nan", ["--slice", "finite"]),
+    (f"{CV} {{llama}} {{root}}/o --slice 0.2", ["--slice", "--calibration"]),
+    (f"{CV} {{llama}} {{root}}/o --slice 0.2 --calibration {{root}}/nope.txt", ["--calibration", "no such file"]),
+    (f"{CV} {{llama}} {{root}}/o --slice 0.2 --calibration {{binary}}", ["--calibration", "binary"]),
+    (f"{CV} {{llama}} {{root}}/o --slice 0.2 --calibration {{latin1}}", ["--calibration", "not valid UTF-8"]),
+    (f"{CV} {{llama}} {{root}}/o --seq-len 0", ["--seq-len", ">= 2"]),
+    (f"{CV} {{llama}} {{root}}/o --eval-fraction 1.0", ["--eval-fraction", "(0, 1)"]),
+    (f"{CV} {{llama}} {{root}}/o --eval-fraction 0", ["--eval-fraction", "(0, 1)"]),
+    (f"{CV} {{llama}} {{root}}/o --calibration-samples 0", ["--calibration-samples", ">= 1"]),
+    (f"{CV} {{llama}} {{root}}/o --tolerance 0", ["--tolerance", "(0, inf)"]),
+    (f"{CV} {{llama}} {{root}}/o --tolerance nan", ["--tolerance", "finite"]),
+    (f"{CV} {{a_file}} {{root}}/o", ["SRC", "not a model folder"]),
+    (
+        f"{CV} {{llama}} {{root}}/o9 --slice 0.2 --calibration {{ids}} --seq-len 10 --eval-fraction 0.9",
+        ["--eval-fraction 0.9", "no calibration sequence"],
+    ),
+    # --- analyze ---
+    (f"{AN} ./missing_model --text {{text}}", ["MODEL_OR_DIR", "no such file or directory"]),
+    (f"{AN} {{model}} --text {{root}}/none.txt", ["--text", "no such file or directory"]),
+    (f"{AN} {{model}} --text {{binary}}", ["--text", "binary"]),
+    (f"{AN} {{model}} --text {{latin1}}", ["--text", "not valid UTF-8"]),
+    (f"{AN} {{model}} --text {{empty}}", ["--text", "empty"]),
+    (f"{AN} {{model}} --text {{text}} --calibration-fraction 1.5", ["--calibration-fraction", "[0, 1)"]),
+    (f"{AN} {{model}} --text {{text}} --calibration-fraction -0.1", ["--calibration-fraction", "[0, 1)"]),
+    (f"{AN} {{model}} --text {{text}} --seq-len 0", ["--seq-len", ">= 2"]),
+    (f"{AN} {{model}} --text {{text}} --max-tokens 0", ["--max-tokens", ">= 1"]),
+    (f"{AN} {{model}} --text {{text}} --batch-size 0", ["--batch-size", ">= 1"]),
+    (f"{AN} {{model}} --text {{text}} --max-tokens 10 --seq-len 256", ["--max-tokens 10", "--seq-len"]),
+    (f"{AN} {{model}} --text {{text}} --sweep-values 0 nan", ["--sweep-values", "finite"]),
+    (f"{AN} {{model}} --text {{text}} --group-size 0", ["--group-size", ">= 1"]),
+    (f"{AN} {{model}} --text {{text}} --seed -2", ["--seed", ">= 0"]),
+    (f"{AN} {{model}} --text {{text}} --out {{a_file}}", ["--out", "not a directory"]),
+    (f"{AN} {{model}} --text {{text}} --sites nowhere", ["--sites", "invalid choice"]),
+    # --- redundancy ---
+    (f"{RD} ./missing_model", ["MODEL_OR_DIR", "no such file or directory"]),
+    (f"{RD} {{no_config}}", ["MODEL_OR_DIR", "no config.json"]),
+    (f"{RD} {{model}} --rank-tol -1", ["--rank-tol", "(0, 1)"]),
+    (f"{RD} {{model}} --rank-tol 0", ["--rank-tol", "(0, 1)"]),
+    (f"{RD} {{model}} --rank-tol nan", ["--rank-tol", "finite"]),
+    (f"{RD} {{model}} --png {{a_dir}}", ["--png", "is a directory"]),
+    (f"{RD} {{model}} --json {{a_dir}}", ["--json", "is a directory"]),
+    (f"{RD} {{model}} --heatmap-dir {{a_file}}", ["--heatmap-dir", "not a directory"]),
+    (f"{RD} {{model}} --meta --heatmap-dir {{root}}/h", ["--heatmap-dir", "--meta"]),
+    # --- push ---
+    (f"{PU} {{root}}/missing_ckpt user/repo", ["checkpoint_dir", "no such file or directory"]),
+    (f"{PU} {{a_file}} user/repo", ["checkpoint_dir", "not a directory"]),
+    (f"{PU} {{model}} a/b/c", ["repo_id", "not a valid Hub repository id"]),
+    (f"{PU} {{model}} -bad", ["repo_id"]),
+    (f"{PU} {{model}} 'bad name'", ["repo_id", "not a valid Hub repository id"]),
+    (f"{PU} {{model}} user/repo --endpoint ftp://hub", ["--endpoint", "http"]),
+    (f"{PU} {{model}} user/repo --message ''", ["--message", "empty"]),
+    (f"{PU} {{no_config}} user/repo", ["no_config", "config.json"]),
+    (f"{PU} {{bin_only}} user/repo", ["bin_only", "safetensors"]),
+    # --- dynamics ---
+    (f"{DY} {{root}}/no_run", ["RUN_DIR", "no such file or directory"]),
+    (f"{DY} {{no_traj}}", ["RUN_DIR", "quotient_trajectory.npz"]),
+    (f"{DY} {{junk_npz}}", ["junk.npz", "not a readable trajectory file"]),
+    (f"{DY} {{junk_npz}} --out {{a_file}}", ["junk.npz"]),
+    # --- bench and the top level ---
+    ("bench --dir ./no_benchmarks", ["--dir", "no such file or directory"]),
+    (f"bench --dir {BENCHMARKS} no_such_benchmark", ["unknown benchmark", "no_such_benchmark"]),
+    ("frobnicate", ["invalid choice", "frobnicate"]),
+]
+
+
+def _argv(line: str, files: dict[str, Path]) -> list[str]:
+    import shlex
+
+    return shlex.split(line.format(**{k: str(v) for k, v in files.items()}))
+
+
+@pytest.mark.parametrize("line,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_a_message_naming_it(line, expected, files, capsys):
+    code = cli.main(_argv(line, files))
+    err = capsys.readouterr().err
+    assert code == 2, f"exit status {code}; stderr: {err}"
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("relational-hf"), last
+    for words in expected:
+        assert words in last, f"{words!r} not in {last!r}"
+
+
+def test_enough_cases():
+    assert len(CASES) >= 100
+
+
+def test_refusals_change_nothing(files, capsys):
+    """A refused run leaves a foreign directory byte for byte as it was, and creates no output directory."""
+    before = {p.name: p.read_bytes() for p in files["foreign"].iterdir()}
+    assert cli.main(_argv(f"{T} --output-dir {{foreign}}", files)) == 2
+    assert cli.main(_argv(f"{CV} {{llama}} {{foreign}}", files)) == 2
+    assert {p.name: p.read_bytes() for p in files["foreign"].iterdir()} == before
+    assert cli.main(_argv(f"{T} --block-size 0 --output-dir {{root}}/never", files)) == 2
+    assert not (files["root"] / "never").exists()
+    # refused after the output was claimed (the data is checked then): the new folder and its lock file are gone
+    assert cli.main(_argv(f"{T} --train-file {{tiny}} --output-dir {{root}}/claimed", files)) == 2
+    assert not (files["root"] / "claimed").exists() and not (files["root"] / ".claimed.lock").exists()
+
+
+def test_dynamics_out_file_is_named(files, tmp_path, capsys):
+    """With a readable trajectory, a --out that is a file is named (checked before any figure is drawn)."""
+    from relational_hf.dynamics.trajectory import TRAJECTORY_NAME
+
+    run = tmp_path / "run"
+    run.mkdir()
+    np.savez(run / TRAJECTORY_NAME, step=np.arange(3))
+    assert cli.main(["dynamics", str(run), "--out", str(files["a_file"])]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_debug_flag_shows_the_traceback(files):
+    with pytest.raises(ValueError, match="--slice needs --calibration"):
+        cli.main(["--debug", "convert", str(files["llama"]), str(files["root"] / "dbg"), "--slice", "0.2"])
+
+
+def test_singular_head_is_named_by_the_converter():
+    """A zeroed key head: the converter names layer and head instead of failing in linalg.inv or giving NaN."""
+    from tiny_models import tiny_llama
+
+    from relational_hf.convert import to_relational
+    from relational_hf.convert.relational import ConversionError
+
+    model = tiny_llama()
+    d_h = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[d_h : 2 * d_h] = 0.0
+    with pytest.raises(ConversionError, match=r"layer 1, key/value head 1: W_V block has rank 0"):
+        to_relational(model)

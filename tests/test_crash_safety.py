@@ -1,0 +1,368 @@
+"""Nothing is lost: a save killed at any stage leaves a loadable checkpoint, one run per directory, resume picks a
+complete trainer checkpoint, user files survive, LoRA never lands beside full weights, pushes carry no pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from relational_hf import RelationalConfig, RelationalForCausalLM, cli, outputs
+from relational_hf.errors import UsageError
+from relational_hf.outputs import MARKER, OutputLock, recover_output_dir, stage_and_swap
+from relational_hf.training.data import generate_corpus
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+class Crash(BaseException):
+    """Stands for the process dying: not an Exception, so nothing on the way catches it."""
+
+
+def tiny(seed: int) -> RelationalForCausalLM:
+    torch.manual_seed(seed)
+    config = RelationalConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    return RelationalForCausalLM(config)
+
+
+def fingerprint(model) -> float:
+    return float(model.model.embed_tokens.weight.detach().sum())
+
+
+def save(model, out: Path) -> None:
+    stage_and_swap(out, model.save_pretrained)
+
+
+def loads(path: Path) -> float | None:
+    """The fingerprint of the checkpoint at `path`, or None when it does not load."""
+    try:
+        return fingerprint(AutoModelForCausalLM.from_pretrained(path))
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture
+def two_models(tmp_path):
+    """An output directory holding the old checkpoint (plus trainer state and a user file), and a new model."""
+    old, new = tiny(1), tiny(2)
+    out = tmp_path / "run"
+    save(old, out)
+    (out / "trainer_state" / "checkpoint-4").mkdir(parents=True)
+    (out / "trainer_state" / "checkpoint-4" / "trainer_state.json").write_text('{"global_step": 4}')
+    (out / "notes.txt").write_text("my notes")
+    return out, fingerprint(old), new, fingerprint(new)
+
+
+def _fail_on_call(monkeypatch, owner, name, n=1):
+    """Make the n-th call of owner.name raise Crash (earlier calls go through)."""
+    real, calls = getattr(owner, name), {"n": 0}
+
+    def patched(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Crash(f"killed in {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, patched)
+
+
+def _use_two_renames(monkeypatch):
+    monkeypatch.setattr(outputs, "exchange", lambda a, b: False)
+
+
+STAGES = {
+    # stage name: (set-up of the crash, which checkpoint the directory must hold after recovery)
+    "while writing": (lambda mp, new: mp.setattr(new, "save_pretrained", _raise_midway(new)), "old"),
+    "before fsync": (lambda mp, new: _fail_on_call(mp, outputs, "_fsync_tree"), "old"),
+    "at the exchange": (lambda mp, new: _fail_on_call(mp, outputs, "exchange"), "old"),
+    "after the exchange": (lambda mp, new: _fail_on_call(mp, shutil, "rmtree"), "new"),
+    "renaming the old away": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, os, "rename", 1)), "old"),
+    "renaming the new in": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, os, "rename", 2)), "new"),
+    "deleting the old": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, shutil, "rmtree")), "new"),
+}
+
+
+def _raise_midway(model):
+    real = model.save_pretrained
+
+    def partial(folder, **kwargs):
+        real(folder, **kwargs)
+        (Path(folder) / "model.safetensors").write_bytes(b"truncated")
+        raise Crash("killed while writing")
+
+    return partial
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_save_killed_at_any_stage_leaves_a_loadable_checkpoint(stage, two_models, monkeypatch):
+    out, old_fp, new, new_fp = two_models
+    setup, expected = STAGES[stage]
+    setup(monkeypatch, new)
+    with pytest.raises(Crash):
+        save(new, out)
+    monkeypatch.undo()
+    # at the moment of the crash a complete checkpoint exists: NAME, or during the two-rename window .NAME.old
+    # or the finished staging folder
+    candidates = [out, out.with_name(f".{out.name}.old"), out.with_name(f".{out.name}.staging")]
+    assert any(loads(p) in (old_fp, new_fp) for p in candidates if p.is_dir())
+    recover_output_dir(out)  # what every command does first
+    assert loads(out) == (old_fp if expected == "old" else new_fp)
+    assert (out / "notes.txt").read_text() == "my notes"
+    assert (out / "trainer_state" / "checkpoint-4" / "trainer_state.json").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run"]  # no staging/old leftovers after recovery
+
+
+# a subprocess that imports relational_hf.outputs without the package's heavy __init__ (torch, transformers)
+LIGHT_IMPORT = f"""
+import os, shutil, sys, types
+package = types.ModuleType("relational_hf")
+package.__path__ = [{str(PROJECT_ROOT / "relational_hf")!r}]
+sys.modules["relational_hf"] = package
+from relational_hf import outputs
+"""
+
+
+def test_a_save_killed_by_a_signal_between_the_renames(two_models, tmp_path):
+    """A real process death (os._exit: no clean-up runs) between the two renames of the fallback swap."""
+    out, old_fp, new, new_fp = two_models
+    new.save_pretrained(tmp_path / "new_files")
+    script = (
+        LIGHT_IMPORT
+        + f"""
+outputs.exchange = lambda a, b: False
+real, calls = os.rename, []
+def rename(a, b):
+    calls.append(a)
+    if len(calls) == 2:
+        os._exit(9)
+    real(a, b)
+os.rename = rename
+write = lambda folder: shutil.copytree({str(tmp_path / "new_files")!r}, folder, dirs_exist_ok=True)
+outputs.stage_and_swap({str(out)!r}, write)
+"""
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    assert not out.exists() and loads(out.with_name(".run.old")) == old_fp  # the old one is whole, beside
+    recover_output_dir(out)
+    assert loads(out) == new_fp and (out / "notes.txt").is_file()
+
+
+def test_an_unchanged_save_replaces_checkpoint_files_and_keeps_the_rest(two_models):
+    out, _old_fp, new, new_fp = two_models
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale shard of an older save")
+    save(new, out)
+    assert loads(out) == new_fp
+    assert not (out / "model-00009-of-00009.safetensors").exists()  # a checkpoint artefact: replaced
+    assert (out / "notes.txt").read_text() == "my notes" and (out / MARKER).is_file()
+
+
+def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path, capsys):
+    out = tmp_path / "run"
+    with OutputLock(out):
+        with pytest.raises(UsageError, match="in use by another relational-hf run"):
+            OutputLock(out).__enter__()
+        assert cli.main(["train", "--output-dir", str(out), "--max-steps", "1"]) == 2
+        assert "in use by another relational-hf run" in capsys.readouterr().err
+    with OutputLock(out):  # released on exit
+        pass
+
+
+def test_a_lock_held_by_another_process_refuses_until_that_process_dies(tmp_path):
+    out = tmp_path / "run"
+    script = (
+        LIGHT_IMPORT
+        + f"""
+outputs.OutputLock({str(out)!r}).__enter__()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UsageError, match="in use by another relational-hf run"):
+            OutputLock(out).__enter__()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    with OutputLock(out):  # the operating system released the dead process's lock
+        pass
+
+
+def _checkpoint(folder: Path, step: int, complete: bool) -> None:
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    if complete:
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+
+def test_resume_picks_the_newest_complete_checkpoint_and_sets_the_others_aside(tmp_path):
+    trainer_dir = tmp_path / "trainer_state"
+    _checkpoint(trainer_dir / "checkpoint-10", 10, True)
+    _checkpoint(trainer_dir / "checkpoint-20", 20, True)
+    _checkpoint(trainer_dir / "checkpoint-30", 30, False)  # killed before trainer_state.json
+    (trainer_dir / "checkpoint-40").mkdir()
+    (trainer_dir / "checkpoint-40" / "trainer_state.json").write_text('{"global_st')  # killed while writing it
+    assert outputs.complete_checkpoint(trainer_dir) == str(trainer_dir / "checkpoint-20")
+    moved = outputs.set_aside_incomplete_checkpoints(trainer_dir)
+    assert sorted(p.name for p in moved) == ["incomplete-checkpoint-30", "incomplete-checkpoint-40"]
+    assert (trainer_dir / "incomplete-checkpoint-30" / "model.safetensors").is_file()  # kept, not deleted
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(str(trainer_dir)).endswith("checkpoint-20")  # the Trainer sees the complete one
+
+
+@pytest.fixture
+def small_text(tmp_path) -> Path:
+    path = tmp_path / "train.txt"
+    path.write_text(generate_corpus(600, seed=4), encoding="utf-8")
+    return path
+
+
+TINY_TRAIN = [
+    "--layers", "1", "--hidden-size", "32", "--heads", "2", "--batch-size", "4", "--block-size", "32",
+    "--eval-blocks", "2", "--sample-tokens", "0", "--warmup-steps", "0",
+]  # fmt: skip
+
+
+def test_train_resumes_from_the_complete_checkpoint_and_keeps_user_files(tmp_path, small_text, capsys):
+    """A foreign folder is used only with --overwrite, and its files survive; after a crash during a later
+    checkpoint save, --resume continues from the last complete one."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    common = ["train", "--train-file", str(small_text), "--output-dir", str(out), *TINY_TRAIN, "--save-steps", "3"]
+    assert cli.main([*common, "--max-steps", "6"]) == 2  # foreign and non-empty: refused
+    assert cli.main([*common, "--max-steps", "6", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert (out / "thesis.tex").read_text() == "precious" and loads(out) is not None
+    ckpt = out / "trainer_state" / "checkpoint-6"
+    assert outputs.checkpoint_is_complete(ckpt)
+    shutil.copytree(ckpt, out / "trainer_state" / "checkpoint-9")  # a later save, killed before its state file
+    (out / "trainer_state" / "checkpoint-9" / "trainer_state.json").unlink()
+    assert cli.main([*common, "--max-steps", "8", "--resume"]) == 0  # no --overwrite needed: our own output now
+    printed = capsys.readouterr().out
+    assert "8 steps" in printed  # resumed from checkpoint-6: checkpoint-9 has no state to resume from
+    assert (out / "thesis.tex").read_text() == "precious" and loads(out) is not None
+    assert not (out / "trainer_state" / "incomplete-checkpoint-9").exists()  # dropped once the model was saved
+    # resuming with other model flags is refused before training, naming the setting and its flag
+    assert cli.main([*common, "--max-steps", "9", "--resume", "--hidden-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "hidden_size 32" in err and "--hidden-size" in err
+    # a fresh run in the same folder: the earlier run's checkpoint-6 (a higher step) must not make the Trainer's
+    # rotation delete the new run's checkpoint-3
+    assert cli.main([*common, "--max-steps", "3"]) == 0
+    assert sorted(p.name for p in (out / "trainer_state").iterdir() if p.is_dir()) == ["checkpoint-3"]
+
+
+def test_a_diverged_run_does_not_replace_the_previous_checkpoint(tmp_path, small_text, monkeypatch, capsys):
+    out = tmp_path / "run"
+    save(tiny(1), out)
+    before = loads(out)
+    from relational_hf.training import pretrain
+
+    monkeypatch.setattr(pretrain, "perplexity", lambda model, blocks: float("nan"))
+    argv = ["train", "--train-file", str(small_text), "--output-dir", str(out), *TINY_TRAIN, "--max-steps", "2"]
+    assert cli.main(argv) == 2
+    assert "diverged" in capsys.readouterr().err
+    assert loads(out) == before
+
+
+def test_lora_into_a_full_checkpoint_is_refused_and_the_checkpoint_still_loads(tmp_path, small_text, capsys):
+    base = tmp_path / "base"
+    save(tiny(1), base)
+    from relational_hf.training.data import byte_level_tokenizer
+
+    byte_level_tokenizer().save_pretrained(base)
+    before = loads(base)
+    other = tmp_path / "other_full"
+    save(tiny(2), other)
+    for target in (base, other):
+        argv = ["finetune", str(base), "--method", "lora", "--train-file", str(small_text), "--output-dir", str(target)]
+        assert cli.main(argv) == 2
+        assert "--output-dir" in capsys.readouterr().err
+        assert not any(p.name.startswith("adapter_") for p in target.iterdir())
+    assert loads(base) == before and loads(other) is not None
+
+
+def test_push_stages_no_trainer_state_and_no_pickles_at_any_depth(tmp_path):
+    from relational_hf.hub.publish import _stage
+
+    src = tmp_path / "ckpt"
+    files = {
+        "config.json": True,
+        "model.safetensors": True,
+        "tokenizer.json": True,
+        "README.md": True,
+        "merged/config.json": True,
+        "merged/model.safetensors": True,
+        "notes/results.json": True,
+        MARKER: False,
+        "optimizer.pt": False,
+        "training_args.bin": False,
+        "trainer_state/checkpoint-3/optimizer.pt": False,
+        "trainer_state/checkpoint-3/rng_state.pth": False,
+        "trainer_state/checkpoint-3/model.safetensors": False,
+        "trainer_state/checkpoint-3/trainer_state.json": False,
+        "trainer_state/incomplete-checkpoint-5/scheduler.pt": False,
+        "runs/a/checkpoint-7/model.safetensors": False,
+        "deep/er/still/scaler.pt": False,
+        "deep/er/still/state.pkl": False,
+        ".git/config": False,
+        "sub/.cache/x.json": False,
+    }
+    for name in files:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"x")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    _stage(src, staging, None)
+    staged = {p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file() or p.is_symlink()}
+    assert staged == {name for name, kept in files.items() if kept}
+
+
+def test_outputs_of_earlier_versions_count_as_project_outputs(tmp_path):
+    """A folder saved before the marker existed (config.json beside trainer_state/) is accepted; a folder with only
+    a config.json is not, and is left untouched."""
+    legacy, foreign = tmp_path / "legacy", tmp_path / "foreign"
+    save(tiny(1), legacy)
+    (legacy / MARKER).unlink()
+    (legacy / "trainer_state").mkdir()
+    assert outputs.prepare_output_dir(legacy) == legacy and (legacy / MARKER).is_file()
+    save(tiny(1), foreign)
+    (foreign / MARKER).unlink()
+    with pytest.raises(UsageError, match="not written by relational-hf"):
+        outputs.prepare_output_dir(foreign)
+    assert not (foreign / MARKER).exists()
+
+
+def test_a_failed_write_leaves_the_old_checkpoint_and_no_staging_folder(two_models):
+    out, old_fp, new, _new_fp = two_models
+
+    def disk_full(folder):
+        new.save_pretrained(folder)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        stage_and_swap(out, disk_full)
+    assert loads(out) == old_fp
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
+
+
+def test_a_symlinked_output_directory_stays_a_link_to_the_new_checkpoint(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    save(tiny(1), real)
+    link.symlink_to(real)
+    new = tiny(2)
+    save(new, outputs.normalise_output_dir(link))
+    assert link.is_symlink() and loads(link) == fingerprint(new) == loads(real)
