@@ -146,18 +146,18 @@ def prepare_output_dir(
             f"{flag} {output_dir} is not empty and was not written by relational-hf; nothing was changed. Choose an "
             "empty or new directory, or pass --overwrite to replace its checkpoint files (other files are kept)"
         )
-    if resume:
-        if not out.is_dir():
-            raise UsageError(f"--resume: {flag} {output_dir} does not exist")
-        set_aside_incomplete_checkpoints(out / TRAINER_DIR)
-        complete_checkpoint(out / TRAINER_DIR)  # raises when there is none
-    out.mkdir(parents=True, exist_ok=True)
     marker = read_marker(out)
     if marker.get("kind") not in (None, kind) and not overwrite:
         raise UsageError(
             f"{flag} {output_dir} holds a {marker['kind']} output of `{marker.get('command')}`; a {kind} run would "
             "replace it: choose another directory, or pass --overwrite"
         )
+    if resume:
+        if not out.is_dir():
+            raise UsageError(f"--resume: {flag} {output_dir} does not exist")
+        if complete_checkpoint(out / TRAINER_DIR):  # raises when there is none, before anything is renamed
+            set_aside_incomplete_checkpoints(out / TRAINER_DIR)
+    out.mkdir(parents=True, exist_ok=True)
     write_marker(out, command, kind)
     set_aside_incomplete_checkpoints(out / TRAINER_DIR, everything=not resume)
     return out

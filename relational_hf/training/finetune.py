@@ -3,7 +3,8 @@
 Works on relational checkpoints (either gauge; LoRA reaches the gauge-fixed k_proj/v_proj/up_proj through
 `peft_support`) and on any causal LM an architecture adapter knows (Llama, Mistral, Qwen2/3, GPT-2). Prints validation
 perplexity before and after, the total and trainable parameter counts, and saves the result: the full model (and
-tokenizer), or the LoRA adapter (plus, with --merge, the merged model in OUTPUT_DIR/merged).
+tokenizer), or the LoRA adapter (plus, with --merge, the merged model in OUTPUT_DIR/merged), as
+`relational_hf.outputs` describes: checked before any work, locked, staged and swapped in.
 """
 
 from __future__ import annotations

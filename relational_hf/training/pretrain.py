@@ -3,6 +3,8 @@
 With no arguments it trains a relational transformer on the built-in generated corpus with a byte-level
 tokenizer for at most about 3 minutes on 2 CPU cores, prints validation perplexity next to the corpus's unigram
 perplexity, saves a checkpoint and tokenizer that the Auto classes load, and prints a short sample.
+Every flag and the data are checked before training; the output directory is claimed, locked and written as
+`relational_hf.outputs` describes (never a foreign non-empty folder without --overwrite, never a half-written one).
 """
 
 from __future__ import annotations
