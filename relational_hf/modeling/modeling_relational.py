@@ -17,10 +17,11 @@ This file travels to the Hub (``trust_remote_code``): it imports only torch, tra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -130,47 +131,189 @@ def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor,
     return fixed_index, value
 
 
-# Buffers that record a gauge layout (which entries are fixed, and to what): saved with the weights, not parameters.
-GAUGE_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
+# Buffers that record a gauge layout. Only `pivots` (the pivot positions, a small integer tensor) is saved with the
+# weights; the index and value tensors the forward map uses are derived from it. Checkpoints written before the
+# compact layout stored the derived tensors themselves (LEGACY_LAYOUT_BUFFERS, int64); they still load.
+GAUGE_LAYOUT_BUFFERS = ("pivots", "fixed_index", "free_index", "fixed_value")
+LEGACY_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
+
+
+def _position_dtype(n: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds the positions 0..n-1 (int16 up to 32,767 columns, else int32)."""
+    return torch.int16 if n <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
 class GaugeFixedLinear(nn.Module):
     """A linear map whose weight W (out x in) has, in every output row, m entries fixed by a gauge choice.
 
-    Forward map (free parameters -> weight): W[o, fixed_index[o]] = fixed_value[o], W[o, free_index[o]] = weight[o].
-    Only `weight` (out x (in - m)) is stored as a parameter; the indices and fixed values are buffers saved with
-    the checkpoint. `set_full_weight` is the right inverse for a W already in the gauge. The setters write with a
-    plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose tensors Transformers
-    flags as initialised).
+    Forward map (free parameters -> weight): W[o, fixed_index[o]] = fixed_value[o], W[o, free_index[o]] = weight[o]
+    (free entries in increasing column order). Only `weight` (out x (in - m)) is a parameter.
+
+    The layout follows one of two canonical patterns, fixed at construction:
+    - ``"block"``: output rows come in blocks of m consecutive rows (one head of width m, or one row when m = 1) that
+      share m pivot columns P; row j of a block has W[j, P_i] = c delta_ij: W_K[P] = c I_r, W_V[P] = c I_{d_h}, the
+      SwiGLU pivot W_up[k, p_k] = c;
+    - ``"rotary"`` (m = 1, heads of `block` = r rows): rows j and j + r/2 of a head (a rotary pair) share one pivot
+      column p_j with W[j, p_j] = c and W[j + r/2, p_j] = 0 (the RoPE commutant fixed per frequency pair).
+    The checkpoint stores only the persistent buffer `pivots` (int16 when in_features allows, else int32): (out/m, m)
+    pivot columns for "block", (out/2, 1) for "rotary"; c is `scale` (the config's pivot_scale). `fixed_index`,
+    `free_index` (int64) and `fixed_value` are non-persistent buffers derived from `pivots`, rebuilt whenever `pivots`
+    is replaced or written (loading, `load_state_dict`, `to_empty`).
+
+    `set_layout` also accepts a non-canonical layout (any m columns per row, any fixed values, e.g. after merging a
+    LoRA update into W): the module then computes with it, and `state_dict()` carries it exactly as the extra entries
+    `fixed_index` and `fixed_value` (which `load_state_dict` reads back). `save_pretrained` first moves such modules
+    back to the canonical gauge (same function), so checkpoints always hold the compact form.
+
+    The setters write with a plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose
+    tensors Transformers flags as initialised). The assembled weight is recomputed at every call except inside
+    `weight_cache()` (used by `generate`), so edits by any route (optimizer steps, `.data`, `copy_`) are always seen.
     """
 
-    def __init__(self, in_features: int, out_features: int, fixed_per_row: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fixed_per_row: int,
+        bias: bool = False,
+        *,
+        pattern: str = "block",
+        block: int | None = None,
+        scale: float = 1.0,
+    ) -> None:
         super().__init__()
+        if pattern not in ("block", "rotary"):
+            raise ValueError(f"`pattern` must be 'block' or 'rotary', got {pattern!r}")
+        if pattern == "rotary":
+            if fixed_per_row != 1 or block is None or block % 2 or out_features % block:
+                raise ValueError(
+                    f"the rotary layout needs fixed_per_row=1 and an even head width `block` dividing out_features, "
+                    f"got fixed_per_row={fixed_per_row}, block={block}, out_features={out_features}"
+                )
+        elif out_features % fixed_per_row:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of fixed_per_row ({fixed_per_row})")
+        if not 0 < fixed_per_row <= in_features:
+            raise ValueError(f"fixed_per_row must be in [1, in_features={in_features}], got {fixed_per_row}")
         self.in_features, self.out_features, self.fixed_per_row = in_features, out_features, fixed_per_row
+        self.pattern, self.block, self.scale = pattern, (block if pattern == "rotary" else fixed_per_row), float(scale)
         self.weight = nn.Parameter(torch.empty(out_features, in_features - fixed_per_row))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        fixed = torch.arange(fixed_per_row).expand(out_features, fixed_per_row)
-        free = torch.arange(fixed_per_row, in_features).expand(out_features, in_features - fixed_per_row)
-        self.register_buffer("fixed_index", fixed.contiguous())
-        self.register_buffer("free_index", free.contiguous())
-        self.register_buffer("fixed_value", torch.zeros(out_features, fixed_per_row))
+        rows = out_features // 2 if pattern == "rotary" else out_features // fixed_per_row
+        pivots = torch.arange(fixed_per_row, dtype=_position_dtype(in_features)).expand(rows, fixed_per_row)
+        self.register_buffer("pivots", pivots.contiguous())
+        self.register_buffer("fixed_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.register_buffer("free_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.register_buffer("fixed_value", torch.empty(0), persistent=False)
+        self._custom_layout = False
+        self._layout_key: tuple | None = None
+        self._layout_version = 0
+        self._cache_assembled = False
+        self._sync_layout()
+
+    # ---- layout: pivots <-> (fixed_index, fixed_value) ----
+
+    def _canonical(self, pivots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fixed_index (out x m) int64, fixed_value (out x m) float32) of the canonical layout with these pivots."""
+        m, device = self.fixed_per_row, pivots.device
+        if self.pattern == "block":
+            index = pivots.long().repeat_interleave(m, dim=0)
+            value = self.scale * torch.eye(m, dtype=torch.float32, device=device).repeat(self.out_features // m, 1)
+            return index, value
+        half = self.block // 2
+        p = pivots.long().view(-1, half)  # (heads, r/2)
+        index = torch.cat([p, p], dim=-1).reshape(-1, 1)
+        value = torch.zeros(p.shape[0], self.block, dtype=torch.float32, device=device)
+        value[:, :half] = self.scale
+        return index, value.reshape(-1, 1)
+
+    def _encode(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> torch.Tensor | None:
+        """The pivots of a layout if it is canonical (positions shared as the pattern says, values c / 0), else None."""
+        m = self.fixed_per_row
+        if self.pattern == "block":
+            grouped = fixed_index.view(-1, m, m)
+            pivots = grouped[:, 0, :]
+            shared = bool((grouped == pivots.unsqueeze(1)).all())
+        else:
+            half = self.block // 2
+            grouped = fixed_index.view(-1, 2, half)
+            pivots = grouped[:, 0, :].reshape(-1, 1)
+            shared = bool((grouped[:, 0] == grouped[:, 1]).all())
+        if not shared:
+            return None
+        _, canonical = self._canonical(pivots)
+        tol = torch.finfo(fixed_value.dtype).eps * abs(self.scale) if fixed_value.is_floating_point() else 0.0
+        if not bool(((fixed_value.float() - canonical).abs() <= tol).all()):
+            return None
+        return pivots.to(self.pivots.dtype)
+
+    def _pivots_key(self) -> tuple:
+        return (self.pivots.data_ptr(), self.pivots._version, self.pivots.device, tuple(self.pivots.shape))
+
+    @torch.no_grad()
+    def _install(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
+        """Set the derived buffers to a layout (fixed_index, fixed_value) (out x m); free_index is the rest, in order."""
+        n, m = self.in_features, self.fixed_per_row
+        fixed_index = fixed_index.to(torch.long).reshape(self.out_features, m)
+        if fixed_index.device.type != "meta":
+            low, high = int(fixed_index.min()), int(fixed_index.max())
+            if low < 0 or high >= n:
+                raise ValueError(f"{self!r}: pivot positions must be in [0, {n}), got {low if low < 0 else high}")
+            if m > 1 and bool((fixed_index.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise ValueError(f"{self!r}: the {m} pivot positions of a row must be distinct")
+        fixed = torch.zeros(self.out_features, n, dtype=torch.int8, device=fixed_index.device)
+        fixed.scatter_(1, fixed_index, 1)
+        # a stable sort puts the free columns (0) first, in increasing order
+        free = torch.sort(fixed, dim=1, stable=True).indices[:, : n - m]
+        self.fixed_index = fixed_index.contiguous()
+        self.free_index = free.contiguous()
+        self.fixed_value = fixed_value.reshape(self.out_features, m).to(torch.float32).contiguous()
+        self._layout_version += 1
+
+    @torch.no_grad()
+    def _sync_layout(self) -> None:
+        """Rebuild the derived buffers from `pivots` (the canonical layout)."""
+        self._install(*self._canonical(self.pivots))
+        self._custom_layout = False
+        self._layout_key = self._pivots_key()
+
+    def _ensure_layout(self) -> None:
+        # a canonical layout follows `pivots` (replaced on loading, written in place); a non-canonical one is changed
+        # only by set_layout / load_state_dict (moving the module to another device keeps it)
+        if not self._custom_layout and self._layout_key != self._pivots_key():
+            self._sync_layout()
+
+    @property
+    def is_canonical(self) -> bool:
+        """True when the layout is the canonical pattern with pivot value `scale` (what a checkpoint stores)."""
+        self._ensure_layout()
+        return not self._custom_layout
+
+    @torch.no_grad()
+    def set_layout(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
+        """Install a new gauge layout: fixed_index, fixed_value (out x m); the free indices are the rest. Canonical
+        layouts are stored as `pivots`; any other layout is kept as is (see the class docstring)."""
+        device = self.pivots.device
+        fixed_index = fixed_index.to(device, torch.long).reshape(self.out_features, self.fixed_per_row)
+        fixed_value = fixed_value.to(device).reshape(self.out_features, self.fixed_per_row)
+        self._install(fixed_index, fixed_value)
+        pivots = self._encode(self.fixed_index, fixed_value)
+        if pivots is not None:
+            self.pivots.copy_(pivots)
+        self._custom_layout = pivots is None
+        self._layout_key = self._pivots_key()
+
+    # ---- forward map ----
 
     def full_weight(self) -> torch.Tensor:
-        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries.
-
-        Without autograd (inference, decoding) the assembled weight is cached until the parameter or the layout
-        changes (tracked by tensor version counters), so decoding reads one weight per step like a plain Linear."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
+        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries."""
+        if torch.compiler.is_compiling():
+            base = torch.zeros(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+            base = base.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
+            return base.scatter(1, self.free_index, self.weight)
+        self._ensure_layout()
+        if not self._cache_assembled or (torch.is_grad_enabled() and self.weight.requires_grad):
             return self._assemble()
-        key = (
-            self.weight._version,
-            self.weight.data_ptr(),
-            self.weight.dtype,
-            self.fixed_index._version,
-            self.free_index._version,
-            self.fixed_value._version,
-            self.fixed_value.data_ptr(),
-        )
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self._layout_version)
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._assemble().detach())
@@ -185,14 +328,7 @@ class GaugeFixedLinear(nn.Module):
     def _pivot_base(self) -> torch.Tensor:
         """The (out x in) constant with the fixed values at the pivots and zeros elsewhere, rebuilt when the layout,
         dtype or device changes."""
-        key = (
-            self.weight.dtype,
-            self.weight.device,
-            self.fixed_index._version,
-            self.fixed_index.data_ptr(),
-            self.fixed_value._version,
-            self.fixed_value.data_ptr(),
-        )
+        key = (self.weight.dtype, self.weight.device, self._layout_version, self.fixed_index.data_ptr())
         cached = self.__dict__.get("_base_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
@@ -204,20 +340,13 @@ class GaugeFixedLinear(nn.Module):
             self.__dict__["_base_cache"] = cached
         return cached[1]
 
-    @torch.no_grad()
-    def set_layout(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
-        """Install a new gauge layout: fixed_index, fixed_value (out x m); the free indices are the rest."""
-        fixed_index = fixed_index.to(self.fixed_index.device, torch.long).reshape(self.out_features, self.fixed_per_row)
-        mask = torch.ones(self.out_features, self.in_features, dtype=torch.bool, device=fixed_index.device)
-        mask.scatter_(1, fixed_index, False)
-        free = torch.arange(self.in_features, device=mask.device).expand_as(mask)[mask]
-        self.fixed_index.copy_(fixed_index)
-        self.free_index.copy_(free.view(self.out_features, -1))
-        self.fixed_value.copy_(fixed_value.reshape(self.out_features, self.fixed_per_row).to(self.fixed_value))
+    def _drop_caches(self) -> None:
+        self.__dict__.pop("_weight_cache", None)
 
     @torch.no_grad()
     def set_full_weight(self, w: torch.Tensor, check: bool = True) -> None:
         """Store the free entries of a full weight w that is already in this module's gauge."""
+        self._ensure_layout()
         if check:
             fixed = torch.gather(w.float(), 1, self.fixed_index)
             err = (fixed - self.fixed_value.float()).abs().max().item() if fixed.numel() else 0.0
@@ -228,8 +357,54 @@ class GaugeFixedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.full_weight(), self.bias)
 
+    # ---- state dict: compact pivots; a non-canonical layout travels exactly; legacy keys load ----
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.is_canonical:
+            return
+        destination[prefix + "fixed_index"] = self.fixed_index if keep_vars else self.fixed_index.detach()
+        destination[prefix + "fixed_value"] = self.fixed_value if keep_vars else self.fixed_value.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        layout = {name: state_dict.pop(prefix + name) for name in LEGACY_LAYOUT_BUFFERS if prefix + name in state_dict}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if "fixed_index" in layout and "fixed_value" in layout:
+            if prefix + "pivots" in missing_keys:
+                missing_keys.remove(prefix + "pivots")
+            self.set_layout(layout["fixed_index"], layout["fixed_value"])
+        elif layout:
+            error_msgs.append(f"{prefix}: a layout needs both fixed_index and fixed_value, got only {sorted(layout)}")
+        elif prefix + "pivots" in state_dict:
+            self._sync_layout()
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fixed_per_row={self.fixed_per_row}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fixed_per_row={self.fixed_per_row}, "
+            f"pattern={self.pattern}"
+        )
+
+
+@contextlib.contextmanager
+def weight_cache(model: nn.Module) -> Iterator[None]:
+    """Within the context, every GaugeFixedLinear of `model` keeps its assembled weight between calls without autograd
+    (decoding reads one weight per step, like a plain Linear). Use it only where the weights do not change: edits made
+    through `.data` inside the context are not seen. `generate` enters it."""
+    modules = [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
+    previous = [m._cache_assembled for m in modules]
+    for m in modules:
+        m._cache_assembled = True
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, previous):
+            m._cache_assembled = was
+            if not was:
+                m._drop_caches()
 
 
 def full_weight(module: nn.Module) -> torch.Tensor:
@@ -461,11 +636,21 @@ class RelationalAttention(nn.Module):
         pivot = config.gauge == "pivot"
         self.q_proj = nn.Linear(d, self.num_heads * r, bias=config.attention_bias)
         if pivot:
-            self.k_proj = GaugeFixedLinear(d, self.num_kv_heads * r, 1 if self.rope else r, bias=config.attention_bias)
+            self.k_proj = GaugeFixedLinear(
+                d,
+                self.num_kv_heads * r,
+                1 if self.rope else r,
+                bias=config.attention_bias,
+                pattern="rotary" if self.rope else "block",
+                block=r,
+                scale=config.pivot_scale,
+            )
         else:
             self.k_proj = nn.Linear(d, self.num_kv_heads * r, bias=config.attention_bias)
         if pivot and not self.value_parallel_removal:
-            self.v_proj = GaugeFixedLinear(d, self.num_kv_heads * dh, dh, bias=config.attention_bias)
+            self.v_proj = GaugeFixedLinear(
+                d, self.num_kv_heads * dh, dh, bias=config.attention_bias, scale=config.pivot_scale
+            )
         else:
             self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_output_bias)
@@ -560,7 +745,10 @@ class RelationalMLP(nn.Module):
         self.config = config
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = GaugeFixedLinear(d, f, 1) if config.gauge == "pivot" else nn.Linear(d, f, bias=False)
+        if config.gauge == "pivot":
+            self.up_proj = GaugeFixedLinear(d, f, 1, scale=config.pivot_scale)
+        else:
+            self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
