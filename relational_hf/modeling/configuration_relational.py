@@ -199,9 +199,7 @@ class RelationalConfig(PreTrainedConfig):
         if self.qk_rank > self.head_dim:
             raise ValueError(f"`qk_rank` must be in [1, head_dim={self.head_dim}], got {self.qk_rank}")
         if self.position_encoding == "rope" and self.qk_rank % 2 != 0:
-            raise ValueError(
-                f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}"
-            )
+            raise ValueError(f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}")
         if self.gauge == "pivot":
             if self.qk_rank > self.hidden_size:
                 raise ValueError(

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -821,7 +821,7 @@ class RelationalPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": RelationalDecoderLayer, "attentions": RelationalAttention}
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
@@ -834,23 +834,73 @@ class RelationalPreTrainedModel(PreTrainedModel):
             return
         super()._initialize_weights(module, is_custom_code)
 
+    def __init__(self, config: RelationalConfig, *inputs, **kwargs) -> None:
+        config.validate()  # fields edited after construction are checked together before anything is built
+        super().__init__(config, *inputs, **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, after checking a local checkpoint directory: a missing, unreadable or
-        truncated safetensors file, or a tensor whose shape disagrees with the config, raises one clear error that
-        names the file and the problem."""
+        """`PreTrainedModel.from_pretrained`, strict about the tensors (relational checkpoints are written only by this
+        project, so a difference is a mistake, never a model to complete with random weights):
+
+        - a local checkpoint directory is checked first: a missing, unreadable or truncated safetensors file, or a
+          tensor whose shape disagrees with the config, raises one clear error that names the file and the problem;
+        - a checkpoint written before the compact gauge layout (int64 `fixed_index`/`free_index`/`fixed_value`
+          buffers) is converted on the fly to `pivots` (same function);
+        - missing or unexpected tensors raise a ValueError naming them. Only a task head may differ, as for every
+          Transformers model: a head absent from the checkpoint of another architecture is initialised (e.g.
+          `score` when loading a causal-LM checkpoint for sequence classification), and an unused head is skipped.
+        """
         path = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", "") or "")
+        legacy = None
         if os.path.isdir(path):
-            _check_checkpoint_dir(cls, path)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            legacy = _check_checkpoint_dir(cls, path)
+            if legacy is not None:
+                kwargs["state_dict"] = legacy[0]
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        tolerated = set()
+        if any(_strip_prefix(k) == "norm.weight" for k in info.get("missing_keys", ())):
+            # a config written before `final_norm_gain` existed: the gain is absent from the weights by design and
+            # starts at one (the same function)
+            raw, _ = RelationalConfig.get_config_dict(
+                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder", "")
+            )
+            if "final_norm_gain" not in raw:
+                tolerated = {k for k in info["missing_keys"] if _strip_prefix(k) == "norm.weight"}
+        _raise_on_key_differences(model, info, str(pretrained_model_name_or_path), tolerated)
+        for module in model.modules():
+            if isinstance(module, GaugeFixedLinear):
+                module._sync_layout()
+        if legacy is not None and legacy[1]:
+            _install_legacy_layouts(model, legacy[1])
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`. A module whose pivot entries no longer hold the canonical values (e.g.
+        after PEFT's `merge_and_unload`, which writes merged values there) is first moved back into the canonical
+        pivot gauge with the same function (`set_full_weights(full_weights())`), so the checkpoint stores the compact
+        layout only."""
+        regauge_noncanonical(self)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, initializer_range) for every factor; in the pivot gauge the free factors are drawn as usual and
-        then moved to the gauge, so the function distribution at init equals the free model's."""
+        then moved to the gauge, so the function distribution at init equals the free model's.
+
+        The gauge layout (the pivot positions) is part of the weights, not a separate initialisation: pivots are
+        chosen from the freshly drawn factors, so they are drawn here together with the factors of their attention /
+        MLP module, never by a GaugeFixedLinear alone. Hence the constructor and `from_config` draw factors and layouts
+        together; `from_pretrained` loads both (a checkpoint without its `pivots` is refused: a re-drawn layout would
+        not match the stored free entries); a model built on the meta device holds placeholder layouts (the first
+        columns) until `to_empty()` + `init_weights()` draws factors and layouts together, which gives the same model
+        as the constructor with the same seed."""
         std = self.config.initializer_range
         if isinstance(module, RelationalAttention):
-            if _all_initialized(module):
+            if _all_initialized(module) or module.o_proj.weight.device.type == "meta":
                 return
             c = self.config
             d, r, dh = c.hidden_size, c.qk_rank, c.head_dim
@@ -862,7 +912,7 @@ class RelationalPreTrainedModel(PreTrainedModel):
             }
             module.set_full_weights({k: w.to(module.o_proj.weight.device) for k, w in weights.items()})
         elif isinstance(module, RelationalMLP):
-            if _all_initialized(module):
+            if _all_initialized(module) or module.down_proj.weight.device.type == "meta":
                 return
             c = self.config
             weights = {
@@ -882,8 +932,14 @@ class RelationalPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
-def _check_checkpoint_dir(cls: type[PreTrainedModel], path: str) -> None:
-    """Validate the safetensors weights of a local checkpoint directory against its config (see from_pretrained)."""
+def _check_checkpoint_dir(
+    cls: type[PreTrainedModel], path: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Validate the safetensors weights of a local checkpoint directory against its config (see from_pretrained).
+
+    Returns None for a checkpoint in today's layout. For one in the legacy gauge layout, returns its state dict
+    converted to `pivots` and, for the modules whose stored layout is not canonical, their (fixed_index, fixed_value)
+    by key prefix (installed after loading, see `_install_legacy_layouts`)."""
     from safetensors import safe_open
     from transformers.initialization import no_init_weights
 
@@ -911,19 +967,119 @@ def _check_checkpoint_dir(cls: type[PreTrainedModel], path: str) -> None:
             raise OSError(f"{file}: not a readable safetensors file, it may be truncated or corrupt ({err})") from None
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        return  # transformers reports the missing config itself
+        return None  # transformers reports the missing config itself
     config = RelationalConfig.from_pretrained(path)
     with torch.device("meta"), no_init_weights():
         reference = cls(config)
     expected = {_strip_prefix(k): tuple(v.shape) for k, v in reference.state_dict().items()}
+    owner = os.path.join(path, files[0] if len(files) == 1 else "a shard of model.safetensors")
     for key, shape in shapes.items():
         want = expected.get(_strip_prefix(key))
         if want is not None and want != shape:
-            owner = files[0] if len(files) == 1 else "a shard of model.safetensors"
             raise ValueError(
-                f"{os.path.join(path, owner)}: tensor {key!r} has shape {list(shape)} but config.json implies "
+                f"{owner}: tensor {key!r} has shape {list(shape)} but config.json implies "
                 f"{list(want)}; the weights do not belong to this config"
             )
+    if not any(key.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS for key in shapes):
+        return None
+    return _convert_legacy_layout(reference, path, files, owner)
+
+
+def _convert_legacy_layout(
+    reference: PreTrainedModel, path: str, files: list[str], owner: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The state dict of a legacy-layout checkpoint with each module's int64 layout buffers replaced by `pivots`."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    modules = {_strip_prefix(n + "."): m for n, m in reference.named_modules() if isinstance(m, GaugeFixedLinear)}
+    custom: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    prefixes = {key[: -len(key.rsplit(".", 1)[-1])] for key in state if key.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS}
+    for prefix in sorted(prefixes):
+        module = modules.get(_strip_prefix(prefix))
+        parts = {n: state.pop(prefix + n, None) for n in LEGACY_LAYOUT_BUFFERS}
+        if module is None:
+            raise ValueError(f"{owner}: unexpected gauge-layout tensors {prefix}*: no gauge-fixed module there")
+        if parts["fixed_index"] is None or parts["fixed_value"] is None:
+            missing = [prefix + n for n in ("fixed_index", "fixed_value") if parts[n] is None]
+            raise ValueError(f"{owner}: gauge-layout tensors missing: {missing}")
+        fixed_index, fixed_value = parts["fixed_index"].long(), parts["fixed_value"].float()
+        pivots = module._encode(fixed_index, fixed_value)
+        if pivots is None:
+            custom[prefix] = (fixed_index, fixed_value)
+            pivots = torch.arange(module.fixed_per_row).expand(module.pivots.shape)
+        state[prefix + "pivots"] = pivots.to(module.pivots.dtype).contiguous()
+    logger.info("%s: legacy gauge layout converted to pivot positions", path)
+    return state, custom
+
+
+def _module_by_prefix(model: nn.Module, prefix: str) -> nn.Module | None:
+    for name, module in model.named_modules():
+        if _strip_prefix(name + ".") == _strip_prefix(prefix):
+            return module
+    return None
+
+
+@torch.no_grad()
+def _install_legacy_layouts(model: nn.Module, custom: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give the modules of a loaded legacy checkpoint their stored non-canonical layouts (their free entries are
+    already in place: both layouts order them by column), then move them back to the canonical gauge."""
+    for prefix, (fixed_index, fixed_value) in custom.items():
+        module = _module_by_prefix(model, prefix)
+        module.set_layout(fixed_index, fixed_value)
+    regauge_noncanonical(model)
+
+
+_HEAD_NAMES = ("lm_head", "score")
+
+
+def _raise_on_key_differences(model: PreTrainedModel, info: dict, source: str, tolerated: set[str]) -> None:
+    """ValueError naming the missing and unexpected tensors of a load, except a task head that the checkpoint's own
+    architecture does not have (see RelationalPreTrainedModel.from_pretrained)."""
+    same_architecture = type(model).__name__ in (model.config.architectures or [])
+
+    def counts(key: str) -> bool:
+        return key not in tolerated and (same_architecture or key.split(".", 1)[0] not in _HEAD_NAMES)
+
+    missing = sorted(k for k in info.get("missing_keys", ()) if counts(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if counts(k))
+    if not missing and not unexpected:
+        return
+
+    def listing(keys: list[str]) -> str:
+        shown = ", ".join(keys[:8])
+        return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listing(unexpected)}")
+    raise ValueError(
+        f"{source}: the checkpoint does not hold exactly the tensors of the model its config.json describes; "
+        + "; ".join(problems)
+        + ". Relational checkpoints are written only by relational-hf: was config.json edited (e.g. "
+        "num_hidden_layers) or a weights file replaced?"
+    )
+
+
+@torch.no_grad()
+def regauge_noncanonical(model: nn.Module) -> int:
+    """Move every attention / MLP module holding a GaugeFixedLinear whose layout is not canonical (e.g. pivot values
+    written by a LoRA merge) back into the canonical pivot gauge, with the same function. Returns how many moved."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (RelationalAttention, RelationalMLP)):
+            continue
+        if all(c.is_canonical for c in module.children() if isinstance(c, GaugeFixedLinear)):
+            continue
+        module.set_full_weights({key: w.detach().clone() for key, w in module.full_weights().items()})
+        count += 1
+    if count:
+        logger.info("moved %d attention/MLP modules back into the canonical pivot gauge", count)
+    return count
 
 
 def _strip_prefix(key: str) -> str:
@@ -965,7 +1121,8 @@ class RelationalModel(RelationalPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            _check_token_ids(input_ids, self.vocab_size)
+            if not torch.compiler.is_compiling():  # a data-dependent check: eager only (compiled graphs stay whole)
+                _check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -995,7 +1152,11 @@ class RelationalModel(RelationalPreTrainedModel):
 
 
 def _check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear ValueError for token ids outside [0, vocab_size) instead of an index error inside torch."""
+    """Raise a clear ValueError for token ids outside [0, vocab_size) instead of an index error inside torch.
+
+    `vocab_size` is the embedding's current row count, so it follows `resize_token_embeddings`. The check reads the
+    ids' min and max (a device synchronisation), so the forward runs it in eager mode only: under `torch.compile` an
+    out-of-range id fails inside the embedding lookup as in any Transformers model."""
     if input_ids.numel() == 0:
         return
     low, high = int(input_ids.min()), int(input_ids.max())
@@ -1017,6 +1178,7 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1052,6 +1214,12 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, with the assembled gauge-fixed weights kept between decoding steps
+        (`weight_cache`): the weights cannot change during a generation."""
+        with weight_cache(self):
+            return super().generate(*args, **kwargs)
+
 
 class RelationalForSequenceClassification(GenericForSequenceClassification, RelationalPreTrainedModel):
     """Relational model with a linear score head on the last non-padding token."""
@@ -1064,12 +1232,32 @@ class RelationalForSequenceClassification(GenericForSequenceClassification, Rela
         self.post_init()
 
 
+def register_static_names() -> None:
+    """Add the model type to Transformers' static name tables, which decide some generic behaviour by class name (the
+    Trainer shifts labels for label smoothing only for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; pipelines check
+    task support there). Run on import of this file, so a model loaded with ``trust_remote_code`` (without
+    relational_hf) is treated as a causal LM too. Idempotent; existing entries are never replaced."""
+    from transformers.models.auto import modeling_auto
+
+    model_type = RelationalConfig.model_type
+    modeling_auto.MODEL_MAPPING_NAMES.setdefault(model_type, RelationalModel.__name__)
+    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, RelationalForCausalLM.__name__)
+    modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault(
+        model_type, RelationalForSequenceClassification.__name__
+    )
+
+
+register_static_names()
+
 __all__ = [
     "RelationalPreTrainedModel",
     "RelationalModel",
     "RelationalForCausalLM",
     "RelationalForSequenceClassification",
     "GaugeFixedLinear",
+    "weight_cache",
+    "regauge_noncanonical",
+    "register_static_names",
     "parallel_component",
     "parallel_coefficient",
     "scale_parallel",
