@@ -853,14 +853,15 @@ class RelationalPreTrainedModel(PreTrainedModel):
         """
         path = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", "") or "")
         legacy = None
+        source = pretrained_model_name_or_path
         if os.path.isdir(path):
             legacy = _check_checkpoint_dir(cls, path)
-            if legacy is not None:
+            if legacy is not None:  # load the converted tensors (Transformers takes them without a model name)
                 kwargs["state_dict"] = legacy[0]
+                kwargs.setdefault("config", RelationalConfig.from_pretrained(path))
+                source = None
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
+        model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
         tolerated = set()
         if any(_strip_prefix(k) == "norm.weight" for k in info.get("missing_keys", ())):
             # a config written before `final_norm_gain` existed: the gain is absent from the weights by design and
