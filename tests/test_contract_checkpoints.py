@@ -308,3 +308,16 @@ def test_partial_rotary_is_refused_with_a_clear_error(kwargs):
 def test_legacy_top_level_rope_theta_is_moved_into_rope_parameters(tmp_path):
     config = RelationalConfig(**BASE, rope_theta=123456.0)
     assert config.rope_parameters["rope_theta"] == 123456.0
+
+
+def test_pivot_scale_edited_after_construction_is_applied_by_save_with_the_same_function(tmp_path):
+    model = model_for(num_key_value_heads=2)
+    x = ids()
+    expected = model(x).logits
+    model.config.pivot_scale = 0.37
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.pivot_scale == 0.37
+    torch.testing.assert_close(loaded(x).logits, expected, rtol=1e-4, atol=1e-5)
+    v = loaded.model.layers[0].self_attn.v_proj
+    torch.testing.assert_close(torch.gather(v.full_weight(), 1, v.fixed_index)[:4, :4], 0.37 * torch.eye(4))

@@ -885,6 +885,9 @@ class RelationalPreTrainedModel(PreTrainedModel):
         pivot gauge with the same function (`set_full_weights(full_weights())`), so the checkpoint stores the compact
         layout only."""
         regauge_noncanonical(self)
+        odd = [n for n, m in self.named_modules() if isinstance(m, GaugeFixedLinear) and not m.is_canonical]
+        if odd:  # a module whose pattern its parent cannot restore: refuse rather than write what will not load
+            raise ValueError(f"cannot save: gauge-fixed modules with a layout outside their canonical pattern: {odd}")
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
@@ -1058,23 +1061,34 @@ def _raise_on_key_differences(model: PreTrainedModel, info: dict, source: str, t
         problems.append(f"missing tensors ({len(missing)}): {listing(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listing(unexpected)}")
+    hint = (
+        "was config.json edited (e.g. num_hidden_layers) or a weights file replaced?"
+        if not any(k.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS for k in unexpected)
+        else "this is a checkpoint in the legacy int64 gauge layout, which is converted when loading from a local "
+        "folder: download it first (huggingface_hub.snapshot_download) and load the folder"
+    )
     raise ValueError(
         f"{source}: the checkpoint does not hold exactly the tensors of the model its config.json describes; "
         + "; ".join(problems)
-        + ". Relational checkpoints are written only by relational-hf: was config.json edited (e.g. "
-        "num_hidden_layers) or a weights file replaced?"
+        + f". Relational checkpoints are written only by relational-hf: {hint}"
     )
 
 
 @torch.no_grad()
 def regauge_noncanonical(model: nn.Module) -> int:
     """Move every attention / MLP module holding a GaugeFixedLinear whose layout is not canonical (e.g. pivot values
-    written by a LoRA merge) back into the canonical pivot gauge, with the same function. Returns how many moved."""
+    written by a LoRA merge, or a `config.pivot_scale` edited after the model was built) back into the canonical pivot
+    gauge of the config's pivot value, with the same function. Returns how many moved."""
     count = 0
     for module in model.modules():
         if not isinstance(module, (RelationalAttention, RelationalMLP)):
             continue
-        if all(c.is_canonical for c in module.children() if isinstance(c, GaugeFixedLinear)):
+        gauge_fixed = [c for c in module.children() if isinstance(c, GaugeFixedLinear)]
+        for child in gauge_fixed:
+            if child.scale != float(module.config.pivot_scale):  # pivot_scale edited after the model was built
+                child._ensure_layout()
+                child.scale, child._custom_layout = float(module.config.pivot_scale), True
+        if all(c.is_canonical for c in gauge_fixed):
             continue
         module.set_full_weights({key: w.detach().clone() for key, w in module.full_weights().items()})
         count += 1
