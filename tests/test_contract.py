@@ -1,14 +1,10 @@
 """The generic Transformers model contract on the relational classes, for the pivot, free, value-removal and
 thin-keys + GQA configurations: tuple outputs, inputs_embeds, attention / hidden-state outputs, gradient
 checkpointing, sdpa = eager, beam search, assisted decoding, static-cache generation, resized embeddings, meta-device
-initialisation, Trainer label smoothing (with and without the plugin), and torch.compile(fullgraph=True)."""
+initialisation, Trainer label smoothing (without the plugin: tests/test_modeling.py's trust_remote_code test), and
+torch.compile(fullgraph=True)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -211,36 +207,6 @@ def test_trainer_label_smoothing_uses_shifted_labels(name, tmp_path):
     logits = model(x).logits[:, :-1]
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1), label_smoothing=0.1)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_trainer_label_smoothing_without_the_plugin(tmp_path):
-    """Loaded with trust_remote_code in a process that cannot import relational_hf, the modeling file itself tells the
-    Trainer this is a causal LM: the smoothed loss is on next-token labels."""
-    model = build("thin_keys_gqa")
-    model.save_pretrained(tmp_path / "ckpt")
-    x = ids()
-    torch.save({"ids": x}, tmp_path / "ids.pt")
-    script = textwrap.dedent(f"""
-        import sys
-        sys.modules["relational_hf"] = None  # the plugin must not be importable here
-        import torch
-        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-        m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
-        assert "relational_hf" not in type(m).__module__, type(m).__module__
-        x = torch.load({str(tmp_path / "ids.pt")!r})["ids"]
-        args = TrainingArguments(output_dir={str(tmp_path / "run")!r}, label_smoothing_factor=0.1, report_to=[],
-                                 use_cpu=True)
-        loss = Trainer(model=m, args=args).compute_loss(m, {{"input_ids": x, "labels": x}})
-        logits = m(x).logits[:, :-1]
-        expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), label_smoothing=0.1)
-        print("LOSSES", float(loss), float(expected))
-    """)
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    loss, expected = map(float, out.stdout.split("LOSSES")[-1].split())
-    assert abs(loss - expected) < 1e-5, (loss, expected)
 
 
 def test_inference_cache_sees_edits_made_through_data():
