@@ -321,3 +321,15 @@ def test_pivot_scale_edited_after_construction_is_applied_by_save_with_the_same_
     torch.testing.assert_close(loaded(x).logits, expected, rtol=1e-4, atol=1e-5)
     v = loaded.model.layers[0].self_attn.v_proj
     torch.testing.assert_close(torch.gather(v.full_weight(), 1, v.fixed_index)[:4, :4], 0.37 * torch.eye(4))
+
+
+@pytest.mark.parametrize("in_features,out_features,m", [(6, 4, 2), (32, 16, 8), (50, 12, 1), (7, 7, 7)])
+def test_derived_free_columns_are_the_complement_of_the_pivots_in_order(in_features, out_features, m):
+    lin = GaugeFixedLinear(in_features, out_features, m)
+    g = torch.Generator().manual_seed(in_features)
+    for _ in range(10):
+        index = torch.stack([torch.randperm(in_features, generator=g)[:m] for _ in range(out_features)])
+        lin.set_layout(index, torch.randn(out_features, m, generator=g))
+        free = torch.ones(out_features, in_features, dtype=torch.bool).scatter_(1, index, False)
+        expected = torch.arange(in_features).expand(out_features, -1)[free].view(out_features, -1)
+        assert torch.equal(lin.free_index, expected)

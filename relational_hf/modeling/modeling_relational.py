@@ -260,10 +260,13 @@ class GaugeFixedLinear(nn.Module):
                 raise ValueError(f"{self!r}: pivot positions must be in [0, {n}), got {low if low < 0 else high}")
             if m > 1 and bool((fixed_index.sort(dim=1).values.diff(dim=1) == 0).any()):
                 raise ValueError(f"{self!r}: the {m} pivot positions of a row must be distinct")
-        fixed = torch.zeros(self.out_features, n, dtype=torch.int8, device=fixed_index.device)
-        fixed.scatter_(1, fixed_index, 1)
-        # a stable sort puts the free columns (0) first, in increasing order
-        free = torch.sort(fixed, dim=1, stable=True).indices[:, : n - m]
+        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1)
+        shifted = fixed_index.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
+        k = torch.arange(n - m, device=fixed_index.device).expand(self.out_features, n - m)
+        if m == 1:
+            free = k + (k >= shifted).long()
+        else:
+            free = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
         self.fixed_index = fixed_index.contiguous()
         self.free_index = free.contiguous()
         self.fixed_value = fixed_value.reshape(self.out_features, m).to(torch.float32).contiguous()
