@@ -22,6 +22,7 @@ from common import RESULTS, summary, sync, timed, write_json
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.modeling.modeling_relational import weight_cache
 
 logger = logging.getLogger("speed")
 
@@ -85,9 +86,10 @@ def measure(model, batch: int, seq: int, decode_tokens: int, device: str) -> dic
         tok = out.logits[:, -1:].argmax(-1)
         sync()
         start = time.perf_counter()
-        for _ in range(decode_tokens):
-            out = model(input_ids=tok, cache=out.cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
+        with weight_cache(model):  # what generate() does: gauge-fixed weights assembled once, not per step
+            for _ in range(decode_tokens):
+                out = model(input_ids=tok, cache=out.cache, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
         sync()
         return time.perf_counter() - start
 

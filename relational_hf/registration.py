@@ -8,7 +8,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
 )
-from transformers.models.auto import modeling_auto
 
 from .modeling import (
     RelationalConfig,
@@ -16,6 +15,7 @@ from .modeling import (
     RelationalForSequenceClassification,
     RelationalModel,
 )
+from .modeling.modeling_relational import register_static_names
 
 MODEL_TYPE = RelationalConfig.model_type
 
@@ -32,18 +32,14 @@ def register() -> None:
     """Register config and models with the Auto classes (idempotent).
 
     `Auto*.register` does not fill Transformers' static name tables, which decide some generic behaviour by class
-    name (the Trainer's label smoothing shifts labels only for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, pipelines
-    check task support there), so the names are added to those tables too.
+    name; the modeling file fills them on import (`register_static_names`, so that a ``trust_remote_code`` load gets
+    them too) and this calls it again (idempotent).
     """
     AutoConfig.register(MODEL_TYPE, RelationalConfig, exist_ok=True)
     AutoModel.register(RelationalConfig, RelationalModel, exist_ok=True)
     AutoModelForCausalLM.register(RelationalConfig, RelationalForCausalLM, exist_ok=True)
     AutoModelForSequenceClassification.register(RelationalConfig, RelationalForSequenceClassification, exist_ok=True)
-    modeling_auto.MODEL_MAPPING_NAMES.setdefault(MODEL_TYPE, RelationalModel.__name__)
-    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MODEL_TYPE, RelationalForCausalLM.__name__)
-    modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault(
-        MODEL_TYPE, RelationalForSequenceClassification.__name__
-    )
+    register_static_names()
     # save_pretrained copies the code files next to the weights and writes `auto_map` for every Auto class.
     RelationalConfig.register_for_auto_class()
     RelationalModel.register_for_auto_class("AutoModel")

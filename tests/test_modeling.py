@@ -94,6 +94,8 @@ def test_save_and_load_roundtrip_gives_identical_logits(model, tmp_path):
 
 
 def test_trust_remote_code_load_without_the_plugin(tmp_path):
+    """In a process that cannot import relational_hf: the checkpoint loads with trust_remote_code, gives identical
+    logits, and Trainer label smoothing shifts the labels (the modeling file registers the causal-LM name)."""
     model = trained(RelationalForCausalLM(tiny_config(num_key_value_heads=2)))
     ids = torch.randint(3, VOCAB, (2, 9))
     model.save_pretrained(tmp_path / "ckpt")
@@ -108,12 +110,23 @@ def test_trust_remote_code_load_without_the_plugin(tmp_path):
         assert "relational_hf" not in type(m).__module__, type(m).__module__
         exp = torch.load({str(tmp_path / "expected.pt")!r})
         diff = (m(exp["ids"]).logits - exp["logits"]).abs().max().item()
+        # the modeling file tells the Trainer this is a causal LM: label smoothing on next-token labels
+        from transformers import Trainer, TrainingArguments
+        x = exp["ids"]
+        args = TrainingArguments(output_dir={str(tmp_path / "run")!r}, label_smoothing_factor=0.1, report_to=[],
+                                 use_cpu=True)
+        loss = Trainer(model=m, args=args).compute_loss(m, {{"input_ids": x, "labels": x}})
+        logits = m(x).logits[:, :-1]
+        expected = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), label_smoothing=0.1)
+        print("SMOOTHING", abs(float(loss) - float(expected)))
         print("DIFF", diff)
     """)
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.split("DIFF")[-1]) == 0.0
+    assert float(out.stdout.split("SMOOTHING")[-1].split()[0]) < 1e-5
 
 
 def test_sdpa_and_eager_agree(model):
@@ -272,8 +285,14 @@ def test_value_parallel_removal_makes_head_outputs_orthogonal_to_own_value():
         ("position_encoding", "alibi"),
         ("gauge", "diagonal"),
         ("initializer_range", 0.0),
-        ("rms_norm_eps", 0.0),
-        ("attention_dropout", 1.0),
+        ("rms_norm_eps", -1e-6),
+        ("rms_norm_eps", float("nan")),
+        ("attention_dropout", 1.5),
+        ("attention_dropout", float("nan")),
+        ("initializer_range", float("nan")),
+        ("pivot_scale", float("nan")),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         ("pad_token_id", VOCAB),
         ("eos_token_id", -1),
         ("hidden_act", "tanh"),

@@ -1,42 +1,98 @@
 """Configuration of the relational-transformer architecture.
 
-This file travels to the Hub next to `modeling_relational.py` (``trust_remote_code``): it imports only the
-standard library and transformers.
+This file travels to the Hub next to `modeling_relational.py` (``trust_remote_code``): it imports only the standard
+library, transformers and huggingface_hub (a dependency of transformers, whose `strict` dataclasses every in-tree
+configuration uses).
+
+Validation uses the Transformers v5 mechanism (`huggingface_hub.dataclasses.strict`): every field is a typed dataclass
+field whose own range check runs at construction *and on every later assignment* (``cfg.gauge = "bogus"`` raises at
+once), and the checks that involve several fields are ``validate_*`` methods, run at construction, by
+``config.validate()``, by ``save_pretrained`` and by the model constructor. Errors are
+`RelationalConfigError`, both a `huggingface_hub.errors.StrictDataclassError` (what the library raises) and a
+`ValueError` (what this project's callers catch), and their message names the field. NaN fails every numeric range. To add an optional field,
+declare it with a default (``my_width: int | None = None``, or a `_number`/`_integer` field for a range check) and,
+when it depends on other fields, check it in `validate_architecture`.
 """
 
-from __future__ import annotations
+import functools
+import math
+from typing import Any, Literal
 
-from typing import Any
-
+from huggingface_hub.dataclasses import as_validated_field, strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
 
-_POSITION_ENCODINGS = ("rope", "none")
-_GAUGES = ("pivot", "free")
-_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 #: default pivot value c = PIVOT_SCALE_FACTOR x initializer_range (see `pivot_scale`)
 PIVOT_SCALE_FACTOR = 5.0
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    """Raise ValueError unless `value` is an int in [low, high] (high=None: unbounded)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
-    if value < low or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"`{name}` must be in {allowed}, got {value}.")
+def _integer(low: int, high: int | None = None, *, optional: bool = False):
+    """A dataclass field holding an int in [low, high] (high=None: unbounded; optional: None allowed)."""
+
+    @as_validated_field
+    def check(value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"must be an integer, got {value!r} ({type(value).__name__})")
+        if value < low or (high is not None and value > high):
+            allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"must be in {allowed}, got {value}")
+
+    return check
 
 
-def _check_float(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> None:
-    """Raise ValueError unless `value` is a real number in the stated interval."""
+def _number(low: float, high: float, *, low_open: bool, high_open: bool, optional: bool = False):
+    """A dataclass field holding a finite real number in the stated interval (NaN and infinities are refused)."""
+
+    @as_validated_field
+    def check(value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"must be a number, got {value!r} ({type(value).__name__})")
+        ok = math.isfinite(value)
+        ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        if not ok:
+            interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            raise ValueError(f"must be a finite number in {interval}, got {value}")
+
+    return check
+
+
+@as_validated_field
+def _pivot_scale(value: Any) -> None:
+    if value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"`{name}` must be a number, got {value!r}.")
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if too_low or too_high:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"`{name}` must be in {interval}, got {value}.")
+        raise TypeError(f"must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value == 0:
+        raise ValueError(f"must be a finite nonzero number, got {value}")
 
 
+_INF = math.inf
+
+
+class RelationalConfigError(StrictDataclassError, ValueError):
+    """A RelationalConfig field out of range or inconsistent with the others (the message names the field)."""
+
+
+def _value_errors(method):
+    """Re-raise the strict dataclass errors of `method` as RelationalConfigError (also a ValueError)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except StrictDataclassError as err:
+            if isinstance(err, ValueError):
+                raise
+            raise RelationalConfigError(str(err)) from err
+
+    return wrapper
+
+
+@strict
 class RelationalConfig(PreTrainedConfig):
     r"""Configuration of a relational transformer (decoder-only, Llama-like skeleton in invariant parameters).
 
@@ -49,9 +105,13 @@ class RelationalConfig(PreTrainedConfig):
         num_key_value_heads: key/value heads (GQA); must divide `num_attention_heads`. Default: H.
         head_dim: value/output width per head d_h. Default: hidden_size // H.
         qk_rank: rank r of each head's QK bilinear form G_QK = W_Q W_K^T (query/key width), 1 <= r <= d_h.
-            Smaller than d_h gives "thin keys". Must be even with rotary positions. Default: d_h.
+            Smaller than d_h gives "thin keys". Must be even with rotary positions. Default: d_h. Exposed to
+            Transformers as `qk_head_dim` (key width) next to `v_head_dim` (= head_dim), the names that in-tree models
+            with different key and value widths use; the key/value cache holds r-wide keys and d_h-wide values.
         position_encoding: "rope" (rotary on the r query/key coordinates) or "none".
-        rope_parameters: rotary settings as in Transformers (`rope_type`, `rope_theta`, scaling keys).
+        rope_parameters: rotary settings as in Transformers (`rope_type`, `rope_theta`, scaling keys). Partial
+            rotary (`partial_rotary_factor` < 1) is refused: it changes the QK gauge group (the non-rotated block keeps
+            a full GL) and the pivot layout; use a smaller `qk_rank` instead.
         max_position_embeddings: longest context the rotary settings are meant for.
         gauge: "pivot" stores QK, VO and the SwiGLU scales in the pivot (echelon) gauge, no redundant
             coordinate left; "free" stores the usual over-parameterised factors (train with projected updates).
@@ -73,7 +133,7 @@ class RelationalConfig(PreTrainedConfig):
             embedding) and sets the per-dimension logit scale, so it is part of the function class. Default (None):
             present exactly when the head is tied.
         initializer_range: std of the normal initialisation.
-        rms_norm_eps: epsilon of the gain-free RMS normalisation.
+        rms_norm_eps: epsilon of the gain-free RMS normalisation (any finite eps >= 0, as Llama).
         attention_dropout: dropout on attention probabilities during training.
         use_cache: return a key/value cache.
         pad_token_id, bos_token_id, eos_token_id: special token ids (None or in [0, vocab_size)).
@@ -82,148 +142,136 @@ class RelationalConfig(PreTrainedConfig):
     model_type = "relational-transformer"
     keys_to_ignore_at_inference = ["cache"]
 
-    def __init__(
-        self,
-        vocab_size: int = 32000,
-        hidden_size: int = 768,
-        intermediate_size: int = 2048,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 12,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-        qk_rank: int | None = None,
-        position_encoding: str = "rope",
-        rope_parameters: dict | None = None,
-        max_position_embeddings: int = 2048,
-        gauge: str = "pivot",
-        pivot_scale: float | None = None,
-        attention_bias: bool = False,
-        attention_output_bias: bool = False,
-        value_parallel_removal: bool = False,
-        hidden_act: str = "silu",
-        tie_word_embeddings: bool = True,
-        final_norm_gain: bool | None = None,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1e-6,
-        attention_dropout: float = 0.0,
-        use_cache: bool = True,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        if head_dim is None and isinstance(hidden_size, int) and isinstance(num_attention_heads, int):
-            head_dim = hidden_size // num_attention_heads if num_attention_heads > 0 else 0
-        self.head_dim = head_dim
-        self.qk_rank = head_dim if qk_rank is None else qk_rank
-        self.position_encoding = position_encoding
-        self.rope_parameters = rope_parameters
-        self.max_position_embeddings = max_position_embeddings
-        self.gauge = gauge
-        self.pivot_scale = PIVOT_SCALE_FACTOR * initializer_range if pivot_scale is None else pivot_scale
-        self.attention_bias = attention_bias
-        self.attention_output_bias = attention_output_bias
-        self.value_parallel_removal = value_parallel_removal
-        self.hidden_act = hidden_act
-        self.tie_word_embeddings = tie_word_embeddings
-        self.final_norm_gain = tie_word_embeddings if final_norm_gain is None else final_norm_gain
-        self.initializer_range = initializer_range
-        self.rms_norm_eps = rms_norm_eps
-        self.attention_dropout = attention_dropout
-        self.use_cache = use_cache
-        self.pad_token_id = pad_token_id
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        super().__init__(**kwargs)
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-        self._validate_fields()
+    vocab_size: int = _integer(1)(default=32000)
+    hidden_size: int = _integer(1)(default=768)
+    intermediate_size: int = _integer(1)(default=2048)
+    num_hidden_layers: int = _integer(1)(default=12)
+    num_attention_heads: int = _integer(1)(default=12)
+    num_key_value_heads: int | None = _integer(1, optional=True)(default=None)
+    head_dim: int | None = _integer(1, optional=True)(default=None)
+    qk_rank: int | None = _integer(1, optional=True)(default=None)
+    position_encoding: Literal["rope", "none"] = "rope"
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = _integer(1)(default=2048)
+    gauge: Literal["pivot", "free"] = "pivot"
+    pivot_scale: int | float | None = _pivot_scale(default=None)
+    attention_bias: bool = False
+    attention_output_bias: bool = False
+    value_parallel_removal: bool = False
+    hidden_act: Literal["silu", "gelu", "gelu_pytorch_tanh", "relu"] = "silu"
+    tie_word_embeddings: bool = True
+    final_norm_gain: bool | None = None
+    initializer_range: int | float = _number(0.0, 1.0, low_open=True, high_open=False)(default=0.02)
+    rms_norm_eps: int | float = _number(0.0, _INF, low_open=False, high_open=True)(default=1e-6)
+    attention_dropout: int | float = _number(0.0, 1.0, low_open=False, high_open=False)(default=0.0)
+    use_cache: bool = True
+    pad_token_id: int | None = _integer(0, optional=True)(default=None)
+    bos_token_id: int | None = _integer(0, optional=True)(default=None)
+    eos_token_id: int | list[int] | None = None
 
-    def _validate_fields(self) -> None:
-        """Raise ValueError naming the first field that is out of range or inconsistent with the others."""
-        _check_int("vocab_size", self.vocab_size, 1)
-        _check_int("hidden_size", self.hidden_size, 1)
-        _check_int("intermediate_size", self.intermediate_size, 1)
-        _check_int("num_hidden_layers", self.num_hidden_layers, 1)
-        _check_int("num_attention_heads", self.num_attention_heads, 1)
-        _check_int("num_key_value_heads", self.num_key_value_heads, 1, self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads != 0:
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = max(1, self.hidden_size // self.num_attention_heads)
+        if self.qk_rank is None:
+            self.qk_rank = self.head_dim
+        if self.pivot_scale is None:
+            self.pivot_scale = PIVOT_SCALE_FACTOR * self.initializer_range
+        if self.final_norm_gain is None:
+            self.final_norm_gain = self.tie_word_embeddings
+        if self.rope_parameters is None and "rope_scaling" not in kwargs:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.get("rope_theta", 10000.0)}
+        super().__post_init__(**kwargs)
+
+    # ---- cross-field checks (`validate_*` methods are run by `validate()`, see the module docstring) ----
+
+    def validate_architecture(self) -> None:
+        """Head counts, widths and gauge constraints that involve several fields."""
+        for name in ("num_key_value_heads", "head_dim", "qk_rank", "pivot_scale", "final_norm_gain"):
+            if getattr(self, name) is None:
+                raise ValueError(f"`{name}` must be set (it is None)")
+        if self.num_key_value_heads > self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
-                f"({self.num_attention_heads})."
+                f"({self.num_attention_heads})"
             )
-        _check_int("head_dim", self.head_dim, 1)
-        _check_int("qk_rank", self.qk_rank, 1, self.head_dim)
-        _check_int("max_position_embeddings", self.max_position_embeddings, 1)
-        if self.position_encoding not in _POSITION_ENCODINGS:
-            raise ValueError(
-                f"`position_encoding` must be one of {_POSITION_ENCODINGS}, got {self.position_encoding!r}."
-            )
+        if self.qk_rank > self.head_dim:
+            raise ValueError(f"`qk_rank` must be in [1, head_dim={self.head_dim}], got {self.qk_rank}")
         if self.position_encoding == "rope" and self.qk_rank % 2 != 0:
-            raise ValueError(
-                f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}."
-            )
-        if self.gauge not in _GAUGES:
-            raise ValueError(f"`gauge` must be one of {_GAUGES}, got {self.gauge!r}.")
+            raise ValueError(f"`qk_rank` must be even with position_encoding='rope' (rotary pairs), got {self.qk_rank}")
         if self.gauge == "pivot":
             if self.qk_rank > self.hidden_size:
                 raise ValueError(
-                    f"`qk_rank` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.qk_rank}."
+                    f"`qk_rank` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.qk_rank}"
                 )
             if self.head_dim > self.hidden_size:
                 raise ValueError(
-                    f"`head_dim` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.head_dim}."
+                    f"`head_dim` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.head_dim}"
                 )
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"`hidden_act` must be one of {_ACTIVATIONS}, got {self.hidden_act!r}.")
-        _check_float("initializer_range", self.initializer_range, 0.0, 1.0, low_open=True, high_open=False)
-        _check_float(
-            "pivot_scale",
-            abs(self.pivot_scale) if isinstance(self.pivot_scale, (int, float)) else self.pivot_scale,
-            0.0,
-            float("inf"),
-            low_open=True,
-            high_open=True,
-        )
-        _check_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, low_open=True, high_open=True)
-        _check_float("attention_dropout", self.attention_dropout, 0.0, 1.0, low_open=False, high_open=True)
-        for name in (
-            "attention_bias",
-            "attention_output_bias",
-            "value_parallel_removal",
-            "tie_word_embeddings",
-            "final_norm_gain",
-            "use_cache",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+
+    def validate_token_ids(self) -> None:
+        """Special token ids must index the vocabulary (the pad id is the embedding's padding index)."""
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            values = value if isinstance(value, list) else [value]
-            for v in values:
-                if v is not None:
-                    _check_int(name, v, 0, self.vocab_size - 1)
+            for v in value if isinstance(value, list) else [value]:
+                if v is None:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size:
+                    raise ValueError(f"`{name}` must be None or an integer in [0, {self.vocab_size}), got {v!r}")
+
+    def validate_rope(self) -> None:
+        """Rotary settings, checked only with position_encoding='rope'; the rotary width is `qk_rank`."""
+        if self.position_encoding != "rope":
+            return
         rope = self.rope_parameters
         if not isinstance(rope, dict) or "rope_type" not in rope:
-            raise ValueError(f"`rope_parameters` must be a dict with a 'rope_type' key, got {rope!r}.")
+            raise ValueError(f"`rope_parameters` must be a dict with a 'rope_type' key, got {rope!r}")
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         rope_types = ("default", *ROPE_INIT_FUNCTIONS)
         if rope["rope_type"] not in rope_types:
-            raise ValueError(f"`rope_parameters['rope_type']` must be one of {rope_types}, got {rope['rope_type']!r}.")
+            raise ValueError(f"`rope_parameters['rope_type']` must be one of {rope_types}, got {rope['rope_type']!r}")
         theta = rope.get("rope_theta", 10000.0)
-        _check_float("rope_parameters['rope_theta']", theta, 0.0, float("inf"), low_open=True, high_open=True)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"`rope_parameters['rope_theta']` must be a finite number > 0, got {theta!r}")
+        factor = rope.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise ValueError(
+                f"`rope_parameters['partial_rotary_factor']` must be 1.0 (got {factor!r}): partial rotary changes the "
+                "QK gauge group and is not supported; rotate all qk_rank coordinates and choose a smaller qk_rank"
+            )
+        for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+            value = rope.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"`rope_parameters['{key}']` must be finite, got {value}")
+        check = getattr(self, f"_validate_{rope['rope_type']}_rope_parameters", None)
+        if check is not None:
+            try:
+                check(dict(rope), ignore_keys=self.ignore_keys_at_rope_validation)
+            except KeyError as err:
+                raise ValueError(f"`rope_parameters`: {err.args[0]}") from None
+
+    # ---- names Transformers reads ----
 
     @property
     def num_key_value_groups(self) -> int:
         """Query heads per key/value head (g in GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each query/key head (= qk_rank), the name in-tree models with distinct key and value widths use:
+        Transformers reads it to size the key half of a cache separately from the value half."""
+        return self.qk_rank
 
-__all__ = ["RelationalConfig"]
+    @property
+    def v_head_dim(self) -> int:
+        """Width of each value head (= head_dim)."""
+        return self.head_dim
+
+
+for _name in ("__init__", "__setattr__", "validate"):
+    setattr(RelationalConfig, _name, _value_errors(getattr(RelationalConfig, _name)))
+
+__all__ = ["RelationalConfig", "RelationalConfigError"]

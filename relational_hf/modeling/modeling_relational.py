@@ -17,10 +17,11 @@ This file travels to the Hub (``trust_remote_code``): it imports only torch, tra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -130,47 +131,192 @@ def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor,
     return fixed_index, value
 
 
-# Buffers that record a gauge layout (which entries are fixed, and to what): saved with the weights, not parameters.
-GAUGE_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
+# Buffers that record a gauge layout. Only `pivots` (the pivot positions, a small integer tensor) is saved with the
+# weights; the index and value tensors the forward map uses are derived from it. Checkpoints written before the
+# compact layout stored the derived tensors themselves (LEGACY_LAYOUT_BUFFERS, int64); they still load.
+GAUGE_LAYOUT_BUFFERS = ("pivots", "fixed_index", "free_index", "fixed_value")
+LEGACY_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
+
+
+def _position_dtype(n: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds the positions 0..n-1 (int16 up to 32,767 columns, else int32)."""
+    return torch.int16 if n <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
 class GaugeFixedLinear(nn.Module):
     """A linear map whose weight W (out x in) has, in every output row, m entries fixed by a gauge choice.
 
-    Forward map (free parameters -> weight): W[o, fixed_index[o]] = fixed_value[o], W[o, free_index[o]] = weight[o].
-    Only `weight` (out x (in - m)) is stored as a parameter; the indices and fixed values are buffers saved with
-    the checkpoint. `set_full_weight` is the right inverse for a W already in the gauge. The setters write with a
-    plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose tensors Transformers
-    flags as initialised).
+    Forward map (free parameters -> weight): W[o, fixed_index[o]] = fixed_value[o], W[o, free_index[o]] = weight[o]
+    (free entries in increasing column order). Only `weight` (out x (in - m)) is a parameter.
+
+    The layout follows one of two canonical patterns, fixed at construction:
+    - ``"block"``: output rows come in blocks of m consecutive rows (one head of width m, or one row when m = 1) that
+      share m pivot columns P; row j of a block has W[j, P_i] = c delta_ij: W_K[P] = c I_r, W_V[P] = c I_{d_h}, the
+      SwiGLU pivot W_up[k, p_k] = c;
+    - ``"rotary"`` (m = 1, heads of `block` = r rows): rows j and j + r/2 of a head (a rotary pair) share one pivot
+      column p_j with W[j, p_j] = c and W[j + r/2, p_j] = 0 (the RoPE commutant fixed per frequency pair).
+    The checkpoint stores only the persistent buffer `pivots` (int16 when in_features allows, else int32): (out/m, m)
+    pivot columns for "block", (out/2, 1) for "rotary"; c is `scale` (the config's pivot_scale). `fixed_index`,
+    `free_index` (int64) and `fixed_value` are non-persistent buffers derived from `pivots`, rebuilt whenever `pivots`
+    is replaced or written (loading, `load_state_dict`, `to_empty`).
+
+    `set_layout` also accepts a non-canonical layout (any m columns per row, any fixed values, e.g. after merging a
+    LoRA update into W): the module then computes with it, and `state_dict()` carries it exactly as the extra entries
+    `fixed_index` and `fixed_value` (which `load_state_dict` reads back). `save_pretrained` first moves such modules
+    back to the canonical gauge (same function), so checkpoints always hold the compact form.
+
+    The setters write with a plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose
+    tensors Transformers flags as initialised). The assembled weight is recomputed at every call except inside
+    `weight_cache()` (used by `generate`), so edits by any route (optimizer steps, `.data`, `copy_`) are always seen.
     """
 
-    def __init__(self, in_features: int, out_features: int, fixed_per_row: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fixed_per_row: int,
+        bias: bool = False,
+        *,
+        pattern: str = "block",
+        block: int | None = None,
+        scale: float = 1.0,
+    ) -> None:
         super().__init__()
+        if pattern not in ("block", "rotary"):
+            raise ValueError(f"`pattern` must be 'block' or 'rotary', got {pattern!r}")
+        if pattern == "rotary":
+            if fixed_per_row != 1 or block is None or block % 2 or out_features % block:
+                raise ValueError(
+                    f"the rotary layout needs fixed_per_row=1 and an even head width `block` dividing out_features, "
+                    f"got fixed_per_row={fixed_per_row}, block={block}, out_features={out_features}"
+                )
+        elif out_features % fixed_per_row:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of fixed_per_row ({fixed_per_row})")
+        if not 0 < fixed_per_row <= in_features:
+            raise ValueError(f"fixed_per_row must be in [1, in_features={in_features}], got {fixed_per_row}")
         self.in_features, self.out_features, self.fixed_per_row = in_features, out_features, fixed_per_row
+        self.pattern, self.block, self.scale = pattern, (block if pattern == "rotary" else fixed_per_row), float(scale)
         self.weight = nn.Parameter(torch.empty(out_features, in_features - fixed_per_row))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        fixed = torch.arange(fixed_per_row).expand(out_features, fixed_per_row)
-        free = torch.arange(fixed_per_row, in_features).expand(out_features, in_features - fixed_per_row)
-        self.register_buffer("fixed_index", fixed.contiguous())
-        self.register_buffer("free_index", free.contiguous())
-        self.register_buffer("fixed_value", torch.zeros(out_features, fixed_per_row))
+        rows = out_features // 2 if pattern == "rotary" else out_features // fixed_per_row
+        pivots = torch.arange(fixed_per_row, dtype=_position_dtype(in_features)).expand(rows, fixed_per_row)
+        self.register_buffer("pivots", pivots.contiguous())
+        self.register_buffer("fixed_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.register_buffer("free_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.register_buffer("fixed_value", torch.empty(0), persistent=False)
+        self._custom_layout = False
+        self._layout_key: tuple | None = None
+        self._layout_version = 0
+        self._cache_assembled = False
+        self._sync_layout()
+
+    # ---- layout: pivots <-> (fixed_index, fixed_value) ----
+
+    def _canonical(self, pivots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fixed_index (out x m) int64, fixed_value (out x m) float32) of the canonical layout with these pivots."""
+        m, device = self.fixed_per_row, pivots.device
+        if self.pattern == "block":
+            index = pivots.long().repeat_interleave(m, dim=0)
+            value = self.scale * torch.eye(m, dtype=torch.float32, device=device).repeat(self.out_features // m, 1)
+            return index, value
+        half = self.block // 2
+        p = pivots.long().view(-1, half)  # (heads, r/2)
+        index = torch.cat([p, p], dim=-1).reshape(-1, 1)
+        value = torch.zeros(p.shape[0], self.block, dtype=torch.float32, device=device)
+        value[:, :half] = self.scale
+        return index, value.reshape(-1, 1)
+
+    def _encode(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> torch.Tensor | None:
+        """The pivots of a layout if it is canonical (positions shared as the pattern says, values c / 0), else None."""
+        m = self.fixed_per_row
+        if self.pattern == "block":
+            grouped = fixed_index.view(-1, m, m)
+            pivots = grouped[:, 0, :]
+            shared = bool((grouped == pivots.unsqueeze(1)).all())
+        else:
+            half = self.block // 2
+            grouped = fixed_index.view(-1, 2, half)
+            pivots = grouped[:, 0, :].reshape(-1, 1)
+            shared = bool((grouped[:, 0] == grouped[:, 1]).all())
+        if not shared:
+            return None
+        _, canonical = self._canonical(pivots)
+        tol = torch.finfo(fixed_value.dtype).eps * abs(self.scale) if fixed_value.is_floating_point() else 0.0
+        if not bool(((fixed_value.float() - canonical).abs() <= tol).all()):
+            return None
+        return pivots.to(self.pivots.dtype)
+
+    def _pivots_key(self) -> tuple:
+        return (self.pivots.data_ptr(), self.pivots._version, self.pivots.device, tuple(self.pivots.shape))
+
+    @torch.no_grad()
+    def _install(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
+        """Set the derived buffers to a layout (fixed_index, fixed_value) (out x m); free_index is the rest, in order."""
+        n, m = self.in_features, self.fixed_per_row
+        fixed_index = fixed_index.to(torch.long).reshape(self.out_features, m)
+        if fixed_index.device.type != "meta":
+            low, high = int(fixed_index.min()), int(fixed_index.max())
+            if low < 0 or high >= n:
+                raise ValueError(f"{self!r}: pivot positions must be in [0, {n}), got {low if low < 0 else high}")
+            if m > 1 and bool((fixed_index.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise ValueError(f"{self!r}: the {m} pivot positions of a row must be distinct")
+        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1)
+        shifted = fixed_index.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
+        k = torch.arange(n - m, device=fixed_index.device).expand(self.out_features, n - m)
+        if m == 1:
+            free = k + (k >= shifted).long()
+        else:
+            free = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
+        self.fixed_index = fixed_index.contiguous()
+        self.free_index = free.contiguous()
+        self.fixed_value = fixed_value.reshape(self.out_features, m).to(torch.float32).contiguous()
+        self._layout_version += 1
+
+    @torch.no_grad()
+    def _sync_layout(self) -> None:
+        """Rebuild the derived buffers from `pivots` (the canonical layout)."""
+        self._install(*self._canonical(self.pivots))
+        self._custom_layout = False
+        self._layout_key = self._pivots_key()
+
+    def _ensure_layout(self) -> None:
+        # a canonical layout follows `pivots` (replaced on loading, written in place); a non-canonical one is changed
+        # only by set_layout / load_state_dict (moving the module to another device keeps it)
+        if not self._custom_layout and self._layout_key != self._pivots_key():
+            self._sync_layout()
+
+    @property
+    def is_canonical(self) -> bool:
+        """True when the layout is the canonical pattern with pivot value `scale` (what a checkpoint stores)."""
+        self._ensure_layout()
+        return not self._custom_layout
+
+    @torch.no_grad()
+    def set_layout(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
+        """Install a new gauge layout: fixed_index, fixed_value (out x m); the free indices are the rest. Canonical
+        layouts are stored as `pivots`; any other layout is kept as is (see the class docstring)."""
+        device = self.pivots.device
+        fixed_index = fixed_index.to(device, torch.long).reshape(self.out_features, self.fixed_per_row)
+        fixed_value = fixed_value.to(device).reshape(self.out_features, self.fixed_per_row)
+        self._install(fixed_index, fixed_value)
+        pivots = self._encode(self.fixed_index, fixed_value)
+        if pivots is not None:
+            self.pivots.copy_(pivots)
+        self._custom_layout = pivots is None
+        self._layout_key = self._pivots_key()
+
+    # ---- forward map ----
 
     def full_weight(self) -> torch.Tensor:
-        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries.
-
-        Without autograd (inference, decoding) the assembled weight is cached until the parameter or the layout
-        changes (tracked by tensor version counters), so decoding reads one weight per step like a plain Linear."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
+        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries."""
+        if torch.compiler.is_compiling():
+            base = torch.zeros(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+            base = base.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
+            return base.scatter(1, self.free_index, self.weight)
+        self._ensure_layout()
+        if not self._cache_assembled or (torch.is_grad_enabled() and self.weight.requires_grad):
             return self._assemble()
-        key = (
-            self.weight._version,
-            self.weight.data_ptr(),
-            self.weight.dtype,
-            self.fixed_index._version,
-            self.free_index._version,
-            self.fixed_value._version,
-            self.fixed_value.data_ptr(),
-        )
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self._layout_version)
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._assemble().detach())
@@ -185,14 +331,7 @@ class GaugeFixedLinear(nn.Module):
     def _pivot_base(self) -> torch.Tensor:
         """The (out x in) constant with the fixed values at the pivots and zeros elsewhere, rebuilt when the layout,
         dtype or device changes."""
-        key = (
-            self.weight.dtype,
-            self.weight.device,
-            self.fixed_index._version,
-            self.fixed_index.data_ptr(),
-            self.fixed_value._version,
-            self.fixed_value.data_ptr(),
-        )
+        key = (self.weight.dtype, self.weight.device, self._layout_version, self.fixed_index.data_ptr())
         cached = self.__dict__.get("_base_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
@@ -204,20 +343,13 @@ class GaugeFixedLinear(nn.Module):
             self.__dict__["_base_cache"] = cached
         return cached[1]
 
-    @torch.no_grad()
-    def set_layout(self, fixed_index: torch.Tensor, fixed_value: torch.Tensor) -> None:
-        """Install a new gauge layout: fixed_index, fixed_value (out x m); the free indices are the rest."""
-        fixed_index = fixed_index.to(self.fixed_index.device, torch.long).reshape(self.out_features, self.fixed_per_row)
-        mask = torch.ones(self.out_features, self.in_features, dtype=torch.bool, device=fixed_index.device)
-        mask.scatter_(1, fixed_index, False)
-        free = torch.arange(self.in_features, device=mask.device).expand_as(mask)[mask]
-        self.fixed_index.copy_(fixed_index)
-        self.free_index.copy_(free.view(self.out_features, -1))
-        self.fixed_value.copy_(fixed_value.reshape(self.out_features, self.fixed_per_row).to(self.fixed_value))
+    def _drop_caches(self) -> None:
+        self.__dict__.pop("_weight_cache", None)
 
     @torch.no_grad()
     def set_full_weight(self, w: torch.Tensor, check: bool = True) -> None:
         """Store the free entries of a full weight w that is already in this module's gauge."""
+        self._ensure_layout()
         if check:
             fixed = torch.gather(w.float(), 1, self.fixed_index)
             err = (fixed - self.fixed_value.float()).abs().max().item() if fixed.numel() else 0.0
@@ -228,8 +360,54 @@ class GaugeFixedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.full_weight(), self.bias)
 
+    # ---- state dict: compact pivots; a non-canonical layout travels exactly; legacy keys load ----
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.is_canonical:
+            return
+        destination[prefix + "fixed_index"] = self.fixed_index if keep_vars else self.fixed_index.detach()
+        destination[prefix + "fixed_value"] = self.fixed_value if keep_vars else self.fixed_value.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        layout = {name: state_dict.pop(prefix + name) for name in LEGACY_LAYOUT_BUFFERS if prefix + name in state_dict}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if "fixed_index" in layout and "fixed_value" in layout:
+            if prefix + "pivots" in missing_keys:
+                missing_keys.remove(prefix + "pivots")
+            self.set_layout(layout["fixed_index"], layout["fixed_value"])
+        elif layout:
+            error_msgs.append(f"{prefix}: a layout needs both fixed_index and fixed_value, got only {sorted(layout)}")
+        elif prefix + "pivots" in state_dict:
+            self._sync_layout()
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fixed_per_row={self.fixed_per_row}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fixed_per_row={self.fixed_per_row}, "
+            f"pattern={self.pattern}"
+        )
+
+
+@contextlib.contextmanager
+def weight_cache(model: nn.Module) -> Iterator[None]:
+    """Within the context, every GaugeFixedLinear of `model` keeps its assembled weight between calls without autograd
+    (decoding reads one weight per step, like a plain Linear). Use it only where the weights do not change: edits made
+    through `.data` inside the context are not seen. `generate` enters it."""
+    modules = [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
+    previous = [m._cache_assembled for m in modules]
+    for m in modules:
+        m._cache_assembled = True
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, previous):
+            m._cache_assembled = was
+            if not was:
+                m._drop_caches()
 
 
 def full_weight(module: nn.Module) -> torch.Tensor:
@@ -461,11 +639,21 @@ class RelationalAttention(nn.Module):
         pivot = config.gauge == "pivot"
         self.q_proj = nn.Linear(d, self.num_heads * r, bias=config.attention_bias)
         if pivot:
-            self.k_proj = GaugeFixedLinear(d, self.num_kv_heads * r, 1 if self.rope else r, bias=config.attention_bias)
+            self.k_proj = GaugeFixedLinear(
+                d,
+                self.num_kv_heads * r,
+                1 if self.rope else r,
+                bias=config.attention_bias,
+                pattern="rotary" if self.rope else "block",
+                block=r,
+                scale=config.pivot_scale,
+            )
         else:
             self.k_proj = nn.Linear(d, self.num_kv_heads * r, bias=config.attention_bias)
         if pivot and not self.value_parallel_removal:
-            self.v_proj = GaugeFixedLinear(d, self.num_kv_heads * dh, dh, bias=config.attention_bias)
+            self.v_proj = GaugeFixedLinear(
+                d, self.num_kv_heads * dh, dh, bias=config.attention_bias, scale=config.pivot_scale
+            )
         else:
             self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_output_bias)
@@ -560,7 +748,10 @@ class RelationalMLP(nn.Module):
         self.config = config
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = GaugeFixedLinear(d, f, 1) if config.gauge == "pivot" else nn.Linear(d, f, bias=False)
+        if config.gauge == "pivot":
+            self.up_proj = GaugeFixedLinear(d, f, 1, scale=config.pivot_scale)
+        else:
+            self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
@@ -633,7 +824,7 @@ class RelationalPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": RelationalDecoderLayer, "attentions": RelationalAttention}
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
@@ -646,23 +837,77 @@ class RelationalPreTrainedModel(PreTrainedModel):
             return
         super()._initialize_weights(module, is_custom_code)
 
+    def __init__(self, config: RelationalConfig, *inputs, **kwargs) -> None:
+        config.validate()  # fields edited after construction are checked together before anything is built
+        super().__init__(config, *inputs, **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, after checking a local checkpoint directory: a missing, unreadable or
-        truncated safetensors file, or a tensor whose shape disagrees with the config, raises one clear error that
-        names the file and the problem."""
+        """`PreTrainedModel.from_pretrained`, strict about the tensors (relational checkpoints are written only by this
+        project, so a difference is a mistake, never a model to complete with random weights):
+
+        - a local checkpoint directory is checked first: a missing, unreadable or truncated safetensors file, or a
+          tensor whose shape disagrees with the config, raises one clear error that names the file and the problem;
+        - a checkpoint written before the compact gauge layout (int64 `fixed_index`/`free_index`/`fixed_value`
+          buffers) is converted on the fly to `pivots` (same function);
+        - missing or unexpected tensors raise a ValueError naming them. Only a task head may differ, as for every
+          Transformers model: a head absent from the checkpoint of another architecture is initialised (e.g.
+          `score` when loading a causal-LM checkpoint for sequence classification), and an unused head is skipped.
+        """
         path = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", "") or "")
+        legacy = None
+        source = pretrained_model_name_or_path
         if os.path.isdir(path):
-            _check_checkpoint_dir(cls, path)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            legacy = _check_checkpoint_dir(cls, path)
+            if legacy is not None:  # load the converted tensors (Transformers takes them without a model name)
+                kwargs["state_dict"] = legacy[0]
+                kwargs.setdefault("config", RelationalConfig.from_pretrained(path))
+                source = None
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
+        tolerated = set()
+        if any(_strip_prefix(k) == "norm.weight" for k in info.get("missing_keys", ())):
+            # a config written before `final_norm_gain` existed: the gain is absent from the weights by design and
+            # starts at one (the same function)
+            raw, _ = RelationalConfig.get_config_dict(
+                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder", "")
+            )
+            if "final_norm_gain" not in raw:
+                tolerated = {k for k in info["missing_keys"] if _strip_prefix(k) == "norm.weight"}
+        _raise_on_key_differences(model, info, str(pretrained_model_name_or_path), tolerated)
+        for module in model.modules():
+            if isinstance(module, GaugeFixedLinear):
+                module._sync_layout()
+        if legacy is not None and legacy[1]:
+            _install_legacy_layouts(model, legacy[1])
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`. A module whose pivot entries no longer hold the canonical values (e.g.
+        after PEFT's `merge_and_unload`, which writes merged values there) is first moved back into the canonical
+        pivot gauge with the same function (`set_full_weights(full_weights())`), so the checkpoint stores the compact
+        layout only."""
+        regauge_noncanonical(self)
+        odd = [n for n, m in self.named_modules() if isinstance(m, GaugeFixedLinear) and not m.is_canonical]
+        if odd:  # a module whose pattern its parent cannot restore: refuse rather than write what will not load
+            raise ValueError(f"cannot save: gauge-fixed modules with a layout outside their canonical pattern: {odd}")
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, initializer_range) for every factor; in the pivot gauge the free factors are drawn as usual and
-        then moved to the gauge, so the function distribution at init equals the free model's."""
+        then moved to the gauge, so the function distribution at init equals the free model's.
+
+        The gauge layout (the pivot positions) is part of the weights, not a separate initialisation: pivots are
+        chosen from the freshly drawn factors, so they are drawn here together with the factors of their attention /
+        MLP module, never by a GaugeFixedLinear alone. Hence the constructor and `from_config` draw factors and layouts
+        together; `from_pretrained` loads both (a checkpoint without its `pivots` is refused: a re-drawn layout would
+        not match the stored free entries); a model built on the meta device holds placeholder layouts (the first
+        columns) until `to_empty()` + `init_weights()` draws factors and layouts together, which gives the same model
+        as the constructor with the same seed."""
         std = self.config.initializer_range
         if isinstance(module, RelationalAttention):
-            if _all_initialized(module):
+            if _all_initialized(module) or module.o_proj.weight.device.type == "meta":
                 return
             c = self.config
             d, r, dh = c.hidden_size, c.qk_rank, c.head_dim
@@ -674,7 +919,7 @@ class RelationalPreTrainedModel(PreTrainedModel):
             }
             module.set_full_weights({k: w.to(module.o_proj.weight.device) for k, w in weights.items()})
         elif isinstance(module, RelationalMLP):
-            if _all_initialized(module):
+            if _all_initialized(module) or module.down_proj.weight.device.type == "meta":
                 return
             c = self.config
             weights = {
@@ -694,8 +939,14 @@ class RelationalPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
-def _check_checkpoint_dir(cls: type[PreTrainedModel], path: str) -> None:
-    """Validate the safetensors weights of a local checkpoint directory against its config (see from_pretrained)."""
+def _check_checkpoint_dir(
+    cls: type[PreTrainedModel], path: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Validate the safetensors weights of a local checkpoint directory against its config (see from_pretrained).
+
+    Returns None for a checkpoint in today's layout. For one in the legacy gauge layout, returns its state dict
+    converted to `pivots` and, for the modules whose stored layout is not canonical, their (fixed_index, fixed_value)
+    by key prefix (installed after loading, see `_install_legacy_layouts`)."""
     from safetensors import safe_open
     from transformers.initialization import no_init_weights
 
@@ -723,19 +974,130 @@ def _check_checkpoint_dir(cls: type[PreTrainedModel], path: str) -> None:
             raise OSError(f"{file}: not a readable safetensors file, it may be truncated or corrupt ({err})") from None
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        return  # transformers reports the missing config itself
+        return None  # transformers reports the missing config itself
     config = RelationalConfig.from_pretrained(path)
     with torch.device("meta"), no_init_weights():
         reference = cls(config)
     expected = {_strip_prefix(k): tuple(v.shape) for k, v in reference.state_dict().items()}
+    owner = os.path.join(path, files[0] if len(files) == 1 else "a shard of model.safetensors")
     for key, shape in shapes.items():
         want = expected.get(_strip_prefix(key))
         if want is not None and want != shape:
-            owner = files[0] if len(files) == 1 else "a shard of model.safetensors"
             raise ValueError(
-                f"{os.path.join(path, owner)}: tensor {key!r} has shape {list(shape)} but config.json implies "
+                f"{owner}: tensor {key!r} has shape {list(shape)} but config.json implies "
                 f"{list(want)}; the weights do not belong to this config"
             )
+    if not any(key.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS for key in shapes):
+        return None
+    return _convert_legacy_layout(reference, path, files, owner)
+
+
+def _convert_legacy_layout(
+    reference: PreTrainedModel, path: str, files: list[str], owner: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The state dict of a legacy-layout checkpoint with each module's int64 layout buffers replaced by `pivots`."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    modules = {_strip_prefix(n + "."): m for n, m in reference.named_modules() if isinstance(m, GaugeFixedLinear)}
+    custom: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    prefixes = {key[: -len(key.rsplit(".", 1)[-1])] for key in state if key.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS}
+    for prefix in sorted(prefixes):
+        module = modules.get(_strip_prefix(prefix))
+        parts = {n: state.pop(prefix + n, None) for n in LEGACY_LAYOUT_BUFFERS}
+        if module is None:
+            raise ValueError(f"{owner}: unexpected gauge-layout tensors {prefix}*: no gauge-fixed module there")
+        if parts["fixed_index"] is None or parts["fixed_value"] is None:
+            missing = [prefix + n for n in ("fixed_index", "fixed_value") if parts[n] is None]
+            raise ValueError(f"{owner}: gauge-layout tensors missing: {missing}")
+        fixed_index, fixed_value = parts["fixed_index"].long(), parts["fixed_value"].float()
+        pivots = module._encode(fixed_index, fixed_value)
+        if pivots is None:
+            custom[prefix] = (fixed_index, fixed_value)
+            pivots = torch.arange(module.fixed_per_row).expand(module.pivots.shape)
+        state[prefix + "pivots"] = pivots.to(module.pivots.dtype).contiguous()
+    logger.info("%s: legacy gauge layout converted to pivot positions", path)
+    return state, custom
+
+
+def _module_by_prefix(model: nn.Module, prefix: str) -> nn.Module | None:
+    for name, module in model.named_modules():
+        if _strip_prefix(name + ".") == _strip_prefix(prefix):
+            return module
+    return None
+
+
+@torch.no_grad()
+def _install_legacy_layouts(model: nn.Module, custom: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give the modules of a loaded legacy checkpoint their stored non-canonical layouts (their free entries are
+    already in place: both layouts order them by column), then move them back to the canonical gauge."""
+    for prefix, (fixed_index, fixed_value) in custom.items():
+        module = _module_by_prefix(model, prefix)
+        module.set_layout(fixed_index, fixed_value)
+    regauge_noncanonical(model)
+
+
+_HEAD_NAMES = ("lm_head", "score")
+
+
+def _raise_on_key_differences(model: PreTrainedModel, info: dict, source: str, tolerated: set[str]) -> None:
+    """ValueError naming the missing and unexpected tensors of a load, except a task head that the checkpoint's own
+    architecture does not have (see RelationalPreTrainedModel.from_pretrained)."""
+    same_architecture = type(model).__name__ in (model.config.architectures or [])
+
+    def counts(key: str) -> bool:
+        return key not in tolerated and (same_architecture or key.split(".", 1)[0] not in _HEAD_NAMES)
+
+    missing = sorted(k for k in info.get("missing_keys", ()) if counts(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if counts(k))
+    if not missing and not unexpected:
+        return
+
+    def listing(keys: list[str]) -> str:
+        shown = ", ".join(keys[:8])
+        return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listing(unexpected)}")
+    hint = (
+        "was config.json edited (e.g. num_hidden_layers) or a weights file replaced?"
+        if not any(k.rsplit(".", 1)[-1] in LEGACY_LAYOUT_BUFFERS for k in unexpected)
+        else "this is a checkpoint in the legacy int64 gauge layout, which is converted when loading from a local "
+        "folder: download it first (huggingface_hub.snapshot_download) and load the folder"
+    )
+    raise ValueError(
+        f"{source}: the checkpoint does not hold exactly the tensors of the model its config.json describes; "
+        + "; ".join(problems)
+        + f". Relational checkpoints are written only by relational-hf: {hint}"
+    )
+
+
+@torch.no_grad()
+def regauge_noncanonical(model: nn.Module) -> int:
+    """Move every attention / MLP module holding a GaugeFixedLinear whose layout is not canonical (e.g. pivot values
+    written by a LoRA merge, or a `config.pivot_scale` edited after the model was built) back into the canonical pivot
+    gauge of the config's pivot value, with the same function. Returns how many moved."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (RelationalAttention, RelationalMLP)):
+            continue
+        gauge_fixed = [c for c in module.children() if isinstance(c, GaugeFixedLinear)]
+        for child in gauge_fixed:
+            if child.scale != float(module.config.pivot_scale):  # pivot_scale edited after the model was built
+                child._ensure_layout()
+                child.scale, child._custom_layout = float(module.config.pivot_scale), True
+        if all(c.is_canonical for c in gauge_fixed):
+            continue
+        module.set_full_weights({key: w.detach().clone() for key, w in module.full_weights().items()})
+        count += 1
+    if count:
+        logger.info("moved %d attention/MLP modules back into the canonical pivot gauge", count)
+    return count
 
 
 def _strip_prefix(key: str) -> str:
@@ -777,7 +1139,8 @@ class RelationalModel(RelationalPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            _check_token_ids(input_ids, self.vocab_size)
+            if not torch.compiler.is_compiling():  # a data-dependent check: eager only (compiled graphs stay whole)
+                _check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -807,7 +1170,11 @@ class RelationalModel(RelationalPreTrainedModel):
 
 
 def _check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear ValueError for token ids outside [0, vocab_size) instead of an index error inside torch."""
+    """Raise a clear ValueError for token ids outside [0, vocab_size) instead of an index error inside torch.
+
+    `vocab_size` is the embedding's current row count, so it follows `resize_token_embeddings`. The check reads the
+    ids' min and max (a device synchronisation), so the forward runs it in eager mode only: under `torch.compile` an
+    out-of-range id fails inside the embedding lookup as in any Transformers model."""
     if input_ids.numel() == 0:
         return
     low, high = int(input_ids.min()), int(input_ids.max())
@@ -829,6 +1196,7 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -864,6 +1232,12 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, with the assembled gauge-fixed weights kept between decoding steps
+        (`weight_cache`): the weights cannot change during a generation."""
+        with weight_cache(self):
+            return super().generate(*args, **kwargs)
+
 
 class RelationalForSequenceClassification(GenericForSequenceClassification, RelationalPreTrainedModel):
     """Relational model with a linear score head on the last non-padding token."""
@@ -876,12 +1250,32 @@ class RelationalForSequenceClassification(GenericForSequenceClassification, Rela
         self.post_init()
 
 
+def register_static_names() -> None:
+    """Add the model type to Transformers' static name tables, which decide some generic behaviour by class name (the
+    Trainer shifts labels for label smoothing only for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; pipelines check
+    task support there). Run on import of this file, so a model loaded with ``trust_remote_code`` (without
+    relational_hf) is treated as a causal LM too. Idempotent; existing entries are never replaced."""
+    from transformers.models.auto import modeling_auto
+
+    model_type = RelationalConfig.model_type
+    modeling_auto.MODEL_MAPPING_NAMES.setdefault(model_type, RelationalModel.__name__)
+    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, RelationalForCausalLM.__name__)
+    modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault(
+        model_type, RelationalForSequenceClassification.__name__
+    )
+
+
+register_static_names()
+
 __all__ = [
     "RelationalPreTrainedModel",
     "RelationalModel",
     "RelationalForCausalLM",
     "RelationalForSequenceClassification",
     "GaugeFixedLinear",
+    "weight_cache",
+    "regauge_noncanonical",
+    "register_static_names",
     "parallel_component",
     "parallel_coefficient",
     "scale_parallel",
