@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForCausalLM
-
+from ..loading import add_model_source_arguments, load_config, load_model
 from .report import plot_head_similarity, plot_redundancy_by_layer, redundancy_report, redundancy_report_from_config
 
 
@@ -34,6 +33,7 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     )
     parser.add_argument("--no-descriptors", action="store_true", help="skip effective ranks and similarities")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    add_model_source_arguments(parser)
     return parser
 
 
@@ -42,10 +42,10 @@ def run_redundancy(args: argparse.Namespace) -> int:
     Load MODEL_OR_DIR with AutoModelForCausalLM (or only its config with --meta), print the Markdown report to
     stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
     if args.meta:
-        config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        config = load_config(args)
         report = redundancy_report_from_config(config)
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        model = load_model(args)
         want = not args.no_descriptors
         report = redundancy_report(model, descriptors=want, rank_tol=args.rank_tol)
     sys.stdout.write(report.to_markdown())

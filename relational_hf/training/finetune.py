@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoTokenizer, set_seed
 
+from ..loading import add_model_source_arguments, load_model, load_tokenizer
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
 from .data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
 from .metrics import perplexity
@@ -149,6 +150,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     train.add_argument(
         "--report-to", default="none", help="Trainer logging integrations, e.g. tensorboard (default: none)"
     )
+    add_model_source_arguments(parser)
     return parser
 
 
@@ -171,6 +173,8 @@ def _load_tokenizer(args: argparse.Namespace):
         return byte_level_tokenizer()
     source = args.tokenizer or args.model
     try:
+        if args.tokenizer is None:
+            return load_tokenizer(args)
         return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ValueError(
@@ -200,7 +204,7 @@ def run_finetune(args: argparse.Namespace) -> FinetuneResult:
     set_seed(args.seed)
     started = time.monotonic()
     tokenizer = _load_tokenizer(args)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args)
     train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     if int(max(train_ids.max(), val_ids.max())) >= model.config.vocab_size:

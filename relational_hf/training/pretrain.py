@@ -184,7 +184,9 @@ def save_atomically(model, tokenizer, output_dir: str | os.PathLike) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        from ..loading import save_tokenizer  # a tokenizer_config every Transformers version loads
+
+        save_tokenizer(tokenizer, tmp)
         keep = out / "trainer_state"
         if keep.is_dir():  # carry the resumable trainer checkpoints over
             shutil.move(str(keep), tmp / "trainer_state")
