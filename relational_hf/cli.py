@@ -1,4 +1,4 @@
-"""The `relational-hf` command: train | convert | redundancy | analyze | push | bench."""
+"""The `relational-hf` command: train | convert | export | redundancy | analyze | push | bench."""
 
 from __future__ import annotations
 
@@ -80,6 +80,19 @@ def _convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_convert, log_level=logging.INFO)
 
 
+def _export(sub: argparse._SubParsersAction) -> None:
+    from .convert import export
+
+    p = sub.add_parser(
+        "export",
+        help="write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it)",
+        description=export.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_export_arguments(p)
+    p.set_defaults(func=export.run_export, log_level=logging.INFO)
+
+
 def _redundancy(sub: argparse._SubParsersAction) -> None:
     from .symmetry import add_redundancy_arguments, run_redundancy
 
@@ -128,7 +141,7 @@ def _dynamics(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_dynamics)
 
 
-COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _dynamics, _push, _bench]
+COMMANDS = [_train, _finetune, _convert, _export, _redundancy, _analyze, _dynamics, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
