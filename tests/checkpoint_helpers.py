@@ -52,3 +52,34 @@ def first_layers(folder: Path, n: int):
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.eval()
+
+
+def truncated_gguf(source: Path, target: Path, layers: int) -> Path:
+    """Write a copy of the GGUF file `source` that keeps only its first `layers` blocks (metadata, tokenizer and
+    the non-block tensors unchanged, quantised data copied as stored)."""
+    import re
+
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    block_count = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
+    writer = gguf.GGUFWriter(target, arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        value = layers if field.name == block_count else field.contents()
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    block = re.compile(r"blk\.(\d+)\.")
+    kept = [t for t in reader.tensors if not (m := block.match(t.name)) or int(m.group(1)) < layers]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return target
