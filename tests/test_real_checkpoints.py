@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,37 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
     writer.close()
     with pytest.raises(ModelSourceError, match="oddarch"):
         load_model_from(str(path))
+
+
+def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
+    """The SmolLM2-compressed card builder takes every number from the compress report JSON (here a tiny model and
+    a report with the fields issue 11 asks for) and puts perplexities in the model-index, counts in tables."""
+    import importlib.util
+
+    from huggingface_hub import ModelCard
+
+    from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
+
+    folder = tmp_path / "compressed"
+    model = RelationalForCausalLM(RelationalConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    model.save_pretrained(folder)
+    report = {
+        "method": "relational",
+        "remove": 0.25,
+        "stored_parameters": {"embedding": 1024, "attention": 512, "mlp": 1536},
+        "perplexity": {"calibration": 12.5, "evaluation": 14.25},
+        "seconds": 12.3,
+        "peak_rss_bytes": 3 * 2**30,
+    }
+    (folder / "compress_report.json").write_text(json.dumps(report))
+    root = Path(__file__).resolve().parents[1] / "model_cards" / "build_reference.py"
+    spec = importlib.util.spec_from_file_location("build_reference", root)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["smollm2-compressed", "--from", str(folder), "--card-dir", str(tmp_path / "cards")]) == 0
+    card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
+    values = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert values == {"perplexity.calibration": 12.5, "perplexity.evaluation": 14.25}
+    assert "| mlp | 1,536 |" in card.text and "3.00 GiB" in card.text and "| method | relational |" in card.text
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
