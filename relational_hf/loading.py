@@ -312,8 +312,9 @@ def normalize_tokenizer_config(folder: str | os.PathLike) -> None:
         if key in config:
             del config[key]
             changed = True
-    if config.get("auto_map", {}) and "AutoTokenizer" not in config.get("auto_map", {}):
-        del config["auto_map"]  # a model's auto_map copied into the tokenizer config asks for remote code
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoTokenizer" not in auto_map:
+        del config["auto_map"]  # a model's auto_map copied into the tokenizer config names no tokenizer code
         changed = True
     if changed:
         staged = path.with_name(f".{path.name}.tmp")
