@@ -15,7 +15,7 @@ from .relational import to_relational
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `convert` command's arguments to `parser`."""
-    parser.add_argument("src", metavar="SRC", help="Hub id, local checkpoint or .gguf file of a Llama / Mistral / Qwen2 LM")
+    parser.add_argument("src", metavar="SRC", help="Hub id or local checkpoint of a Llama / Mistral / Qwen2 causal LM")
     parser.add_argument("out", metavar="OUT", type=Path, help="output folder for the relational checkpoint")
     parser.add_argument(
         "--slice",
