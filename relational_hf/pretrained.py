@@ -8,6 +8,7 @@ build llama.cpp and are not needed; its ``__init__`` then cannot be imported, so
 import system without importing the package).
 
     python -m relational_hf.pretrained            # prints the checkpoint folder, building it the first time
+    python -m relational_hf.pretrained --gguf     # prints the GGUF file's path
 
 Any command can also read a GGUF file directly (`relational_hf.loading`): ``relational-hf convert FOLDER OUT
 --gguf-file NAME.gguf`` or ``relational-hf convert FILE.gguf OUT``; `plain_model_from_gguf` is the one place that
@@ -135,9 +136,14 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m relational_hf.pretrained", description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", action="store_true", help="print the path of the GGUF file instead (builds nothing)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(smollm2_checkpoint())
+    print(smollm2_gguf_path() if args.gguf else smollm2_checkpoint())
 
 
 if __name__ == "__main__":
