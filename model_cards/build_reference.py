@@ -3,6 +3,8 @@
 One command per reference model (run from the project root):
     python model_cards/build_reference.py tinyshakespeare-char    # characters of Tiny Shakespeare
     python model_cards/build_reference.py wikitext2               # WikiText-2 text, trained BPE tokenizer
+    python model_cards/build_reference.py smollm2-converted       # SmolLM2-135M-Instruct converted exactly
+    python model_cards/build_reference.py smollm2-compressed --from DIR   # a `relational-hf compress` output
 
 Each run trains for at most --max-minutes (default 10) or --max-steps, evaluates on the held-out 10%, saves the
 checkpoint, tokenizer and card to checkpoints/<name>/, and writes the card to model_cards/<name>.md with the measured
@@ -13,6 +15,7 @@ with `relational-hf push checkpoints/<name> <namespace>/<name>`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from dataclasses import replace
@@ -23,8 +26,19 @@ from relational_hf.training.reference import PRESETS, build_reference
 HERE = Path(__file__).resolve().parent
 
 
+def load_smollm2_cards():
+    """The sibling module smollm2_cards.py (loaded by path: this script also runs without model_cards/ on sys.path)."""
+    spec = importlib.util.spec_from_file_location("smollm2_cards", HERE / "smollm2_cards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="presets: " + ", ".join(PRESETS))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="presets: " + ", ".join(PRESETS) + "; SmolLM2 cards: smollm2-converted, smollm2-compressed --from DIR",
+    )
     parser.add_argument("preset", choices=sorted(PRESETS), help="which reference model to build")
     parser.add_argument(
         "--max-minutes", type=float, default=None, help="training time budget (default: the preset's, 10)"
@@ -42,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("smollm2-"):  # cards of a real pretrained model (smollm2_cards.py)
+        return load_smollm2_cards().main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     spec = PRESETS[args.preset]

@@ -1,4 +1,4 @@
-"""The `relational-hf` command: train | finetune | convert | redundancy | analyze | dynamics | push | bench.
+"""The `relational-hf` command: train | finetune | convert | export | redundancy | analyze | dynamics | push | bench.
 
 A mistake the user can fix (a flag out of range, a missing, binary or non-UTF-8 file, an output directory that would
 be overwritten, a model path that does not exist) ends with one line, ``relational-hf <command>: error: <message>``,
@@ -103,6 +103,19 @@ def _convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_convert, log_level=logging.INFO)
 
 
+def _export(sub: argparse._SubParsersAction) -> None:
+    from .convert import export
+
+    p = sub.add_parser(
+        "export",
+        help="write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it)",
+        description=export.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_export_arguments(p)
+    p.set_defaults(func=export.run_export, log_level=logging.INFO)
+
+
 def _redundancy(sub: argparse._SubParsersAction) -> None:
     from .symmetry import add_redundancy_arguments, run_redundancy
 
@@ -151,7 +164,7 @@ def _dynamics(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_dynamics)
 
 
-COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _dynamics, _push, _bench]
+COMMANDS = [_train, _finetune, _convert, _export, _redundancy, _analyze, _dynamics, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,11 @@ build llama.cpp and are not needed; its ``__init__`` then cannot be imported, so
 import system without importing the package).
 
     python -m relational_hf.pretrained            # prints the checkpoint folder, building it the first time
+    python -m relational_hf.pretrained --gguf     # prints the GGUF file's path
+
+Any command can also read a GGUF file directly (`relational_hf.loading`): ``relational-hf convert FOLDER OUT
+--gguf-file NAME.gguf`` or ``relational-hf convert FILE.gguf OUT``; `plain_model_from_gguf` is the one place that
+turns Transformers' dequantised GGUF model into a plain fp32 model.
 """
 
 from __future__ import annotations
@@ -51,19 +56,18 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def plain_llama_from_gguf(gguf_path: str | os.PathLike):
-    """Load a Llama-architecture GGUF file as a plain fp32 ``LlamaForCausalLM`` and its tokenizer.
+def plain_model_from_gguf(location: str | os.PathLike, gguf_file: str, *, model_class=None):
+    """Load `gguf_file` from a folder or Hub repo `location` as a plain fp32 model (``AutoModelForCausalLM`` unless
+    `model_class` says otherwise), in eval mode.
 
     Transformers dequantises the GGUF tensors; the model it returns carries a ``quantization_config`` and refuses
     ``save_pretrained``, so the model is rebuilt from its config without that field and its state dict.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    gguf_path = Path(gguf_path)
-    folder, name = gguf_path.parent, gguf_path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model_class = model_class or AutoModelForCausalLM
+    loaded = model_class.from_pretrained(os.fspath(location), gguf_file=gguf_file, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -71,19 +75,32 @@ def plain_llama_from_gguf(gguf_path: str | os.PathLike):
     config._name_or_path = ""
     state = loaded.state_dict()
     del loaded
-    model = _model_class_for(config)(config)
+    model = _model_class_for(config, model_class)(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"GGUF state dict does not match the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    return model.eval(), tokenizer
+    return model.float().eval()
 
 
-def _model_class_for(config):
+def plain_llama_from_gguf(gguf_path: str | os.PathLike):
+    """(plain fp32 model, tokenizer) of a local Llama-architecture GGUF file (see `plain_model_from_gguf`)."""
+    from transformers import AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    model = plain_model_from_gguf(gguf_path.parent, gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return model, tokenizer
+
+
+def _model_class_for(config, model_class=None):
+    """The concrete class for `config`: looked up in an Auto class's mapping, or `model_class` itself."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    model_class = model_class or AutoModelForCausalLM
+    mapping = getattr(model_class, "_model_mapping", None)
+    return mapping[type(config)] if mapping is not None else model_class
 
 
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -97,6 +114,8 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         return target
     gguf_path = smollm2_gguf_path()
     logger.info("building %s from %s (once)", target, gguf_path)
+    from .loading import save_tokenizer
+
     model, tokenizer = plain_llama_from_gguf(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -105,7 +124,7 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     staging.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual mode
     try:
         model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        save_tokenizer(tokenizer, staging)
         try:
             staging.rename(target)
         except OSError:
@@ -117,9 +136,14 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m relational_hf.pretrained", description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", action="store_true", help="print the path of the GGUF file instead (builds nothing)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(smollm2_checkpoint())
+    print(smollm2_gguf_path() if args.gguf else smollm2_checkpoint())
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..loading import add_model_source_arguments, load_model, load_tokenizer, save_tokenizer
 from ..validate import (
     check_convert_args,
     fraction_closed_open,
@@ -49,17 +49,18 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument("--tolerance", type=positive_float, default=1e-4, help="max |logit difference| accepted (fp32)")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    add_model_source_arguments(parser)
     return parser
 
 
-def _token_ids(path: Path, src: str, trust_remote_code: bool) -> torch.Tensor:
+def _token_ids(path: Path, args: argparse.Namespace) -> torch.Tensor:
     if path.suffix == ".pt":
         return torch.load(path).long().reshape(-1)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(args)
     except (OSError, ValueError) as err:
         raise SystemExit(
-            f"cannot tokenise {path}: no tokenizer loads from {src} ({err}); pass a .pt tensor of ids"
+            f"cannot tokenise {path}: no tokenizer loads from {args.src} ({err}); pass a .pt tensor of ids"
         ) from err
     return torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
 
@@ -81,14 +82,12 @@ def run_convert(args: argparse.Namespace) -> int:
     Load SRC in fp32, convert with `to_relational` (verified), save OUT (safetensors, config, code files for
     trust_remote_code, SRC's tokenizer when it has one, conversion_report.json) and print the report."""
     check_convert_args(args)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.src, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    )
+    model = load_model(args)
     calibration = evaluation = None
     if args.slice_fraction > 0:
         if args.calibration is None:
             raise SystemExit("--slice needs --calibration FILE")
-        ids = _token_ids(args.calibration, args.src, args.trust_remote_code)
+        ids = _token_ids(args.calibration, args)
         calibration, evaluation = _split(ids, args.seq_len, args.calibration_samples, args.eval_fraction)
     relational, report = to_relational(
         model, args.slice_fraction, calibration, eval_data=evaluation, tolerance=args.tolerance, return_report=True
@@ -96,7 +95,7 @@ def run_convert(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     relational.save_pretrained(args.out)
     try:
-        AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code).save_pretrained(args.out)
+        save_tokenizer(load_tokenizer(args), args.out)
     except (OSError, ValueError):
         sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
     (args.out / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..loading import add_model_source_arguments
 from ..training.data import lm_blocks as token_blocks
 from ..validate import (
     check_analyze_args,
@@ -71,18 +72,19 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--seed", type=nonnegative_int, default=0, help="seed of the calibration/evaluation split and of sampling"
     )
+    add_model_source_arguments(parser)
     return parser
 
 
 def _load(args: argparse.Namespace):
     """(model, token ids of the text) for the CLI arguments."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..loading import load_model, load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args)
     model.eval()
     text = Path(args.text).read_text(encoding="utf-8")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(args)
     except (OSError, ValueError, TypeError) as err:
         if model.config.vocab_size < 256:
             raise ValueError(f"{args.model} has no tokenizer ({err}) and fewer than 256 tokens for raw bytes") from err

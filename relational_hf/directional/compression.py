@@ -304,6 +304,14 @@ def compression_error(
     dense_layers, compressed_layers = get_adapter(dense_model).layers(), get_adapter(compressed_model).layers()
     if len(dense_layers) != len(compressed_layers):
         raise ValueError(f"the models have {len(dense_layers)} and {len(compressed_layers)} layers")
+    widths = [get_adapter(m).embedding().weight.shape[-1] for m in (dense_model, compressed_model)]
+    if widths[0] != widths[1]:
+        raise ValueError(
+            f"the models' hidden sizes differ (dense {widths[0]}, compressed {widths[1]}): compression_error feeds each "
+            "compressed layer the dense layer's input h, which needs the same residual width. A sliced model works "
+            "in a rotated, truncated basis (h Q_s) that this measure does not apply; pass a compressed model of the "
+            "same width (quantisation, pruning, per-head rank reduction) or compare sliced models by perplexity"
+        )
     state = _Counterfactual(roles.index for roles in dense_layers)
     flags = (dense_model.training, compressed_model.training)
     dense_model.eval()

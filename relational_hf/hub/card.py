@@ -124,6 +124,7 @@ def build_model_card(
     training_settings: dict[str, Any] | None = None,
     eval_results: list[dict[str, Any]] | None = None,
     parameter_table: str | None = None,
+    settings_title: str = "Training",
 ) -> ModelCard:
     """Build the model card of the checkpoint in `checkpoint_dir`, to be published as `repo_id`.
 
@@ -134,7 +135,8 @@ def build_model_card(
     Sections: an architecture summary from `config.json` (sizes, `qk_rank`, gauge, position encoding,
     value-space parallel removal, stored parameter count, whichever apply), the parameter-reduction
     table `parameter_table` (markdown, e.g. `redundancy_report(model).to_markdown()`), the training
-    settings, the evaluation results, and how to load the model with the plugin and without it.
+    settings (under the heading `settings_title`, e.g. "Conversion" for a converted checkpoint), the evaluation
+    results, and how to load the model (and its tokenizer) with the plugin and without it.
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
@@ -165,6 +167,7 @@ def build_model_card(
         architecture=_architecture_rows(config, stored_parameters(checkpoint_dir)),
         parameter_table=parameter_table.strip() if parameter_table else None,
         training_settings=[(name, _format(value)) for name, value in (training_settings or {}).items()],
+        settings_title=settings_title,
         evaluation=results,
     )
     return ModelCard(content)

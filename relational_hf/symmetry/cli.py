@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForCausalLM
-
+from ..loading import add_model_source_arguments, load_config, load_model
 from ..validate import check_redundancy_args, fraction_open
 from .report import plot_head_similarity, plot_redundancy_by_layer, redundancy_report, redundancy_report_from_config
 
@@ -35,6 +34,7 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     )
     parser.add_argument("--no-descriptors", action="store_true", help="skip effective ranks and similarities")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    add_model_source_arguments(parser)
     return parser
 
 
@@ -44,10 +44,10 @@ def run_redundancy(args: argparse.Namespace) -> int:
     stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
     check_redundancy_args(args)
     if args.meta:
-        config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        config = load_config(args)
         report = redundancy_report_from_config(config)
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        model = load_model(args)
         want = not args.no_descriptors
         report = redundancy_report(model, descriptors=want, rank_tol=args.rank_tol)
     sys.stdout.write(report.to_markdown())

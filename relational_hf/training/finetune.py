@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoTokenizer, set_seed
 
 from ..errors import UsageError
+from ..loading import add_model_source_arguments, load_config, load_model, load_tokenizer, save_tokenizer
 from ..outputs import (
     TRAINER_DIR,
     complete_checkpoint,
@@ -212,6 +213,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     train.add_argument(
         "--report-to", default="none", help="Trainer logging integrations, e.g. tensorboard (default: none)"
     )
+    add_model_source_arguments(parser)
     return parser
 
 
@@ -234,6 +236,8 @@ def _load_tokenizer(args: argparse.Namespace):
         return byte_level_tokenizer()
     source = args.tokenizer or args.model
     try:
+        if args.tokenizer is None:
+            return load_tokenizer(args)
         return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UsageError(
@@ -337,14 +341,14 @@ def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
     check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {source})")
-    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)  # no weights yet
+    config = load_config(args)  # no weights yet
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None and int(max(train_ids.max(), val_ids.max())) >= vocab_size:
         raise UsageError(
             f"the tokenizer produces ids up to {int(max(train_ids.max(), val_ids.max()))} but the model's vocabulary "
             f"has {vocab_size} entries: pass the tokenizer the checkpoint was trained with (--tokenizer)"
         )
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args)
     check_weights_for_projection(model, args.projection)
     logger.info("corpus: %s; %d train / %d validation tokens", source, train_ids.numel(), val_ids.numel())
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
@@ -412,12 +416,12 @@ def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
 
         def write(folder: Path) -> None:
             model.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
+            save_tokenizer(tokenizer, folder)
             if args.merge:
                 from .peft_support import merge_and_unload
 
                 merge_and_unload(model).save_pretrained(folder / "merged")
-                tokenizer.save_pretrained(folder / "merged")
+                save_tokenizer(tokenizer, folder / "merged")
 
         stage_and_swap(output_dir, write, command="finetune", kind=args.method)
         drop_set_aside_checkpoints(trainer_dir)

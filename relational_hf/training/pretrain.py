@@ -24,6 +24,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from ..errors import UsageError
+from ..loading import save_tokenizer
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..outputs import (
     TRAINER_DIR,
@@ -317,7 +318,7 @@ def save_atomically(
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)  # a tokenizer_config every Transformers version loads
 
     stage_and_swap(output_dir, write, command=command, kind=kind)
 

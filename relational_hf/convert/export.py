@@ -1,0 +1,370 @@
+"""Relational checkpoints -> plain Transformers Llama checkpoints (no plugin, no remote code needed to load them).
+
+A relational model whose shapes fit a standard Llama is written back as `LlamaForCausalLM` with the same function:
+
+- each head's gauge-fixed QK and VO factors are multiplied back out into full W_Q, W_K, W_V, W_O
+  (`RelationalAttention.full_weights`), the SwiGLU scales likewise (`RelationalMLP.full_weights`);
+- the gain-free norms become RMSNorms with unit gains; a final gain (kept in front of a tied head) becomes Llama's
+  final norm weight, an untied head is copied;
+- Llama uses one head width D for queries, keys and values. A relational model with QK rank r < d_h ("thin keys")
+  is embedded exactly in D = r * ceil(d_h / r): RoPE rotates coordinate pairs (j, j + r/2) at frequency
+  theta^(-2j/r), and a Llama head of width D rotates the pair (k, k + D/2) at theta^(-2k/D), so relational pair j
+  goes to Llama pair k = j D/r (same frequency), every other query/key coordinate is zero, and W_Q is multiplied by
+  sqrt(D/r) to turn Llama's 1/sqrt(D) score scale into the relational 1/sqrt(r). Value coordinates beyond d_h are
+  zero in W_V and never read by W_O. The frequencies are checked numerically (any `rope_type`), not assumed;
+- a sliced model (global principal rotation, smaller d) is a smaller standard Llama as it stands.
+
+Refused, with the reason: value-space parallel removal (a nonlinear per-head edit no Llama layer computes), models
+without rotary positions (a Llama always rotates its query/key coordinates), and any tensor a Llama has no place
+for (e.g. per-layer shortcut matrices of a per-layer rotation). The result is checked like a conversion: the
+logits of the relational and the Llama model on random tokens must agree to `tolerance` in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.initialization import no_init_weights
+
+from ..modeling import RelationalForCausalLM
+from .relational import max_logit_difference
+
+logger = logging.getLogger(__name__)
+
+EXPORT_TARGETS = ("llama",)
+
+
+class ExportError(ValueError):
+    """A relational model that has no exact form in the requested architecture, or an export that failed its check."""
+
+
+@dataclass
+class ExportReport:
+    """What `to_llama` wrote and checked: stored parameters before and after (the Llama stores the gauge
+    coordinates, the unit norm gains and any zero padding again), the Llama head width, the zero entries added by
+    padding a QK rank below the head width, and the measured max |logit difference| (fp32, random tokens)."""
+
+    target: str
+    source_parameters: int
+    exported_parameters: int
+    head_dim: int
+    qk_rank: int
+    value_head_dim: int
+    padding_zeros: int
+    max_logit_difference: float
+    verified_sequence_length: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"## Export to `{self.target}`",
+            "",
+            f"- relational parameters: {self.source_parameters:,}; {self.target} parameters: "
+            f"{self.exported_parameters:,} (gauge coordinates and unit norm gains stored again"
+            + (f", {self.padding_zeros:,} zeros of padding" if self.padding_zeros else "")
+            + ")",
+            f"- head width {self.head_dim} (QK rank {self.qk_rank}, value width {self.value_head_dim})",
+            f"- max |logit difference| on random tokens (fp32, length {self.verified_sequence_length}): "
+            f"{self.max_logit_difference:.3g}",
+        ]
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _check_exportable(model: nn.Module) -> None:
+    if not isinstance(model, RelationalForCausalLM):
+        raise ExportError(
+            f"export takes a relational causal LM (RelationalForCausalLM), got {type(model).__name__}; "
+            "a standard checkpoint needs no export"
+        )
+    c = model.config
+    if c.value_parallel_removal:
+        raise ExportError(
+            "value_parallel_removal=True has no Llama equivalent: removing the part of each head's output parallel "
+            "to the token's own value is a nonlinear edit no Llama layer computes"
+        )
+    if c.position_encoding != "rope":
+        raise ExportError(
+            f"position_encoding={c.position_encoding!r} has no Llama equivalent: a Llama rotates every query/key "
+            "coordinate with RoPE"
+        )
+    with torch.device("meta"), no_init_weights():
+        reference = RelationalForCausalLM(copy.deepcopy(c))
+    expected = set(reference.state_dict())
+    present = set(model.state_dict())
+    extra, missing = sorted(present - expected), sorted(expected - present)
+    if extra or missing:
+        raise ExportError(
+            "the model holds tensors a standard relational model (and so a Llama) has no place for"
+            + (f": extra {extra[:5]}" if extra else "")
+            + (f", missing {missing[:5]}" if missing else "")
+        )
+
+
+def llama_head_dim(qk_rank: int, head_dim: int) -> int:
+    """The Llama head width D that holds a QK form of rank r and a value width d_h exactly: the smallest multiple of
+    r that is >= d_h (each relational RoPE pair j lands on the Llama pair j D/r of the same frequency)."""
+    return qk_rank * math.ceil(head_dim / qk_rank)
+
+
+def _qk_coordinates(rank: int, width: int) -> torch.Tensor:
+    """Llama coordinates (of a head of width D = `width`) receiving relational coordinates 0..r-1: pair (j, j + r/2)
+    goes to (j m, j m + D/2), m = D/r."""
+    m = width // rank
+    j = torch.arange(rank // 2)
+    return torch.cat([j * m, j * m + width // 2])
+
+
+def llama_config_for(model: RelationalForCausalLM) -> LlamaConfig:
+    """The LlamaConfig that holds `model` exactly (see the module docstring)."""
+    c = model.config
+    width = llama_head_dim(c.qk_rank, c.head_dim)
+    d_ff = max(layer.mlp.gate_proj.out_features for layer in model.model.layers)
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=d_ff,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=width,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        initializer_range=c.initializer_range,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
+        attention_bias=bool(c.attention_bias or c.attention_output_bias),
+        attention_dropout=c.attention_dropout,
+        mlp_bias=False,
+        tie_word_embeddings=c.tie_word_embeddings,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        dtype="float32",
+    )
+
+
+def _check_rotary(model: RelationalForCausalLM, llama: LlamaForCausalLM) -> None:
+    """The Llama pair j D/r must rotate at the relational pair j's frequency, with the same attention scaling."""
+    c = model.config
+    rel = model.model.rotary_emb
+    ref = llama.model.rotary_emb
+    width = llama.config.head_dim
+    m = width // c.qk_rank
+    picked = ref.inv_freq[torch.arange(c.qk_rank // 2) * m].double()
+    mine = rel.inv_freq.double()
+    if not torch.allclose(picked, mine, rtol=1e-6, atol=0.0) or not math.isclose(
+        float(ref.attention_scaling), float(rel.attention_scaling), rel_tol=1e-6
+    ):
+        raise ExportError(
+            f"rope_parameters {dict(c.rope_parameters)} with qk_rank {c.qk_rank} < Llama head width {width}: the "
+            "Llama rotary frequencies do not contain the relational ones, so no exact Llama form exists"
+        )
+
+
+@torch.no_grad()
+def _pad_heads(w: torch.Tensor, heads: int, width: int, coords: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Rows of a per-head (heads * e, ...) tensor placed at `coords` inside heads of `width` (zeros elsewhere)."""
+    e = coords.numel()
+    src = w.double().reshape(heads, e, *w.shape[1:]) * scale
+    out = torch.zeros(heads, width, *w.shape[1:], dtype=torch.float64, device=w.device)
+    out[:, coords] = src
+    return out.reshape(heads * width, *w.shape[1:])
+
+
+@torch.no_grad()
+def to_llama(
+    model: nn.Module, *, tolerance: float = 1e-4, verify_length: int = 16, return_report: bool = False
+) -> LlamaForCausalLM | tuple[LlamaForCausalLM, ExportReport]:
+    """A `LlamaForCausalLM` (fp32, eval mode) computing the same function as the relational causal LM `model`.
+
+    Full factors W_Q, W_K, W_V, W_O and the SwiGLU maps are multiplied back out of the gauge-fixed storage; QK ranks
+    below the head width are embedded by RoPE pair (module docstring); unit gains on the layer norms; the final gain
+    (if any) on Llama's final norm. Raises `ExportError` for models with no exact Llama form, and when the logits
+    on random tokens (fp32) differ by more than `tolerance`. `return_report=True` returns (llama, ExportReport).
+    """
+    _check_exportable(model)
+    c = model.config
+    source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    was_training = source.training
+    source.eval()
+    config = llama_config_for(source)
+    with no_init_weights():
+        llama = LlamaForCausalLM(config)
+    llama = llama.float().eval().to(next(source.parameters()).device)
+    _check_rotary(source, llama)
+    width, rank, dh = config.head_dim, c.qk_rank, c.head_dim
+    h, h_kv = c.num_attention_heads, c.num_key_value_heads
+    qk = _qk_coordinates(rank, width)
+    vo = torch.arange(dh)
+    q_scale = math.sqrt(width / rank)
+    zeros_added = 0
+    for src_layer, dst_layer in zip(source.model.layers, llama.model.layers, strict=True):
+        w = src_layer.self_attn.full_weights()
+        attn = dst_layer.self_attn
+        attn.q_proj.weight.copy_(_pad_heads(w["q"], h, width, qk, q_scale))
+        attn.k_proj.weight.copy_(_pad_heads(w["k"], h_kv, width, qk))
+        attn.v_proj.weight.copy_(_pad_heads(w["v"], h_kv, width, vo))
+        o = w["o"].double().T  # (H d_h, d): rows per head, like the readers
+        attn.o_proj.weight.copy_(_pad_heads(o, h, width, vo).T)
+        for key, name, heads, coords, scale in (
+            ("q_bias", "q_proj", h, qk, q_scale),
+            ("k_bias", "k_proj", h_kv, qk, 1.0),
+            ("v_bias", "v_proj", h_kv, vo, 1.0),
+        ):
+            bias = getattr(attn, name).bias
+            if bias is not None:
+                value = w.get(key)
+                if value is None:
+                    bias.zero_()
+                else:
+                    bias.copy_(_pad_heads(value, heads, width, coords, scale))
+        if attn.o_proj.bias is not None:
+            attn.o_proj.bias.copy_(w["o_bias"] if "o_bias" in w else torch.zeros_like(attn.o_proj.bias))
+        mlp = src_layer.mlp.full_weights()
+        f = mlp["gate"].shape[0]
+        dst_mlp = dst_layer.mlp
+        dst_mlp.gate_proj.weight.zero_()
+        dst_mlp.up_proj.weight.zero_()
+        dst_mlp.down_proj.weight.zero_()
+        dst_mlp.gate_proj.weight[:f].copy_(mlp["gate"])
+        dst_mlp.up_proj.weight[:f].copy_(mlp["up"])
+        dst_mlp.down_proj.weight[:, :f].copy_(mlp["down"])
+        dst_layer.input_layernorm.weight.fill_(1.0)
+        dst_layer.post_attention_layernorm.weight.fill_(1.0)
+        zeros_added += (config.intermediate_size - f) * 3 * c.hidden_size
+    zeros_added += c.num_hidden_layers * c.hidden_size * ((h + h_kv) * (width - rank) + (h_kv + h) * (width - dh))
+    llama.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
+    gain = source.model.norm.weight
+    llama.model.norm.weight.copy_(gain if gain is not None else torch.ones_like(llama.model.norm.weight))
+    if c.tie_word_embeddings:
+        llama.tie_weights()
+    else:
+        llama.lm_head.weight.copy_(source.lm_head.weight)
+    if getattr(source, "generation_config", None) is not None:
+        llama.generation_config = copy.deepcopy(source.generation_config)
+    length = min(verify_length, c.max_position_embeddings)
+    diff = max_logit_difference(source, llama, vocab_size=c.vocab_size, length=length)
+    source.train(was_training)
+    report = ExportReport(
+        target="llama",
+        source_parameters=sum(p.numel() for p in model.parameters()),
+        exported_parameters=sum(p.numel() for p in llama.parameters()),
+        head_dim=width,
+        qk_rank=rank,
+        value_head_dim=dh,
+        padding_zeros=zeros_added,
+        max_logit_difference=diff,
+        verified_sequence_length=length,
+    )
+    if rank < width:
+        report.notes.append(
+            f"QK rank {rank} < head width {width}: query/key heads padded with zeros (RoPE pairs kept), W_Q "
+            f"scaled by sqrt({width}/{rank})"
+        )
+    if not diff <= tolerance:
+        raise ExportError(f"exported Llama's logits differ from the relational model's by {diff:.3g} > {tolerance:g}")
+    logger.info("exported to Llama: %s parameters, max logit difference %.3g", f"{report.exported_parameters:,}", diff)
+    return (llama, report) if return_report else llama
+
+
+def _refuse_non_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new output folder (nothing was written)")
+
+
+def export_checkpoint(
+    model: nn.Module,
+    out: str | os.PathLike,
+    *,
+    to: str = "llama",
+    tokenizer=None,
+    tolerance: float = 1e-4,
+) -> ExportReport:
+    """Export `model` (see `to_llama`) and write it to the new or empty folder `out` with `tokenizer` (if given)
+    and `export_report.json`. The folder is written beside `out` and renamed into place, so an interrupted export
+    leaves nothing that looks like a checkpoint; a non-empty `out` is refused before any work."""
+    if to not in EXPORT_TARGETS:
+        raise ExportError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}")
+    out = Path(out)
+    _refuse_non_empty(out)
+    llama, report = to_llama(model, tolerance=tolerance, return_report=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual mode
+    try:
+        llama.save_pretrained(staging)
+        if tokenizer is not None:
+            from ..loading import save_tokenizer
+
+            save_tokenizer(tokenizer, staging)
+        (staging / "export_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        _refuse_non_empty(out)
+        if out.is_dir():
+            out.rmdir()  # empty: replaced by the finished folder
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return report
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `relational-hf export SRC OUT --to llama`."""
+    parser.add_argument("src", metavar="SRC", help="a relational checkpoint: local folder or Hub id")
+    parser.add_argument("out", metavar="OUT", type=Path, help="new (or empty) output folder")
+    parser.add_argument(
+        "--to", choices=EXPORT_TARGETS, default="llama", help="target architecture (default: %(default)s)"
+    )
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| accepted (fp32)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    return parser
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Load SRC (fp32), export it as `export_checkpoint` describes, copy SRC's tokenizer, print the report."""
+    from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
+
+    _refuse_non_empty(args.out)  # before loading anything
+    source = resolve_model_source(args.src)
+    model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+        sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
+    report = export_checkpoint(model, args.out, to=args.to, tokenizer=tokenizer, tolerance=args.tolerance)
+    sys.stdout.write(report.to_markdown())
+    sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
+    return 0
+
+
+__all__ = [
+    "EXPORT_TARGETS",
+    "add_export_arguments",
+    "run_export",
+    "ExportError",
+    "ExportReport",
+    "export_checkpoint",
+    "llama_config_for",
+    "llama_head_dim",
+    "to_llama",
+]

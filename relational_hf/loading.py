@@ -1,0 +1,343 @@
+"""One way in for every command that takes a model: a Hub id, a local checkpoint folder, or a GGUF file.
+
+    relational-hf convert HuggingFaceTB/SmolLM2-135M-Instruct out/       # Hub id (or its local cache offline)
+    relational-hf convert ./my-llama out/                                 # a save_pretrained() folder
+    relational-hf convert ./gguf-folder out/ --gguf-file model.Q4_1.gguf  # a GGUF file inside a folder or Hub repo
+    relational-hf convert ./model.Q4_1.gguf out/                          # or the .gguf file itself
+
+A GGUF file goes through Transformers' GGUF loader (the ``gguf`` package), which dequantises the tensors; the
+model is then rebuilt as a plain fp32 model without a ``quantization_config`` (`relational_hf.pretrained.
+plain_model_from_gguf`), so it saves, converts and trains like any other checkpoint. The tokenizer comes from the
+same source. Errors say what is wrong with the source itself: a local path that does not exist, a Hub id that is
+not in the local cache while offline, a GGUF architecture or a model type that Transformers cannot build.
+
+Commands wire it with two calls: `add_model_source_arguments(parser)` next to their positional MODEL argument,
+and `load_model(args)` / `load_tokenizer(args)` (or `load_model_and_tokenizer(args)`) where they load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+#: --dtype choices; "auto" keeps the dtype the checkpoint was saved in
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+#: tokenizer classes that are Transformers' generic fast tokenizer under another name (v5 saves "TokenizersBackend",
+#: which Transformers 4.x does not know); written as the name every version understands
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend",)
+_GENERIC_TOKENIZER_NAME = "PreTrainedTokenizerFast"
+#: keys Transformers 5 writes into tokenizer_config.json that describe how it was loaded, not the tokenizer
+_LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only")
+
+
+class ModelSourceError(UsageError):
+    """A model source (Hub id, folder, GGUF file) that cannot be used, with the reason and what to pass instead."""
+
+
+class ModelSourceNotFound(ModelSourceError, FileNotFoundError):
+    """A local path that does not exist, or a folder without the file it needs."""
+
+
+class ModelSourceOffline(ModelSourceError, ConnectionError):
+    """A Hub id that is not in the local cache while the Hub cannot be reached (offline mode or no network)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from. `location`: a local folder or a Hub id; `gguf_file`: a GGUF file name inside it
+    (None: a Transformers checkpoint); `local`: `location` is a folder on this machine."""
+
+    location: str
+    gguf_file: str | None = None
+    local: bool = True
+
+    def __str__(self) -> str:
+        if self.gguf_file is None:
+            return self.location
+        return str(Path(self.location) / self.gguf_file) if self.local else f"{self.location} (GGUF {self.gguf_file})"
+
+
+def add_model_source_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--gguf-file NAME` and `--dtype` to a command whose positional argument names the model."""
+    parser.add_argument(
+        "--gguf-file",
+        default=None,
+        metavar="NAME",
+        help="load this GGUF file from the model folder or Hub repo (Transformers' GGUF loader, needs the gguf "
+        "package); the model is dequantised and rebuilt as a plain fp32 checkpoint. A path ending in .gguf can "
+        "also be given directly as the model",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="dtype the model is loaded in (default: %(default)s; auto: the dtype stored in the checkpoint)",
+    )
+    return parser
+
+
+def _looks_like_path(text: str) -> bool:
+    """True when `text` can only be meant as a local path (a Hub id is `name` or `namespace/name`)."""
+    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1 or os.path.isabs(text):
+        return True
+    if text.lower().endswith((".gguf", ".safetensors", ".json", ".bin", ".pt")):
+        return True
+    head = text.split("/", 1)[0]
+    return "/" in text and os.path.isdir(head)  # "checkpoints/run1" where ./checkpoints exists
+
+
+def _gguf_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.gguf"))
+
+
+def resolve_model_source(source: str | os.PathLike, gguf_file: str | None = None) -> ModelSource:
+    """Decide what `source` is (a .gguf file, a checkpoint folder, a Hub id) and check that it can be loaded from
+    here, raising `ModelSourceNotFound` / `ModelSourceOffline` / `ModelSourceError` with the reason otherwise."""
+    text = os.fspath(source)
+    if not text:
+        raise ModelSourceError("the model source is empty: pass a Hub id, a checkpoint folder or a .gguf file")
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelSourceError(
+                f"{text} is a file, not a model: pass its checkpoint folder (with config.json), a Hub id, "
+                "or a .gguf file"
+            )
+        if gguf_file is not None and gguf_file != path.name:
+            raise ModelSourceError(f"{text} is a GGUF file already; --gguf-file {gguf_file} names a different one")
+        return ModelSource(str(path.parent), path.name, local=True)
+    if path.is_dir():
+        found = _gguf_names(path)
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                listing = f"; GGUF files there: {', '.join(found)}" if found else "; the folder has no .gguf file"
+                raise ModelSourceNotFound(f"--gguf-file {gguf_file}: no such file in {text}{listing}")
+            return ModelSource(str(path), gguf_file, local=True)
+        if not (path / "config.json").is_file():
+            if found:
+                raise ModelSourceError(
+                    f"{text} has no config.json but holds GGUF file(s): pass --gguf-file NAME "
+                    f"(one of {', '.join(found)}) or the .gguf path itself"
+                )
+            raise ModelSourceNotFound(
+                f"{text} is not a model checkpoint: it has no config.json (a save_pretrained() folder is expected)"
+            )
+        return ModelSource(str(path), None, local=True)
+    if _looks_like_path(text):
+        raise ModelSourceNotFound(f"{text}: no such file or directory (looked in {Path.cwd()})")
+    return _hub_source(text, gguf_file)
+
+
+def _hub_source(repo_id: str, gguf_file: str | None) -> ModelSource:
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ModelSourceNotFound(
+            f"{repo_id}: no such local file or directory, and not a valid Hub id ({err})"
+        ) from None
+    wanted = gguf_file or "config.json"
+    cached = try_to_load_from_cache(repo_id, wanted)
+    if not isinstance(cached, str) and constants.is_offline_mode():
+        raise ModelSourceOffline(
+            f"{repo_id}: not a local path, and the Hub id's {wanted} is not in the local Hugging Face cache while "
+            "offline mode is on (HF_HUB_OFFLINE=1): pass a local checkpoint folder or .gguf file, or download the "
+            "model first with network access"
+        )
+    return ModelSource(repo_id, gguf_file, local=False)
+
+
+def _hub_errors(source: ModelSource, err: Exception) -> Exception:
+    """A clearer error for the Hub's connection failures; other errors pass unchanged."""
+    text = str(err)
+    if not source.local and ("couldn't connect" in text.lower() or "offline" in text.lower()):
+        return ModelSourceOffline(
+            f"{source.location}: not a local path, not in the local Hugging Face cache, and the Hub cannot be "
+            "reached: pass a local checkpoint folder or .gguf file, or connect and retry"
+        )
+    if "GGUF model with architecture" in text:
+        return ModelSourceError(f"{source}: {text} (Transformers' GGUF loader cannot build it)")
+    if "Unrecognized configuration class" in text or "does not recognize this architecture" in text:
+        model_type = _model_type(source)
+        return ModelSourceError(
+            f"{source}: unsupported architecture{f' {model_type!r}' if model_type else ''}: Transformers has no causal "
+            "language model for it (pass --trust-remote-code if the checkpoint ships its own code)"
+        )
+    return err
+
+
+def _model_type(source: ModelSource) -> str | None:
+    if not source.local or source.gguf_file is not None:
+        return None
+    try:
+        return json.loads((Path(source.location) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def _source_of(args: argparse.Namespace) -> ModelSource:
+    """The ModelSource named by a command's arguments: the positional `model` (or `src`) and `--gguf-file`."""
+    cached = getattr(args, "_model_source", None)
+    if cached is not None:
+        return cached
+    name = getattr(args, "model", None)
+    if name is None:
+        name = getattr(args, "src", None)
+    if name is None:
+        raise ModelSourceError("no model given")
+    source = resolve_model_source(name, getattr(args, "gguf_file", None))
+    args._model_source = source
+    return source
+
+
+def load_model(args: argparse.Namespace, model_class=None):
+    """The model named by a command's arguments (see the module docstring), in eval mode, in `args.dtype`
+    (default fp32). `model_class` defaults to AutoModelForCausalLM."""
+    return load_model_from(
+        _source_of(args),
+        dtype=getattr(args, "dtype", "float32"),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        model_class=model_class,
+    )
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The tokenizer of the model named by a command's arguments; raises OSError / ValueError where it has none
+    (as AutoTokenizer does), so commands can fall back as they already do."""
+    return load_tokenizer_from(_source_of(args), trust_remote_code=getattr(args, "trust_remote_code", False))
+
+
+def load_model_and_tokenizer(args: argparse.Namespace, model_class=None):
+    """(model, tokenizer) from the same source; the tokenizer is None, with a logged warning, where the source has
+    none (e.g. checkpoints trained with the byte-level tokenizer)."""
+    model = load_model(args, model_class)
+    try:
+        tokenizer = load_tokenizer(args)
+    except (OSError, ValueError, TypeError) as err:
+        logger.warning("no tokenizer loads from %s (%s)", _source_of(args), err)
+        tokenizer = None
+    return model, tokenizer
+
+
+def load_config(args: argparse.Namespace):
+    """Only the configuration of the model named by a command's arguments (for counting on the meta device)."""
+    from transformers import AutoConfig
+
+    source = _source_of(args)
+    try:
+        if source.gguf_file is not None:
+            return AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=getattr(args, "trust_remote_code", False))
+    except (OSError, ValueError) as err:
+        raise _hub_errors(source, err) from err
+
+
+def load_model_from(
+    source: ModelSource | str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    model_class=None,
+):
+    """Load a model from a `ModelSource` (or anything `resolve_model_source` accepts): a GGUF file is dequantised
+    and rebuilt as a plain model, then cast to `dtype`; a checkpoint loads with `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
+    model_class = model_class or AutoModelForCausalLM
+    torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ModelSourceError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        if source.gguf_file is not None:
+            from .pretrained import plain_model_from_gguf
+
+            model = plain_model_from_gguf(source.location, source.gguf_file, model_class=model_class)
+            if torch_dtype != "auto":
+                model = model.to(torch_dtype)
+        else:
+            model = model_class.from_pretrained(source.location, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _hub_errors(source, err) from err
+    logger.info("loaded %s from %s", type(model).__name__, source)
+    return model.eval()
+
+
+def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = False):
+    """The tokenizer stored with a model source (a GGUF file's own vocabulary for GGUF sources)."""
+    from transformers import AutoTokenizer
+
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
+    try:
+        if source.gguf_file is not None:
+            return AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _hub_errors(source, err) from err
+
+
+def save_tokenizer(tokenizer, out: str | os.PathLike) -> list[str]:
+    """`tokenizer.save_pretrained(out)`, then make `tokenizer_config.json` name a class every Transformers version
+    loads without remote code: Transformers 5's generic fast tokenizer is saved as "TokenizersBackend", which 4.x
+    does not know, and written here as "PreTrainedTokenizerFast" (the same class in 5.x); keys that record how the
+    tokenizer was loaded (`is_local`, `local_files_only`) are dropped. Returns the files written."""
+    files = [str(f) for f in tokenizer.save_pretrained(out)]
+    normalize_tokenizer_config(out)
+    return files
+
+
+def normalize_tokenizer_config(folder: str | os.PathLike) -> None:
+    """Rewrite `folder/tokenizer_config.json` as `save_tokenizer` describes (atomically; no-op without the file)."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    changed = False
+    if config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = _GENERIC_TOKENIZER_NAME
+        changed = True
+    for key in _LOAD_TIME_TOKENIZER_KEYS:
+        if key in config:
+            del config[key]
+            changed = True
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoTokenizer" not in auto_map:
+        del config["auto_map"]  # a model's auto_map copied into the tokenizer config names no tokenizer code
+        changed = True
+    if changed:
+        staged = path.with_name(f".{path.name}.tmp")
+        staged.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(staged, path)
+
+
+__all__ = [
+    "DTYPES",
+    "ModelSource",
+    "ModelSourceError",
+    "ModelSourceNotFound",
+    "ModelSourceOffline",
+    "add_model_source_arguments",
+    "load_config",
+    "load_model",
+    "load_model_and_tokenizer",
+    "load_model_from",
+    "load_tokenizer",
+    "load_tokenizer_from",
+    "normalize_tokenizer_config",
+    "resolve_model_source",
+    "save_tokenizer",
+]

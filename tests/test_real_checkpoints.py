@@ -1,0 +1,195 @@
+"""Real checkpoints in: SmolLM2-135M-Instruct from its folder and from its GGUF file, exact conversion of its first
+layers through the CLI, a converted tokenizer that loads without the plugin, and clear errors for bad sources."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import first_layers, run_without_plugin, truncated_gguf
+from transformers import AutoModelForCausalLM, AutoTokenizer, ResNetConfig
+
+from relational_hf.cli import build_parser, main
+from relational_hf.directional import compression_error
+from relational_hf.loading import (
+    ModelSource,
+    ModelSourceError,
+    ModelSourceNotFound,
+    ModelSourceOffline,
+    load_model_and_tokenizer,
+    load_model_from,
+    resolve_model_source,
+)
+
+LAYERS = 2
+TEXT = (
+    "The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest structure in "
+    "Paris. Its base is square, measuring 125 metres on each side."
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_two_layers(tmp_path_factory):
+    """SmolLM2's GGUF file cut to its first two blocks (same metadata, tokenizer and quantised data)."""
+    from relational_hf.pretrained import PretrainedUnavailable, smollm2_gguf_path
+
+    try:
+        source = smollm2_gguf_path()
+    except PretrainedUnavailable as err:
+        pytest.skip(str(err))
+    folder = tmp_path_factory.mktemp("gguf")
+    return truncated_gguf(source, folder / "smollm2-2-layers.Q4_1.gguf", LAYERS)
+
+
+@pytest.fixture(scope="module")
+def converted(gguf_two_layers, tmp_path_factory):
+    """`relational-hf convert FILE.gguf OUT`: the GGUF model converted to the relational pivot gauge."""
+    out = tmp_path_factory.mktemp("converted") / "smollm2-relational"
+    assert main(["convert", str(gguf_two_layers), str(out)]) == 0
+    return out
+
+
+def _namespace(model: str, gguf_file: str | None = None, dtype: str = "float32") -> argparse.Namespace:
+    return argparse.Namespace(model=model, gguf_file=gguf_file, dtype=dtype, trust_remote_code=False)
+
+
+def test_folder_source_loads_model_and_tokenizer_in_the_requested_dtype(smollm2_dir):
+    model, tokenizer = load_model_and_tokenizer(_namespace(str(smollm2_dir), dtype="bfloat16"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids = tokenizer(TEXT)["input_ids"]
+    assert tokenizer.decode(ids) == TEXT
+
+
+def test_gguf_named_in_its_folder_or_given_directly_is_the_same_source(gguf_two_layers):
+    direct = resolve_model_source(str(gguf_two_layers))
+    assert direct == ModelSource(str(gguf_two_layers.parent), gguf_two_layers.name, local=True)
+    args = build_parser().parse_args(
+        ["convert", str(gguf_two_layers.parent), "out", "--gguf-file", gguf_two_layers.name]
+    )
+    assert resolve_model_source(args.src, args.gguf_file) == direct
+    with pytest.raises(ModelSourceError, match="--gguf-file NAME"):  # a folder of GGUF files, none chosen
+        resolve_model_source(str(gguf_two_layers.parent))
+    with pytest.raises(ModelSourceNotFound, match="other.gguf: no such file"):
+        resolve_model_source(str(gguf_two_layers.parent), "other.gguf")
+
+
+def test_convert_from_gguf_is_exact_on_the_first_layers(converted, smollm2_dir):
+    report = json.loads((converted / "conversion_report.json").read_text())
+    assert report["max_logit_difference"] <= 1e-4
+    relational = AutoModelForCausalLM.from_pretrained(converted).eval()
+    dense = first_layers(smollm2_dir, LAYERS)  # the cached folder: the same dequantised weights
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    with torch.no_grad():
+        diff = (relational(ids).logits - dense(ids).logits).abs().max().item()
+    assert diff <= 1e-3  # issue 11: real text, fp32
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(relational.generate(ids[:, :12], **kwargs), dense.generate(ids[:, :12], **kwargs))
+
+
+def test_converted_tokenizer_loads_like_any_tokenizer_without_the_plugin(converted, smollm2_dir, tmp_path):
+    config = json.loads((converted / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # a class every Transformers version knows
+    assert "auto_map" not in config and "is_local" not in config
+    want = AutoTokenizer.from_pretrained(smollm2_dir)(TEXT)["input_ids"]
+    code = f"""
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+folder, text = {str(converted)!r}, {TEXT!r}
+plain = PreTrainedTokenizerFast.from_pretrained(folder)  # reads no model config at all
+auto = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # the flag the model needs without the plugin
+print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
+"""
+    result = run_without_plugin(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "IDS True" in result.stdout
+    assert "Do you wish to run the custom code" not in result.stderr + result.stdout
+    assert "model of type ``" not in result.stderr
+
+
+def test_compression_error_names_differing_hidden_sizes(converted):
+    from relational_hf.convert import slice_relational
+
+    relational = AutoModelForCausalLM.from_pretrained(converted).eval()
+    ids = torch.randint(0, relational.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    sliced, _ = slice_relational(relational, 0.25, ids)
+    with pytest.raises(ValueError, match=r"hidden sizes differ \(dense 576, compressed 432\)"):
+        compression_error(relational, sliced, ids)
+
+
+def test_missing_local_path_says_so(tmp_path):
+    for text in (str(tmp_path / "nope"), "./nope", "checkpoints/../nope"):
+        with pytest.raises(ModelSourceNotFound, match="no such file or directory"):
+            resolve_model_source(text)
+    with pytest.raises(ModelSourceNotFound, match="no config.json"):
+        resolve_model_source(str(tmp_path))
+
+
+def test_uncached_hub_id_offline_says_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelSourceOffline, match="not in the local Hugging Face cache while offline"):
+        resolve_model_source("relational-hf-tests/no-such-model")
+    assert main(["redundancy", "relational-hf-tests/no-such-model", "--meta"]) == 2  # the CLI reports, no traceback
+
+
+def test_unsupported_architectures_are_named(tmp_path):
+    ResNetConfig().save_pretrained(tmp_path / "resnet")
+    with pytest.raises(ModelSourceError, match="unsupported architecture 'resnet'"):
+        load_model_from(str(tmp_path / "resnet"))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "config.json").write_text(json.dumps({"model_type": "brand-new-arch"}))
+    with pytest.raises(ModelSourceError, match="unsupported architecture 'brand-new-arch'"):
+        load_model_from(str(tmp_path / "new"))
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(path, arch="oddarch")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSourceError, match="oddarch"):
+        load_model_from(str(path))
+
+
+def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
+    """The SmolLM2-compressed card builder takes every number from the compress report JSON (here a tiny model and
+    a report with the fields issue 11 asks for) and puts perplexities in the model-index, counts in tables."""
+    import importlib.util
+
+    from huggingface_hub import ModelCard
+
+    from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
+
+    folder = tmp_path / "compressed"
+    model = RelationalForCausalLM(RelationalConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    model.save_pretrained(folder)
+    report = {
+        "method": "relational",
+        "remove": 0.25,
+        "stored_parameters": {"embedding": 1024, "attention": 512, "mlp": 1536},
+        "perplexity": {"calibration": 12.5, "evaluation": 14.25},
+        "seconds": 12.3,
+        "peak_rss_bytes": 3 * 2**30,
+    }
+    (folder / "compress_report.json").write_text(json.dumps(report))
+    root = Path(__file__).resolve().parents[1] / "model_cards" / "build_reference.py"
+    spec = importlib.util.spec_from_file_location("build_reference", root)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["smollm2-compressed", "--from", str(folder), "--card-dir", str(tmp_path / "cards")]) == 0
+    card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
+    values = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert values == {"perplexity.calibration": 12.5, "perplexity.evaluation": 14.25}
+    assert "| mlp | 1,536 |" in card.text and "3.00 GiB" in card.text and "| method | relational |" in card.text
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
