@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..training.data import lm_blocks as token_blocks
+from ..lm.data import lm_blocks as token_blocks
 from ..validate import (
     check_analyze_args,
     finite_float,

@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from ..architectures import get_adapter
-from ..directional.sites import tap_sites
-from ..directional.statistics import select_tokens, vector_statistics
 from ..modeling.modeling_relational import parallel_coefficient
+from .sites import tap_sites
+from .statistics import select_tokens, vector_statistics
 
 #: The directional sites behind each `parallel_suppression_site` value.
 SITE_GROUPS: dict[str, tuple[str, ...]] = {
@@ -153,13 +153,4 @@ class ParallelSuppression:
         return None  # measure only: the forward computation is unchanged
 
 
-def token_positions(batch: dict) -> torch.Tensor:
-    """Number of real token positions in a collated batch: attention_mask.sum(), else input_ids.numel()."""
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        return mask.sum()
-    ids = batch.get("input_ids")
-    if ids is None:
-        ids = batch.get("inputs_embeds")
-        return torch.tensor(ids.shape[0] * ids.shape[1])
-    return torch.tensor(ids.numel())
+__all__ = ["SITE_GROUPS", "ParallelSuppression", "SuppressionBatch", "parallel_energy"]

@@ -1,45 +1,26 @@
-"""Reference checkpoints and measured model cards.
+"""Reference checkpoints: their specifications and measured model cards.
 
-`build_reference(PRESETS[name], ...)` trains one of the project's reference relational models on a corpus of
-`../shared/data`, measures it (validation perplexity, the unigram baseline, parameter counts against the free gauge
-and a Llama of the same dimensions, the redundant dimensions left) and writes the checkpoint with a model card whose
-numbers come from that run. `card_for_checkpoint` measures an existing checkpoint on a text and builds its card
-(used by `training_scripts/push_to_hub.py`).
+`PRESETS` names the project's reference relational models (corpus of `../shared/data`, tokenizer, split,
+dimensions, training budget). `reference_card(result, spec, ...)` builds the card of a trained reference model from
+what `relational_hf.training.reference.build_reference` measured (validation perplexity, the unigram baseline,
+parameter counts against the free gauge and a Llama of the same dimensions, the redundant dimensions left);
+`card_for_checkpoint` measures an existing checkpoint on a text and builds its card (used by
+`training_scripts/push_to_hub.py`). Training itself lives in `relational_hf.training.reference`: this module
+imports no Trainer.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import re
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub import ModelCard
-from transformers import set_seed
 
-from ..hub import build_model_card
-from ..modeling import RelationalConfig, RelationalForCausalLM
-from ..params import llama_parameter_count, relational_parameter_count
-from .arguments import RelationalTrainingArguments
-from .data import (
-    RandomBlockDataset,
-    byte_level_tokenizer,
-    encode,
-    lm_blocks,
-    split_text,
-    train_bpe_tokenizer,
-    unigram_perplexity,
-)
-from .metrics import perplexity, token_nll
-from .pretrain import TimeLimitCallback, save_atomically
-from .trainer import RelationalTrainer
-
-logger = logging.getLogger(__name__)
+from ..lm.data import encode, lm_blocks
+from ..lm.metrics import perplexity
+from .card import build_model_card
 
 
 @dataclass
@@ -89,20 +70,9 @@ PRESETS: dict[str, ReferenceSpec] = {
 }
 
 
-def document_split(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
-    """Split WikiText at the top-level `= Title =` heading closest to the (1 - val_fraction) mark: whole documents
-    train, whole documents validate."""
-    starts = [m.start() for m in re.finditer(r"^ = [^=\n].* = \s*$", text, flags=re.MULTILINE)]
-    if len(starts) < 2:
-        return split_text(text, val_fraction)
-    mark = (1.0 - val_fraction) * len(text)
-    cut = min(starts[1:], key=lambda s: abs(s - mark))
-    return text[:cut], text[cut:]
-
-
 @dataclass
 class ReferenceResult:
-    """What `build_reference` measured."""
+    """What `relational_hf.training.reference.build_reference` measured."""
 
     name: str
     output_dir: str
@@ -119,111 +89,6 @@ class ReferenceResult:
     redundant_dimensions: int | None
     redundant_by_group: dict[str, int]
     settings: dict[str, Any]
-
-
-def build_reference(
-    spec: ReferenceSpec,
-    project_root: str | Path = ".",
-    output_dir: str | Path | None = None,
-    card_path: str | Path | None = None,
-    repo_id: str | None = None,
-) -> ReferenceResult:
-    """Train the reference model `spec` describes, measure it, save checkpoint + tokenizer + README.md (the card) to
-    `output_dir` (default checkpoints/<name>), also write the card to `card_path` and the numbers next to it as
-    JSON. The text is read from `project_root / spec.text_file`."""
-    path = Path(project_root) / spec.text_file
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: reference corpus not found (see ../shared/data/README.md)")
-    set_seed(spec.seed)
-    started = time.monotonic()
-    text = path.read_text(encoding="utf-8")
-    train_text, val_text = document_split(text) if spec.split == "documents" else split_text(text)
-    tokenizer = (
-        byte_level_tokenizer()
-        if spec.tokenizer == "byte"
-        else train_bpe_tokenizer(train_text.splitlines(), spec.bpe_vocab_size)
-    )
-    train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
-    config = RelationalConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        max_position_embeddings=max(spec.block_size, 256),
-        gauge=spec.gauge,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = RelationalForCausalLM(config)
-    output_dir = Path(output_dir or Path("checkpoints") / spec.name)
-    args = RelationalTrainingArguments(
-        output_dir=str(output_dir / "trainer_state"),
-        per_device_train_batch_size=spec.batch_size,
-        max_steps=spec.max_steps,
-        learning_rate=spec.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=spec.warmup_steps,
-        adam_beta2=0.99,
-        logging_steps=100,
-        save_strategy="no",
-        report_to=[],
-        seed=spec.seed,
-        use_cpu=not torch.cuda.is_available(),
-    )
-    trainer = RelationalTrainer(
-        model=model,
-        args=args,
-        train_dataset=RandomBlockDataset(train_ids, spec.block_size, spec.max_steps * spec.batch_size, spec.seed),
-        callbacks=[TimeLimitCallback(spec.max_minutes * 60.0 - (time.monotonic() - started))],
-    )
-    trainer.train()
-    val_blocks = lm_blocks(val_ids, spec.block_size)[: spec.eval_blocks]
-    nll, count = token_nll(model, val_blocks, progress=True)
-    redundant = _redundancy(model)
-    result = ReferenceResult(
-        name=spec.name,
-        output_dir=str(output_dir),
-        steps=trainer.state.global_step,
-        seconds=time.monotonic() - started,
-        train_tokens=train_ids.numel(),
-        val_tokens=count,
-        val_loss=nll / count,
-        val_perplexity=math.exp(nll / count),
-        unigram_perplexity=unigram_perplexity(train_ids, val_ids, len(tokenizer)),
-        parameters=sum(p.numel() for p in model.parameters()),
-        free_gauge_parameters=relational_parameter_count(replace_config(config, gauge="free")),
-        llama_parameters=llama_parameter_count(config),
-        redundant_dimensions=None if redundant is None else redundant.redundant_dimensions,
-        redundant_by_group={} if redundant is None else redundant.by_group,
-        settings=asdict(spec),
-    )
-    save_atomically(model, tokenizer, output_dir)
-    card = reference_card(result, spec, output_dir, repo_id or f"relational-hf/{spec.name}")
-    card.save(output_dir / "README.md")
-    if card_path is not None:
-        card_path = Path(card_path)
-        card_path.parent.mkdir(parents=True, exist_ok=True)
-        card.save(card_path)
-        card_path.with_suffix(".json").write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")
-    return result
-
-
-def replace_config(config: RelationalConfig, **changes: Any) -> RelationalConfig:
-    """A copy of `config` with `changes` applied."""
-    return RelationalConfig(**{**config.to_dict(), **changes})
-
-
-def _redundancy(model: torch.nn.Module):
-    """The gauge dimensions left in storage (`relational_hf.symmetry.redundancy_report`), None if not computable."""
-    from ..symmetry import redundancy_report
-
-    try:
-        return redundancy_report(model, descriptors=False)
-    except ValueError:
-        return None
 
 
 def parameter_table(result: ReferenceResult) -> str:
@@ -364,9 +229,7 @@ __all__ = [
     "PRESETS",
     "ReferenceResult",
     "ReferenceSpec",
-    "build_reference",
     "card_for_checkpoint",
-    "document_split",
     "parameter_table",
     "reference_card",
 ]

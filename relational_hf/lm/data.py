@@ -1,4 +1,5 @@
-"""Text, tokenizers and language-modelling blocks for training and evaluation.
+"""Text, tokenizers and language-modelling blocks for training and evaluation (below both `training` and
+`directional`: the one home of the corpus, the tokenizers, the text splits and the block datasets).
 
 The built-in default corpus is generated here (a small probabilistic grammar with consistent facts and arithmetic),
 so the main job needs no download and carries no copied text.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable
 
@@ -136,6 +138,37 @@ def split_text(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
     cut = int(len(text) * (1.0 - val_fraction))
     newline = text.find("\n", cut)
     cut = newline + 1 if 0 <= newline < len(text) - 1 else cut
+    return text[:cut], text[cut:]
+
+
+#: A WikiText top-level heading line ` = Title = ` (not ` = = Section = = `).
+_WIKITEXT_TITLE = re.compile(r"^ = [^=\n].* = \s*$", flags=re.MULTILINE)
+
+
+def wikitext_documents(text: str) -> list[str]:
+    """Split WikiText text into its articles at the top-level headings ` = Title = ` (section headings
+    ` = = Section = = ` stay inside their article). Any text before the first heading stays with the first article;
+    the pieces concatenate back to `text`."""
+    starts = [m.start() for m in _WIKITEXT_TITLE.finditer(text)]
+    bounds = [0, *starts[1:], len(text)]
+    return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def document_split(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
+    """Split WikiText at the article boundary (`wikitext_documents`) closest to the (1 - val_fraction) mark of the
+    characters: whole articles train, whole articles validate. Text with fewer than two articles falls back to
+    `split_text` (a line boundary)."""
+    docs = wikitext_documents(text)
+    if len(docs) < 2:
+        return split_text(text, val_fraction)
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    offsets, position = [], 0
+    for doc in docs[:-1]:
+        position += len(doc)
+        offsets.append(position)  # start of the next article
+    mark = (1.0 - val_fraction) * len(text)
+    cut = min(offsets, key=lambda s: abs(s - mark))
     return text[:cut], text[cut:]
 
 

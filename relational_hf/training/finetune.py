@@ -21,6 +21,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from ..errors import UsageError
+from ..lm.data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
+from ..lm.metrics import perplexity
 from ..outputs import (
     TRAINER_DIR,
     complete_checkpoint,
@@ -41,8 +43,6 @@ from ..validate import (
     text_file,
 )
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
-from .data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
-from .metrics import perplexity
 from .pretrain import TimeLimitCallback, check_blocks, claimed_output
 from .trainer import RelationalTrainer
 

@@ -24,6 +24,16 @@ import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from ..errors import UsageError
+from ..lm.data import (
+    RandomBlockDataset,
+    byte_level_tokenizer,
+    encode,
+    lm_blocks,
+    load_texts,
+    train_bpe_tokenizer,
+    unigram_perplexity,
+)
+from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..outputs import (
     TRAINER_DIR,
@@ -45,16 +55,6 @@ from ..validate import (
     positive_int,
     text_file,
 )
-from .data import (
-    RandomBlockDataset,
-    byte_level_tokenizer,
-    encode,
-    lm_blocks,
-    load_texts,
-    train_bpe_tokenizer,
-    unigram_perplexity,
-)
-from .metrics import perplexity
 
 logger = logging.getLogger(__name__)
 
