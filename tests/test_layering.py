@@ -187,3 +187,12 @@ def test_old_import_paths_name_the_same_objects(old, new, names):
     old_module, new_module = importlib.import_module(old), importlib.import_module(new)
     for name in names:
         assert getattr(old_module, name) is getattr(new_module, name), f"{old}.{name}"
+
+
+def test_every_subpackage_is_an_attribute_of_the_package():
+    import relational_hf
+
+    for path in sorted(PACKAGE.glob("*/__init__.py")):
+        name = path.parent.name
+        if name != "modeling":  # imported eagerly by relational_hf itself
+            assert getattr(relational_hf, name) is importlib.import_module(f"relational_hf.{name}"), name
