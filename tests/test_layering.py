@@ -26,10 +26,12 @@ ORDER = (
     "registration",
     "__init__",
     "pretrained",
+    "loading",  # model sources (directories, Hub ids, GGUF files) for the commands
     "architectures",
     "symmetry",
     "lm",  # LM data and metrics, below every user of them
     "directional",
+    "compress",  # compression baselines and their evaluation; convert's slicing reuses its checks
     "convert",
     "hub",
     "training",
@@ -43,6 +45,12 @@ LAZY_UPWARD = {
     # validate holds every command's argument checks; the `dynamics` command's check reads the trajectory files
     # with the dynamics reader, loaded only when that command runs
     ("relational_hf/validate.py", "dynamics"),
+    # the SmolLM2 checkpoint is built once from its GGUF file and its tokenizer saved with loading's writer
+    # (loading reads GGUF sources through pretrained in turn)
+    ("relational_hf/pretrained.py", "loading"),
+    # the redundancy report of a checkpoint on disk streams it layer by layer with convert's shard reader, only on
+    # that path; a lower home for the reader would remove this
+    ("relational_hf/symmetry/report.py", "convert"),
 }
 
 MAX_LINES = 600
