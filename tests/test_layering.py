@@ -31,10 +31,10 @@ ORDER = (
     "symmetry",
     "lm",  # LM data and metrics, below every user of them
     "directional",
-    "compress",  # compression baselines and their evaluation; convert's slicing reuses its checks
     "convert",
     "hub",
     "training",
+    "compress",  # compression jobs: they convert, evaluate and heal (fine-tune), so they sit above training
     "dynamics",
     "cli",
 )
@@ -48,9 +48,10 @@ LAZY_UPWARD = {
     # the SmolLM2 checkpoint is built once from its GGUF file and its tokenizer saved with loading's writer
     # (loading reads GGUF sources through pretrained in turn)
     ("relational_hf/pretrained.py", "loading"),
-    # the redundancy report of a checkpoint on disk streams it layer by layer with convert's shard reader, only on
-    # that path; a lower home for the reader would remove this
+    # the redundancy report (and its command) of a checkpoint on disk streams it layer by layer with convert's shard
+    # reader, only on that path; a lower home for the reader would remove these two
     ("relational_hf/symmetry/report.py", "convert"),
+    ("relational_hf/symmetry/cli.py", "convert"),
 }
 
 MAX_LINES = 600
