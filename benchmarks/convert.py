@@ -7,12 +7,12 @@ the conversion (its self-check included), peak resident memory from `resource.ge
 after the conversion (the delta is what the conversion adds on top of building the source), max |logit difference|
 reported by the converter, and parameters saved (decoder norm gains + fixed orbit dimensions).
 
-(b) Slicing: a small Llama (byte tokenizer of `relational_hf.training.data`, d=128, 4 layers, context 64) is
+(b) Slicing: a small Llama (byte tokenizer of `relational_hf.lm.data`, d=128, 4 layers, context 64) is
 trained here on Tiny Shakespeare (`../shared/data/tinyshakespeare`, first 90% of the text), converted with
 `slice_fraction` 0.1-0.4 (principal gauge from calibration blocks of the training text) and evaluated on the
 held-out last 10%; next to it, the same trained Llama with as many decoder weights set to zero by magnitude pruning
 (`relational_hf.directional.compression.prune_weights`), both "same number removed" and "same number left".
-Perplexity is `relational_hf.training.metrics.perplexity`.
+Perplexity is `relational_hf.lm.metrics.perplexity`.
 
     python benchmarks/convert.py            # 0.1B and 1B conversions, 1500 training steps (about 10-15 min on 2 cores)
     python benchmarks/convert.py --quick    # a ~10M conversion, 100 training steps (under 2 minutes)
@@ -142,7 +142,7 @@ def run_conversions(sizes: list[str], seed: int, threads: int, timeout_s: float)
 
 # ---- (b) slicing vs magnitude pruning on a small trained model -----------------------------------------------------
 def shakespeare_ids() -> tuple[torch.Tensor, torch.Tensor]:
-    from relational_hf.training.data import byte_level_tokenizer, encode, split_text
+    from relational_hf.lm.data import byte_level_tokenizer, encode, split_text
 
     path = SHARED_DATA / "tinyshakespeare" / "input.txt"
     if not path.is_file():
@@ -153,7 +153,7 @@ def shakespeare_ids() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_small(dims: dict, train_ids: torch.Tensor, steps: int, batch: int, context: int, seed: int, lr: float):
-    from relational_hf.training.data import RandomBlockDataset
+    from relational_hf.lm.data import RandomBlockDataset
 
     torch.manual_seed(seed)
     # untied head: slicing folds a varying final gain into the head anyway (a tied head would be untied, +V d)
@@ -193,8 +193,8 @@ def nonzero(model) -> int:
 def slicing_vs_pruning(quick: bool, steps: int, seed: int) -> dict:
     from relational_hf.convert import to_relational
     from relational_hf.directional.compression import prune_weights
-    from relational_hf.training.data import lm_blocks
-    from relational_hf.training.metrics import perplexity
+    from relational_hf.lm.data import lm_blocks
+    from relational_hf.lm.metrics import perplexity
 
     context, batch = 64, 12
     dims = SMALL_QUICK if quick else SMALL

@@ -6,9 +6,11 @@ then measures with `relational_hf.directional`:
 - s_par and s_perp sweeps at every site (Delta PPL) and the diagonal-removal control;
 - the compression ranking (int8/int4, magnitude/Wanda unstructured/2:4/4:8) by perpendicular and by total
   layer-local error, with Spearman correlations against the compressed models' perplexity.
-Writes benchmarks/results/directional.json and three PNGs. Fixed seed; CPU.
+Writes benchmarks/results/directional_<arch>.json and four PNGs beside it: directional_<arch>_profile.png (mean
+|y_par|/|y_perp| per layer and site), _energy.png (parallel energy), _sweep.png (Delta PPL against s) and
+_compression.png (the compression ranking). Fixed seed; CPU.
 
-    python benchmarks/directional.py                      # about 9 minutes on one CPU core
+    python benchmarks/directional.py                      # about 6.5 minutes (training is capped at 5.5)
     python benchmarks/directional.py --arch relational --max-minutes 5
 """
 

@@ -159,9 +159,9 @@ def run_one(job: dict) -> dict:
     """Train one variant with one seed, recording its trajectory; returns losses, (ii) statistics, final coordinates
     and timings."""
     from relational_hf.dynamics import TRAJECTORY_NAME, QuotientRecorder
+    from relational_hf.lm.data import RandomBlockDataset
+    from relational_hf.lm.metrics import token_nll
     from relational_hf.symmetry import canonicalize
-    from relational_hf.training.data import RandomBlockDataset
-    from relational_hf.training.metrics import token_nll
 
     started = time.perf_counter()
     variant, seed, steps, lr = job["variant"], job["seed"], job["steps"], job["lr"]
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot-only", action="store_true", help="redraw the figures from the saved JSON and runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    from relational_hf.training.data import lm_blocks
+    from relational_hf.lm.data import lm_blocks
 
     budget_name = "quick" if args.quick else "default"
     budget = BUDGETS[budget_name]

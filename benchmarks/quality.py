@@ -138,7 +138,7 @@ def lr_sweep(runner: Runner, job: dict, size: str, dims: dict, lrs: list[float])
 
 def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict | None:
     """Load one corpus, sweep the LR on one Llama size (unless --lr), train the grid, analyse, write JSON/PNG."""
-    from relational_hf.training.data import lm_blocks
+    from relational_hf.lm.data import lm_blocks
 
     relpath, loader = CORPORA[corpus]
     if not (common.SHARED_DATA / relpath).is_file():

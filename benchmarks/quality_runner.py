@@ -107,8 +107,8 @@ def _set_data(train_ids: torch.Tensor, val_blocks: torch.Tensor, threads: int) -
 
 def train_one(job: dict) -> dict:
     """Train one contender at one size and seed for job["steps"] steps; return its validation loss (nats/token)."""
-    from relational_hf.training.data import RandomBlockDataset
-    from relational_hf.training.metrics import token_nll
+    from relational_hf.lm.data import RandomBlockDataset
+    from relational_hf.lm.metrics import token_nll
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()

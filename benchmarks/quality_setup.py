@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 
 import common
 import torch
@@ -127,7 +126,7 @@ WIKITEXT_BPE_VOCAB = 1024
 def load_shakespeare() -> dict:
     """Tiny Shakespeare at character level: the project's byte-level tokenizer (the text is ASCII, so a byte is a
     character), ids compacted to the distinct characters of the whole text as nanoGPT does; 90/10 line split."""
-    from relational_hf.training.data import byte_level_tokenizer, encode, split_text
+    from relational_hf.lm.data import byte_level_tokenizer, encode, split_text
 
     path = common.SHARED_DATA / "tinyshakespeare" / "input.txt"
     text = path.read_text(encoding="utf-8")
@@ -149,16 +148,9 @@ def load_shakespeare() -> dict:
     }
 
 
-def wikitext_documents(text: str) -> list[str]:
-    """Split WikiText text into articles at the top-level headings ` = Title = ` (not ` = = Section = = `)."""
-    starts = [m.start() for m in re.finditer(r"^ = [^=].* = $", text, flags=re.MULTILINE)]
-    bounds = [0, *starts[1:], len(text)]  # any text before the first heading stays with the first article
-    return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def load_wikitext2() -> dict:
     """WikiText-2 validation text split by documents 90/10; BPE trained on the train documents only."""
-    from relational_hf.training.data import encode, train_bpe_tokenizer
+    from relational_hf.lm.data import encode, train_bpe_tokenizer, wikitext_documents
 
     path = common.SHARED_DATA / "wikitext-2" / "valid.txt"
     docs = wikitext_documents(path.read_text(encoding="utf-8"))

@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from relational_hf import RelationalConfig, RelationalForCausalLM, RelationalTrainer, RelationalTrainingArguments
-from relational_hf.training.data import BlockDataset
+from relational_hf.lm.data import BlockDataset
 
 logger = logging.getLogger("trainer_overhead")
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: deterministic seeds, tiny configs and the shared data folder."""
+"""Session setup and shared fixtures: the local Hub server for every Hub request, one torch thread, a fixed seed
+per test, the shared data folder and the offline SmolLM2 checkpoint (the tiny models are in tiny_models.py)."""
 
 from __future__ import annotations
 

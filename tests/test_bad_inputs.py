@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from relational_hf import cli
+from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
 from relational_hf.outputs import MARKER
-from relational_hf.training.data import byte_level_tokenizer, generate_corpus
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -212,14 +212,6 @@ def test_caveats_flag_a_reused_sweep_winner_and_an_overfitting_budget(quality):
     assert "reused_as_grid_run" not in payload["lr_sweep"]
 
 
-def test_wikitext_documents_split_at_top_level_headings(setup):
-    text = " \n = First = \n \n text one \n = = Section = = \n more \n = Second = \n text two \n"
-    docs = setup.wikitext_documents(text)
-    assert len(docs) == 2
-    assert "".join(docs) == text
-    assert "Section" in docs[0] and docs[1].startswith(" = Second = ")
-
-
 def test_quick_run_writes_the_documented_json(quality, setup, shared_data, tmp_path, monkeypatch):
     import common
 

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM, cli, outputs
 from relational_hf.errors import UsageError
+from relational_hf.lm.data import generate_corpus
 from relational_hf.outputs import MARKER, OutputLock, recover_output_dir, stage_and_swap
-from relational_hf.training.data import generate_corpus
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,7 +281,7 @@ def test_a_diverged_run_does_not_replace_the_previous_checkpoint(tmp_path, small
 def test_lora_into_a_full_checkpoint_is_refused_and_the_checkpoint_still_loads(tmp_path, small_text, capsys):
     base = tmp_path / "base"
     save(tiny(1), base)
-    from relational_hf.training.data import byte_level_tokenizer
+    from relational_hf.lm.data import byte_level_tokenizer
 
     byte_level_tokenizer().save_pretrained(base)
     before = loads(base)

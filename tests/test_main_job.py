@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relational_hf import cli
-from relational_hf.training.data import byte_level_tokenizer, generate_corpus, split_text, unigram_perplexity
+from relational_hf.lm.data import byte_level_tokenizer, generate_corpus, split_text, unigram_perplexity
 
 
 def test_train_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, capsys):

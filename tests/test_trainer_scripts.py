@@ -15,9 +15,9 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
 from relational_hf.modeling.modeling_relational import GaugeFixedLinear
 from relational_hf.training import finetune
-from relational_hf.training.data import byte_level_tokenizer, generate_corpus
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "training_scripts"
 
@@ -163,14 +163,6 @@ def test_reference_card_numbers_come_from_the_run(shared_data, tmp_path):
     assert result.parameters < result.free_gauge_parameters < result.llama_parameters
     assert (tmp_path / "ckpt" / "README.md").read_text() == card_path.read_text()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").num_parameters() == result.parameters
-
-
-def test_document_split_cuts_at_a_wikitext_heading():
-    from relational_hf.training.reference import document_split
-
-    docs = [f" = Title {i} = \n \n Body of document {i} . \n" for i in range(20)]
-    train, val = document_split("".join(docs))
-    assert val.startswith(" = Title 18 = ") and train + val == "".join(docs)
 
 
 def test_push_script_measures_perplexity_into_the_published_card(hub_server, checkpoint, capsys):  # noqa: F811

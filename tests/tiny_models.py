@@ -1,26 +1,59 @@
-"""Tiny models and a learnable toy dataset shared by the training, PEFT and dynamics tests."""
+"""The tests' one home of tiny models (every supported family at d = 32, 2 layers, 4 heads) and a learnable toy
+dataset."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 
 VOCAB = 48
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 
+#: Llama-layout families: (config class, model class), built from TINY plus overrides.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "relational": (RelationalConfig, RelationalForCausalLM),
+}
+
+
+def tiny_model(family: str, seed: int | None = None, **overrides) -> PreTrainedModel:
+    """A freshly initialised tiny causal LM of `family` ("gpt2" or a key of FAMILIES): the TINY dimensions with
+    `overrides` (any config field, e.g. vocab_size, num_key_value_heads, gauge); GPT-2 takes d = 32, 2 layers,
+    4 heads, 64 positions and its own field names in `overrides`. `seed` re-seeds torch first."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if family == "gpt2":
+        gpt2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(GPT2Config(**(gpt2 | overrides)))
+    config_class, model_class = FAMILIES[family]
+    return model_class(config_class(**(TINY | overrides)))
+
 
 def tiny_relational(gauge: str = "free", seed: int | None = None, **overrides) -> RelationalForCausalLM:
     """d = 32, 2 layers, 4 heads, vocabulary 48; `seed` re-seeds torch first (else the test's seed applies)."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return RelationalForCausalLM(RelationalConfig(gauge=gauge, **(TINY | overrides)))
+    return tiny_model("relational", seed=seed, gauge=gauge, **overrides)
 
 
 def tiny_llama() -> LlamaForCausalLM:
     """Transformers' Llama at the tiny size, GQA with 2 key/value heads."""
-    return LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=2))
+    return tiny_model("llama", num_key_value_heads=2)
 
 
 def periodic_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:

@@ -2,7 +2,7 @@
 
 A thin front over `relational_hf.hub.push_checkpoint` (as `relational-hf push`) that can also measure the
 checkpoint's perplexity on a text first and put it into the card's model-index
-(`relational_hf.training.reference.card_for_checkpoint`). Tokens come from --token, HF_TOKEN or `hf auth login`
+(`relational_hf.hub.reference.card_for_checkpoint`). Tokens come from --token, HF_TOKEN or `hf auth login`
 and never appear in logs or in the card. Example:
     python training_scripts/push_to_hub.py checkpoints/relational-default me/relational-small \\
         --eval-text ../shared/data/tinyshakespeare/input.txt --dataset-id karpathy/tiny_shakespeare
@@ -14,7 +14,7 @@ import sys
 
 from relational_hf.hub import add_push_arguments, push_checkpoint
 from relational_hf.hub.card import stored_parameters
-from relational_hf.training.reference import card_for_checkpoint
+from relational_hf.hub.reference import card_for_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,9 +24,9 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from ..architectures import UnsupportedModelError, get_adapter
+from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
-from ..training.metrics import perplexity
 from .slicing import SliceReport, slice_relational
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ reference z and the perpendicular rest, measure it, edit it, and use it to diagn
 - `plots`, `analyze`: figures and the `relational-hf analyze` command.
 """
 
-from ..training.data import lm_blocks as token_blocks
+from ..lm.data import lm_blocks as token_blocks
 from .analyze import add_analyze_arguments, run_analyze
 from .compression import (
     COMPRESSION_SETTINGS,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..lm.data import lm_blocks as token_blocks
 from ..loading import add_model_source_arguments
-from ..training.data import lm_blocks as token_blocks
 from ..validate import (
     check_analyze_args,
     finite_float,

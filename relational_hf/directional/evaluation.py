@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..training.metrics import perplexity
+from ..lm.metrics import perplexity
 from .edits import check_scale, scale_components
 from .sites import SITES, check_sites
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from safetensors import safe_open
 
 from ..modeling.modeling_relational import GAUGE_LAYOUT_BUFFERS
 
@@ -70,20 +70,18 @@ def stored_parameters(checkpoint_dir: str | Path) -> int | None:
     """Number of parameter values stored in the checkpoint's `*.safetensors` files (tied weights count once; the
     gauge-layout buffers of pivot-gauge layers are not parameters and are left out).
 
-    Reads only the safetensors headers (an 8-byte little-endian length, then a JSON table of shapes).
+    Reads only the safetensors headers (`safetensors.safe_open`: names and shapes, no tensor is loaded).
     None when the directory holds no safetensors file.
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     total = 0
     for path in files:
-        with path.open("rb") as handle:
-            (header_size,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_size))
-        total += sum(
-            math.prod(entry["shape"])
-            for name, entry in header.items()
-            if name != "__metadata__" and name.rsplit(".", 1)[-1] not in GAUGE_LAYOUT_BUFFERS
-        )
+        with safe_open(path, framework="pt") as handle:
+            total += sum(
+                math.prod(handle.get_slice(name).get_shape())
+                for name in handle.keys()
+                if name.rsplit(".", 1)[-1] not in GAUGE_LAYOUT_BUFFERS
+            )
     return total if files else None
 
 

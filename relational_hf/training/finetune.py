@@ -21,6 +21,8 @@ import torch
 from transformers import AutoTokenizer, set_seed
 
 from ..errors import UsageError
+from ..lm.data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
+from ..lm.metrics import perplexity
 from ..loading import add_model_source_arguments, load_config, load_model, load_tokenizer, save_tokenizer
 from ..outputs import (
     TRAINER_DIR,
@@ -42,8 +44,6 @@ from ..validate import (
     text_file,
 )
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
-from .data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
-from .metrics import perplexity
 from .pretrain import TimeLimitCallback, check_blocks, claimed_output
 from .trainer import RelationalTrainer
 

@@ -26,8 +26,7 @@ Loading. The custom layer type is not recorded in adapter_config.json, so pass a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,28 +109,13 @@ class GaugeFixedLoraLinear(LoraLinear):
         return "lora.GaugeFixed" + nn.Module.__repr__(self)
 
 
-@contextmanager
-def _writable(module: nn.Module) -> Iterator[None]:
-    """Let the modules' weight setters write: they copy through `transformers.initialization.copy_`, which skips every
-    tensor that `from_pretrained` flagged `_is_hf_initialized`; the flags are lifted for the context, then restored."""
-    flagged = [t for t in (*module.parameters(), *module.buffers()) if getattr(t, "_is_hf_initialized", False)]
-    for tensor in flagged:
-        tensor._is_hf_initialized = False
-    try:
-        yield
-    finally:
-        for tensor in flagged:
-            tensor._is_hf_initialized = True
-
-
 @torch.no_grad()
 def store_full_weight(module: GaugeFixedLinear, w: torch.Tensor) -> None:
     """Make `module` compute with the full weight w (out x in) exactly, keeping its pivot positions: the pivot values
     become w's entries there (`set_layout`), the free entries w's others (`set_full_weight`)."""
     pivot_values = torch.gather(w, 1, module.fixed_index)
-    with _writable(module):
-        module.set_layout(module.fixed_index.clone(), pivot_values)
-        module.set_full_weight(w)
+    module.set_layout(module.fixed_index.clone(), pivot_values)
+    module.set_full_weight(w)
 
 
 def register_gauge_fixed_lora(config: LoraConfig) -> LoraConfig:
@@ -185,8 +169,7 @@ def restore_pivot_gauge(model: nn.Module, modules: Sequence[nn.Module] | None = 
                 continue
             if not any(isinstance(child, GaugeFixedLinear) for child in module.children()):
                 continue
-            with _writable(module):
-                module.set_full_weights({key: w.detach().clone() for key, w in module.full_weights().items()})
+            module.set_full_weights({key: w.detach().clone() for key, w in module.full_weights().items()})
             count += 1
     return count
 

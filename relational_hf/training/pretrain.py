@@ -24,6 +24,16 @@ import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from ..errors import UsageError
+from ..lm.data import (
+    RandomBlockDataset,
+    byte_level_tokenizer,
+    encode,
+    lm_blocks,
+    load_texts,
+    train_bpe_tokenizer,
+    unigram_perplexity,
+)
+from ..lm.metrics import perplexity
 from ..loading import save_tokenizer
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..outputs import (
@@ -46,16 +56,6 @@ from ..validate import (
     positive_int,
     text_file,
 )
-from .data import (
-    RandomBlockDataset,
-    byte_level_tokenizer,
-    encode,
-    lm_blocks,
-    load_texts,
-    train_bpe_tokenizer,
-    unigram_perplexity,
-)
-from .metrics import perplexity
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback, TrainerC
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
 
+from ..directional.suppression import ParallelSuppression
 from .arguments import RelationalTrainingArguments
-from .suppression import ParallelSuppression, token_positions
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +282,18 @@ def _orbit_drift(model: nn.Module, reference: dict[str, torch.Tensor] | None) ->
     from ..symmetry import orbit_drift
 
     return orbit_drift(reference, _balance_snapshot(model) or {})["total"]
+
+
+def token_positions(batch: dict) -> torch.Tensor:
+    """Number of real token positions in a collated batch: attention_mask.sum(), else input_ids.numel()."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    if ids is None:
+        ids = batch.get("inputs_embeds")
+        return torch.tensor(ids.shape[0] * ids.shape[1])
+    return torch.tensor(ids.numel())
 
 
 __all__ = ["RelationalTrainer", "RelationalTrainingArguments", "STATE_NAME"]

@@ -1,0 +1,40 @@
+"""Language-modelling data and metrics shared by training, analysis, conversion and the Hub cards.
+
+- `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
+- `metrics`: token NLL and perplexity of a causal LM.
+
+The package sits below `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer, no PEFT).
+"""
+
+from .data import (
+    BlockDataset,
+    RandomBlockDataset,
+    byte_level_tokenizer,
+    document_split,
+    encode,
+    generate_corpus,
+    lm_blocks,
+    load_texts,
+    split_text,
+    train_bpe_tokenizer,
+    unigram_perplexity,
+    wikitext_documents,
+)
+from .metrics import perplexity, token_nll
+
+__all__ = [
+    "BlockDataset",
+    "RandomBlockDataset",
+    "byte_level_tokenizer",
+    "document_split",
+    "encode",
+    "generate_corpus",
+    "lm_blocks",
+    "load_texts",
+    "perplexity",
+    "split_text",
+    "token_nll",
+    "train_bpe_tokenizer",
+    "unigram_perplexity",
+    "wikitext_documents",
+]

@@ -1,0 +1,207 @@
+"""Package layering of relational_hf: each top-level package or module imports only layers below it, so the import
+graph has no cycle; the analysis toolkit loads neither Trainer nor PEFT; no library file grows past 600 lines
+(except the self-contained model file, which travels to the Hub alone); the old import paths still resolve."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "relational_hf"
+
+#: The layers, lowest first: a unit (a top-level subpackage or module of relational_hf; "__init__" is the package's
+#: own __init__.py) may import, at module level, only units before it in this list (or itself). A strict order means
+#: the package-level import graph has no cycle.
+ORDER = (
+    "modeling",  # self-contained: travels with trust_remote_code checkpoints, imports nothing of ours
+    "errors",
+    "outputs",
+    "validate",
+    "params",
+    "registration",
+    "__init__",
+    "pretrained",
+    "loading",  # model sources (directories, Hub ids, GGUF files) for the commands
+    "architectures",
+    "symmetry",
+    "lm",  # LM data and metrics, below every user of them
+    "directional",
+    "convert",
+    "hub",
+    "training",
+    "compress",  # compression jobs: they convert, evaluate and heal (fine-tune), so they sit above training
+    "dynamics",
+    "cli",
+)
+
+#: Function-level imports that go up the order, each with the reason it is acceptable (loaded only when that
+#: function runs, so the package-level graph stays acyclic and importing the lower layer stays light).
+LAZY_UPWARD = {
+    # validate holds every command's argument checks; the `dynamics` command's check reads the trajectory files
+    # with the dynamics reader, loaded only when that command runs
+    ("relational_hf/validate.py", "dynamics"),
+    # the SmolLM2 checkpoint is built once from its GGUF file and its tokenizer saved with loading's writer
+    # (loading reads GGUF sources through pretrained in turn)
+    ("relational_hf/pretrained.py", "loading"),
+    # the redundancy report (and its command) of a checkpoint on disk streams it layer by layer with convert's shard
+    # reader, only on that path; a lower home for the reader would remove these two
+    ("relational_hf/symmetry/report.py", "convert"),
+    ("relational_hf/symmetry/cli.py", "convert"),
+}
+
+MAX_LINES = 600
+LINE_LIMIT_EXEMPT = {"relational_hf/modeling/modeling_relational.py"}
+
+
+def _unit(parts: list[str]) -> str:
+    """The layer of a dotted module path inside relational_hf (parts without the leading 'relational_hf')."""
+    return parts[0] if parts else "__init__"
+
+
+def _imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported unit, at module level?, line) for every import of relational_hf code in `path`."""
+    package = list(path.relative_to(PACKAGE).parts[:-1])  # the package a relative import starts from
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, module_level: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    assert child.level - 1 <= len(package), f"{path}: relative import beyond relational_hf"
+                    base = package[: len(package) - child.level + 1]
+                    target = base + (child.module.split(".") if child.module else [])
+                    if child.module:
+                        found.append((_unit(target), module_level, child.lineno))
+                    else:  # from . import a, b: at the top, each name is its own unit
+                        found.extend(
+                            (_unit(target or [alias.name]), module_level, child.lineno) for alias in child.names
+                        )
+                elif child.module and child.module.split(".")[0] == "relational_hf":
+                    found.append((_unit(child.module.split(".")[1:]), module_level, child.lineno))
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == "relational_hf":
+                        found.append((_unit(alias.name.split(".")[1:]), module_level, child.lineno))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+            else:  # module body, class bodies, if/try blocks at import time
+                visit(child, module_level)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)), True)
+    return found
+
+
+def _files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(PACKAGE.parent).as_posix()
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(list(p.relative_to(PACKAGE).with_suffix("").parts)) for p in _files()}
+    assert units - set(ORDER) == set(), "add the new package or module to ORDER in tests/test_layering.py"
+
+
+def test_imports_go_only_down_the_layers():
+    rank = {unit: i for i, unit in enumerate(ORDER)}
+    upward = []
+    for path in _files():
+        own = _unit(list(path.relative_to(PACKAGE).with_suffix("").parts))
+        for target, module_level, line in _imports(path):
+            if target == own or target not in rank or rank[target] < rank[own]:
+                continue
+            if not module_level and (_name(path), target) in LAZY_UPWARD:
+                continue
+            kind = "module-level" if module_level else "function-level (not in LAZY_UPWARD)"
+            upward.append(f"{_name(path)}:{line} ({own}) imports {target}: {kind}")
+    assert upward == [], "imports up the layer order (a cycle risk):\n" + "\n".join(upward)
+
+
+def test_package_graph_has_no_cycle():
+    graph: dict[str, set[str]] = {}
+    for path in _files():
+        own = _unit(list(path.relative_to(PACKAGE).with_suffix("").parts))
+        graph.setdefault(own, set()).update(t for t, module_level, _ in _imports(path) if module_level and t != own)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(unit: str, trail: list[str]) -> None:
+        state[unit] = 1
+        for nxt in sorted(graph.get(unit, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*trail, unit, nxt]))
+            if nxt not in state:
+                walk(nxt, [*trail, unit])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if unit not in state:
+            walk(unit, [])
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The checks can fail: a module-level import of training from lm is reported."""
+    fake = tmp_path / "relational_hf"
+    (fake / "lm").mkdir(parents=True)
+    (fake / "training").mkdir()
+    (fake / "lm" / "__init__.py").write_text("from ..training import trainer\n")
+    (fake / "training" / "__init__.py").write_text("from ..lm import data\n\ndef f():\n    from .. import cli\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    with pytest.raises(AssertionError, match=r"lm/__init__.py:1 \(lm\) imports training: module-level"):
+        test_imports_go_only_down_the_layers()
+    with pytest.raises(AssertionError, match="import cycle: lm -> training -> lm"):
+        test_package_graph_has_no_cycle()
+
+
+def test_no_library_file_over_600_lines():
+    long = {
+        _name(p): n
+        for p in _files()
+        if _name(p) not in LINE_LIMIT_EXEMPT and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"files over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_analysis_toolkit_loads_neither_trainer_nor_peft():
+    """In a fresh interpreter: importing the directional toolkit, the LM data/metrics, the converter and the Hub
+    cards leaves transformers.trainer, peft and relational_hf.training unloaded."""
+    code = (
+        "import sys\n"
+        "import relational_hf.directional, relational_hf.lm, relational_hf.convert, relational_hf.hub.reference\n"
+        "heavy = ('transformers.trainer', 'peft', 'relational_hf.training')\n"
+        "print(sorted(m for m in sys.modules if m in heavy or m.startswith('peft.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "names"),
+    [
+        ("relational_hf.training.data", "relational_hf.lm.data", ["lm_blocks", "encode", "load_texts", "split_text"]),
+        ("relational_hf.training.metrics", "relational_hf.lm.metrics", ["perplexity", "token_nll"]),
+        ("relational_hf.training.suppression", "relational_hf.directional.suppression", ["ParallelSuppression"]),
+        ("relational_hf.training.reference", "relational_hf.hub.reference", ["PRESETS", "card_for_checkpoint"]),
+        ("relational_hf.training.reference", "relational_hf.lm.data", ["document_split"]),
+        ("relational_hf.training", "relational_hf.lm", ["perplexity", "byte_level_tokenizer", "generate_corpus"]),
+    ],
+)
+def test_old_import_paths_name_the_same_objects(old, new, names):
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        assert getattr(old_module, name) is getattr(new_module, name), f"{old}.{name}"
+
+
+def test_every_subpackage_is_an_attribute_of_the_package():
+    import relational_hf
+
+    for path in sorted(PACKAGE.glob("*/__init__.py")):
+        name = path.parent.name
+        if name != "modeling":  # imported eagerly by relational_hf itself
+            assert getattr(relational_hf, name) is importlib.import_module(f"relational_hf.{name}"), name
