@@ -16,6 +16,7 @@ when it depends on other fields, check it in `validate_architecture`.
 
 import functools
 import math
+import re
 from typing import Any, Literal
 
 from huggingface_hub.dataclasses import as_validated_field, strict
@@ -77,6 +78,21 @@ class RelationalConfigError(StrictDataclassError, ValueError):
     """A RelationalConfig field out of range or inconsistent with the others (the message names the field)."""
 
 
+def _one_line(err: Exception) -> str:
+    """The library's message is "Validation error for field 'x':" plus the original error on an indented line;
+    keep the original message, which names the field and the allowed range."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(lines) > 1:
+        last = lines[-1]
+        kind, sep, rest = last.partition(": ")
+        message = rest if sep and kind.endswith("Error") else last
+        field = re.search(r"field '(\w+)'", lines[0])
+        if field and field.group(1) not in message:
+            message = f"{field.group(1)}: {message}"
+        return message
+    return lines[0] if lines else type(err).__name__
+
+
 def _value_errors(method):
     """Re-raise the strict dataclass errors of `method` as RelationalConfigError (also a ValueError)."""
 
@@ -87,7 +103,7 @@ def _value_errors(method):
         except StrictDataclassError as err:
             if isinstance(err, ValueError):
                 raise
-            raise RelationalConfigError(str(err)) from err
+            raise RelationalConfigError(_one_line(err)) from err
 
     return wrapper
 
