@@ -84,8 +84,8 @@ class ConversionReport:
             f"- relational parameters: {self.relational_parameters:,}"
             + (f" (final norm gain of {self.kept_final_gain:,} kept: tied head)" if self.kept_final_gain else ""),
             f"- max |logit difference| on {self.verified_on} (fp32, length {self.verified_sequence_length}): "
-            f"{self.max_logit_difference:.3g} = {self.relative_logit_difference:.3g} x logit scale "
-            f"{self.logit_scale:.3g} (tolerance {self.tolerance:g} x scale)",
+            f"{self.max_logit_difference:.3g} = {self.relative_logit_difference:.3g} x scale "
+            f"{self.logit_scale:.3g} (tolerance {self.tolerance:g} x scale; scale = max(1, max |output|))",
         ]
         if self.remaining_symmetries:
             lines.append("- symmetries left: " + ", ".join(f"{k} {v:,}" for k, v in self.remaining_symmetries.items()))
