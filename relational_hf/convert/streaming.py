@@ -78,13 +78,15 @@ _BLOCK_BYTES = 64 * 2**20  # embedding / head rows copied per block
 def is_safetensors_checkpoint(path: str | os.PathLike) -> bool:
     """True when `path` is a local folder with config.json and safetensors weights (one file or an index)."""
     p = Path(path)
-    return p.is_dir() and (p / "config.json").is_file() and (
-        (p / SAFE_INDEX_NAME).is_file() or (p / SAFE_WEIGHTS_NAME).is_file()
+    return (
+        p.is_dir()
+        and (p / "config.json").is_file()
+        and ((p / SAFE_INDEX_NAME).is_file() or (p / SAFE_WEIGHTS_NAME).is_file())
     )
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """"float32" / "bfloat16" / "float16" (or a torch dtype, or None / "auto": keep the source's) -> torch dtype."""
+    """ "float32" / "bfloat16" / "float16" (or a torch dtype, or None / "auto": keep the source's) -> torch dtype."""
     if name is None or isinstance(name, torch.dtype):
         return name
     if name == "auto":
@@ -246,8 +248,12 @@ def materialize(
 
 
 def release(module: nn.Module) -> None:
-    """Move a materialised submodule back to the meta device (its memory is freed)."""
+    """Move a materialised submodule back to the meta device (its memory is freed), dropping the per-module caches
+    of derived tensors (attributes named ``*_cache``, e.g. an assembled gauge-fixed weight) that would keep it."""
     module.to("meta")
+    for m in module.modules():
+        for key in [k for k in vars(m) if k.endswith("_cache")]:
+            del m.__dict__[key]
 
 
 @torch.no_grad()
@@ -577,6 +583,49 @@ def stream_to_relational(
     return report
 
 
+@torch.no_grad()
+def layerwise_logits(
+    path: str | os.PathLike,
+    input_ids: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Logits (N, T, V) of the causal LM checkpoint folder `path` on `input_ids` (N, T), computed one decoder layer
+    at a time (each layer read from the shards, applied to the hidden states of all sequences, released), in
+    `dtype`: memory is one layer, the hidden states and the head, whatever the depth. Causal attention, positions
+    0..T-1, no padding. Works for any family the adapters know whose layers take (hidden, position_embeddings)."""
+    from tqdm.auto import tqdm
+
+    reader = CheckpointReader(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = meta_model(config, trust_remote_code=trust_remote_code)
+    adapter = get_adapter(model)
+    modules = {id(m): n for n, m in model.named_modules()}
+    head = adapter.output_head()
+    head_name = modules[id(adapter.embedding() if adapter.head_tied() else head)]  # before ties are broken
+    embedding = materialize(model, reader, modules[id(adapter.embedding())], dtype=dtype)
+    hidden = embedding(input_ids)
+    release(embedding)
+    rotary = _rotary(model)
+    rotary.to(dtype)
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    cos, sin = rotary(hidden, positions)
+    for roles in tqdm(adapter.layers(), desc="layers", disable=not progress):
+        block = materialize(model, reader, modules[id(roles.block)], dtype=dtype)
+        out = block(hidden, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+        hidden = out[0] if isinstance(out, tuple) else out
+        release(block)
+    norm = materialize(model, reader, modules[id(adapter.final_norm())], dtype=dtype)
+    hidden = norm(hidden)
+    release(norm)
+    weight = materialize(model, reader, head_name, dtype=dtype).weight
+    logits = torch.nn.functional.linear(hidden, weight, getattr(head, "bias", None))
+    release(model.get_submodule(head_name))
+    return logits
+
+
 def _report(source, target, tie: bool, worst, length: int, tolerance: float, notes: list[str]) -> ConversionReport:
     from ..symmetry.groups import symmetry_groups
 
@@ -644,6 +693,7 @@ __all__ = [
     "check_output_dir",
     "checkpoint_names",
     "is_safetensors_checkpoint",
+    "layerwise_logits",
     "materialize",
     "materialize_small",
     "meta_model",

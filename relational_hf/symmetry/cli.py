@@ -1,4 +1,4 @@
-"""`relational-hf redundancy MODEL_OR_DIR [--png PATH] [--heatmap-dir DIR] [--json PATH] [--meta]`."""
+"""`relational-hf redundancy MODEL_OR_DIR [--png PATH] [--heatmap-dir DIR] [--json PATH] [--meta] [--no-stream]`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .report import plot_head_similarity, plot_redundancy_by_layer, redundancy_report, redundancy_report_from_config
+from .report import (
+    plot_head_similarity,
+    plot_redundancy_by_layer,
+    redundancy_report,
+    redundancy_report_from_checkpoint,
+    redundancy_report_from_config,
+)
 
 
 def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,17 +39,33 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         help="relative tolerance of the effective rank (singular values > tol x largest)",
     )
     parser.add_argument("--no-descriptors", action="store_true", help="skip effective ranks and similarities")
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="load the whole model even for a local safetensors folder (default there: read one layer at a time)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
     return parser
 
 
 def run_redundancy(args: argparse.Namespace) -> int:
     """(Importing this package registers the relational architecture with the Auto classes.)
-    Load MODEL_OR_DIR with AutoModelForCausalLM (or only its config with --meta), print the Markdown report to
-    stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
+    A local safetensors folder is read one layer at a time (`redundancy_report_from_checkpoint`, same numbers);
+    otherwise load MODEL_OR_DIR with AutoModelForCausalLM (or only its config with --meta). Print the Markdown
+    report to stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
+    from ..convert.streaming import is_safetensors_checkpoint
+
     if args.meta:
         config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-        report = redundancy_report_from_config(config)
+        report = redundancy_report_from_config(config, trust_remote_code=args.trust_remote_code)
+    elif is_safetensors_checkpoint(args.model) and not args.no_stream:
+        report = redundancy_report_from_checkpoint(
+            args.model,
+            descriptors=not args.no_descriptors,
+            rank_tol=args.rank_tol,
+            trust_remote_code=args.trust_remote_code,
+            progress=True,
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         want = not args.no_descriptors
