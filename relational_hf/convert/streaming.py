@@ -501,7 +501,7 @@ def stream_to_relational(
     dst_adapter = get_adapter(target)
     dst_prefixes = _layer_prefixes(target, [lr.block for lr in dst_adapter.layers()])
     verify = _verify_indices(len(src_layers), verify_layers)
-    header_reserve = 1024 + sum(len(k) + 160 for k in expected)
+    header_reserve = 4096 + 2 * sum(len(k) + 160 for k in expected)
 
     stage = staging_dir(out)
     written: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -555,12 +555,12 @@ def stream_to_relational(
         else:
             head_key = embed_name[src_names[id(adapter.output_head().weight)]]
             emit_rows(dst_modules[id(dst_adapter.output_head())] + ".weight", head_key, fold_gain=g_final)
-        mismatch = sorted(set(expected) ^ set(written)) + sorted(
-            k for k in expected if k in written and written[k][0] != expected[k][0]
-        )
+        # every parameter written once with its shape (buffers: whatever the layer's own state_dict holds)
+        params = {n: tuple(p.shape) for n, p in target.named_parameters()}
+        mismatch = sorted(k for k, shape in params.items() if written.get(k, (None,))[0] != shape)
         if mismatch:
             raise ConversionError(
-                f"streamed tensors do not match RelationalForCausalLM's state_dict (e.g. {mismatch[0]!r})"
+                f"streamed tensors do not match RelationalForCausalLM's parameters (e.g. {mismatch[0]!r})"
             )
         writer.finish(sum(p.numel() for p in target.parameters()))
         report = _report(source, target, tie, worst, length, tolerance, notes)
