@@ -214,3 +214,18 @@ def test_meta_report_sets_apart_what_a_tied_final_gain_decides():
     assert full.by_group.get("residual_rotation", 0) < d * (d - 1) // 2
     # an untied head absorbs any final gain: O(d) is counted from the config alone
     assert redundancy_report_from_config(untied).by_group["residual_rotation"] == d * (d - 1) // 2
+
+
+def test_big_model_evaluation_offloads_layers_and_keeps_the_perplexity(tmp_path):
+    from relational_hf.convert.streaming import offloaded_perplexity
+    from relational_hf.training.metrics import perplexity
+
+    source = _source("llama", False)
+    source.save_pretrained(tmp_path / "src")
+    ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(3))
+    layer_bytes = sum(p.numel() * 4 for p in source.model.layers[0].parameters())
+    embed_bytes = source.model.embed_tokens.weight.numel() * 4
+    budget = embed_bytes + layer_bytes + layer_bytes // 2  # the embedding and one layer fit in "memory"
+    ppl, device_map = offloaded_perplexity(tmp_path / "src", ids, max_memory={"cpu": budget})
+    assert "disk" in device_map.values() and "cpu" in device_map.values()
+    assert ppl == pytest.approx(perplexity(source, ids), rel=1e-5)

@@ -36,7 +36,9 @@ def token_nll(
 ) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and the number of predicted tokens. A target counts when it
     and the token before it are real (attention_mask 1). Eval mode while it runs; the training flag is restored."""
-    device = next(model.parameters()).device
+    # a model dispatched by Accelerate (device_map with CPU / disk offload) holds meta parameters; its hooks move the
+    # inputs to each module's execution device, so any real device will do for them
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
