@@ -95,6 +95,15 @@ SMALL_QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, i
 
 
 def _rss_peak_mib() -> float:
+    """Peak resident memory of this process (VmHWM; ru_maxrss would include the parent's peak, as Linux keeps it
+    across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -135,6 +144,8 @@ def _child(kind: str, paths: list[str], threads: int) -> dict:
     torch.set_num_threads(threads)
     logging.getLogger("relational_hf").setLevel(logging.WARNING)
     base_rss = _rss_peak_mib()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    base_cpu = usage.ru_utime + usage.ru_stime
     start = time.perf_counter()
     if kind == "convert":
         from relational_hf.convert.streaming import stream_to_relational
@@ -148,10 +159,10 @@ def _child(kind: str, paths: list[str], threads: int) -> dict:
             "converter_check_relative": report.relative_logit_difference,
             "output_bytes": sum(f.stat().st_size for f in Path(paths[1]).glob("*.safetensors")),
         }
-    elif kind == "redundancy":
+    elif kind in ("redundancy", "redundancy_counts"):
         from relational_hf.symmetry.report import redundancy_report_from_checkpoint
 
-        report = redundancy_report_from_checkpoint(paths[0], descriptors=True)
+        report = redundancy_report_from_checkpoint(paths[0], descriptors=kind == "redundancy")
         out = {
             "redundant_dimensions": report.redundant_dimensions,
             "redundant_percent": report.redundant_percent,
@@ -161,7 +172,13 @@ def _child(kind: str, paths: list[str], threads: int) -> dict:
         out = exactness(paths[0], paths[1])
     else:
         raise ValueError(kind)
-    out.update(wall_s=time.perf_counter() - start, peak_rss_mib=_rss_peak_mib(), startup_rss_mib=base_rss)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.update(
+        wall_s=time.perf_counter() - start,
+        cpu_s=usage.ru_utime + usage.ru_stime - base_cpu,  # load-independent: CPU time of this step
+        peak_rss_mib=_rss_peak_mib(),
+        startup_rss_mib=base_rss,
+    )
     return out
 
 
@@ -241,8 +258,10 @@ def run_conversions(sizes: list[str], seed: int, threads: int, timeout_s: float,
             )
             row["convert"] = _run_child("convert", [str(src), str(dst)], threads, timeout_s)
             logger.info("%s: convert %s", size, row["convert"])
+            row["redundancy_counts"] = _run_child("redundancy_counts", [str(src)], threads, timeout_s)
+            logger.info("%s: redundancy (counts only) %s", size, row["redundancy_counts"])
             row["redundancy"] = _run_child("redundancy", [str(src)], threads, timeout_s)
-            logger.info("%s: redundancy %s", size, row["redundancy"])
+            logger.info("%s: redundancy (with descriptors) %s", size, row["redundancy"])
             if "error" not in row["convert"]:
                 row["check_bf16"] = _run_child("check", [str(src), str(dst)], threads, timeout_s)
                 logger.info("%s: check (bf16 output) %s", size, row["check_bf16"])

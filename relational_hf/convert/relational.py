@@ -194,6 +194,9 @@ LAYER_ROLES = (
 )
 
 
+_MLP_ROLES = ("gate", "up", "down", "mlp_gain")
+
+
 def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     """The tensors of `layer` (a LayerRoles of a Llama-family adapter) by role (`LAYER_ROLES`), detached, in the
     model's own dtype and device (no copy)."""
@@ -222,24 +225,24 @@ def fold_layer_gains(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fold one layer's RMSNorm gains into their readers: W_Q, W_K, W_V -> W diag(g_attn), W_gate, W_up ->
     W diag(g_mlp) (products in float64). Returns the (attention, mlp) full weights in fp32 for
-    `RelationalAttention.set_full_weights` / `RelationalMLP.set_full_weights`."""
-    g_attn = tensors["attention_gain"].double()
-    attention = {
-        "q": tensors["q"].double() * g_attn,
-        "k": tensors["k"].double() * g_attn,
-        "v": tensors["v"].double() * g_attn,
-        "o": tensors["o"].double(),
-    }
-    for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
-        if tensors.get(key) is not None:
-            attention[key] = tensors[key].double()
-    attention = {k: v.float() for k, v in attention.items()}
-    g_mlp = tensors["mlp_gain"].double()
-    mlp = {
-        "gate": (tensors["gate"].double() * g_mlp).float(),
-        "up": (tensors["up"].double() * g_mlp).float(),
-        "down": tensors["down"].float(),
-    }
+    `RelationalAttention.set_full_weights` / `RelationalMLP.set_full_weights`; a half whose tensors are not in
+    `tensors` comes back empty."""
+    attention, mlp = {}, {}
+    if "q" in tensors:
+        g_attn = tensors["attention_gain"].double()
+        for key in ("q", "k", "v"):
+            attention[key] = (tensors[key].double() * g_attn).float()
+        attention["o"] = tensors["o"].float()
+        for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
+            if tensors.get(key) is not None:
+                attention[key] = tensors[key].float()
+    if "up" in tensors:
+        g_mlp = tensors["mlp_gain"].double()
+        mlp = {
+            "gate": (tensors["gate"].double() * g_mlp).float(),
+            "up": (tensors["up"].double() * g_mlp).float(),
+            "down": tensors["down"].float(),
+        }
     return attention, mlp
 
 
@@ -247,11 +250,18 @@ def fold_layer_gains(
 def convert_layer(target: nn.Module, tensors: dict[str, torch.Tensor | None]) -> None:
     """Load one source layer (`LAYER_ROLES` tensors) into a `RelationalDecoderLayer` `target`: gains folded
     (`fold_layer_gains`), then QK pairs, VO pairs and SwiGLU scales moved to the target's gauge by its own
-    `set_full_weights`. The layer computes the same map as the source layer (its norms are gain-free)."""
-    attention, mlp = fold_layer_gains(tensors)
-    del tensors
+    `set_full_weights`. The layer computes the same map as the source layer (its norms are gain-free). The dict
+    `tensors` is emptied (memory: its tensors are dropped as soon as they are converted)."""
+    # one half at a time, and `tensors` is emptied as it is used: a caller that holds no other reference (the
+    # streaming converter) keeps only what is still to be converted in memory
+    part = {k: tensors.pop(k) for k in list(tensors) if k not in _MLP_ROLES}
+    attention = fold_layer_gains(part)[0]
+    del part
     target.self_attn.set_full_weights(attention)
     del attention
+    part = {k: tensors.pop(k) for k in list(tensors)}
+    mlp = fold_layer_gains(part)[1]
+    del part
     target.mlp.set_full_weights(mlp)
 
 

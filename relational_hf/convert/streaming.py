@@ -247,10 +247,28 @@ def materialize(
     return module
 
 
+def trim_heap() -> None:
+    """Return freed heap memory to the system (glibc `malloc_trim`; a no-op elsewhere). Per-layer work frees
+    tensors of tens of MB that glibc keeps in its heap otherwise, so the resident size would creep up layer by
+    layer even though nothing is alive."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def release(module: nn.Module) -> None:
     """Move a materialised submodule back to the meta device (its memory is freed), dropping the per-module caches
     of derived tensors (attributes named ``*_cache``, e.g. an assembled gauge-fixed weight) that would keep it."""
     module.to("meta")
+    drop_caches(module)
+
+
+def drop_caches(module: nn.Module) -> None:
+    """Forget the per-module caches of derived tensors (attributes named ``*_cache``, e.g. an assembled gauge-fixed
+    weight kept for decoding) so that they do not hold memory between layers."""
     for m in module.modules():
         for key in [k for k in vars(m) if k.endswith("_cache")]:
             del m.__dict__[key]
@@ -531,9 +549,11 @@ def stream_to_relational(
         dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
             block = materialize(source, reader, src_prefixes[i])  # stored dtype
-            convert_layer(layer, source_layer_tensors(adapter, src_layers[i]))
-            if i in verify:
-                block.float()
+            tensors = source_layer_tensors(adapter, src_layers[i])
+            release(block)  # `tensors` holds the only references: convert_layer drops them as it goes
+            convert_layer(layer, tensors)
+            if i in verify:  # read again (from the page cache, usually) rather than kept during the conversion
+                block = materialize(source, reader, src_prefixes[i], dtype=torch.float32)
                 hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
                 result = relative_difference(
                     _layer_outputs(block, hidden, src_rotary), _layer_outputs(layer, hidden, dst_rotary)
@@ -544,9 +564,11 @@ def stream_to_relational(
                         f"layer {i}: converted layer's outputs differ from the source layer's by {result[0]:.3g} = "
                         f"{result[2]:.3g} x the output scale {result[1]:.3g} > tolerance {tolerance:g}"
                     )
-            release(block)
+                release(block)
+            drop_caches(layer)
             for key, tensor in layer.state_dict().items():
                 emit(f"{dst_prefixes[i]}.{key}", tensor)
+            trim_heap()
         del layer
         final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
         g_final = reader.get([final_key])[final_key]
@@ -617,6 +639,7 @@ def layerwise_logits(
         out = block(hidden, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
         hidden = out[0] if isinstance(out, tuple) else out
         release(block)
+        trim_heap()
     norm = materialize(model, reader, modules[id(adapter.final_norm())], dtype=dtype)
     hidden = norm(hidden)
     release(norm)
@@ -745,6 +768,7 @@ __all__ = [
     "CheckpointReader",
     "ShardWriter",
     "check_output_dir",
+    "drop_caches",
     "checkpoint_names",
     "is_safetensors_checkpoint",
     "layerwise_logits",
@@ -758,5 +782,6 @@ __all__ = [
     "publish",
     "release",
     "staging_dir",
+    "trim_heap",
     "stream_to_relational",
 ]

@@ -254,7 +254,14 @@ def redundancy_report_from_checkpoint(
     from tqdm.auto import tqdm
     from transformers import AutoConfig
 
-    from ..convert.streaming import CheckpointReader, materialize, materialize_small, meta_model, release
+    from ..convert.streaming import (
+        CheckpointReader,
+        materialize,
+        materialize_small,
+        meta_model,
+        release,
+        trim_heap,
+    )
 
     reader = CheckpointReader(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -272,6 +279,7 @@ def redundancy_report_from_checkpoint(
             attention = materialize(model, reader, names[id(layer.attention)])
             desc.append(layer_descriptors(adapter, layer, rank_tol))
             release(attention)
+            trim_heap()
     return RedundancyReport(type(model).__name__, total, entries, notes, rank_tol, desc)
 
 
