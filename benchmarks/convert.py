@@ -245,33 +245,42 @@ def _run_child(kind: str, paths: list[str], threads: int, timeout_s: float) -> d
     return result
 
 
-def run_conversions(sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None) -> dict:
+def run_conversions(
+    sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None, save=None
+) -> dict:
+    """Generate, convert, analyse and check each size; `save(out)` runs after every step, so partial results
+    survive an interrupted run."""
     out = {}
+    save = save or (lambda _: None)
     for size in sizes:
         base = Path(tempfile.mkdtemp(prefix=f"convert-bench-{size}-", dir=workdir))
         try:
             src, dst, dst32 = base / "src", base / "relational", base / "relational_fp32"
-            row = {"size": size, "config": CONVERT_SIZES[size], "threads": threads}
+            row = out[size] = {"size": size, "config": CONVERT_SIZES[size], "threads": threads}
             row["generate"] = generate_checkpoint(size, src, seed)
             logger.info(
                 "%s: generated %.2f GB in %.0f s", size, row["generate"]["bytes"] / 1e9, row["generate"]["generate_s"]
             )
-            row["convert"] = _run_child("convert", [str(src), str(dst)], threads, timeout_s)
-            logger.info("%s: convert %s", size, row["convert"])
-            row["redundancy_counts"] = _run_child("redundancy_counts", [str(src)], threads, timeout_s)
-            logger.info("%s: redundancy (counts only) %s", size, row["redundancy_counts"])
-            row["redundancy"] = _run_child("redundancy", [str(src)], threads, timeout_s)
-            logger.info("%s: redundancy (with descriptors) %s", size, row["redundancy"])
-            if "error" not in row["convert"]:
-                row["check_bf16"] = _run_child("check", [str(src), str(dst)], threads, timeout_s)
-                logger.info("%s: check (bf16 output) %s", size, row["check_bf16"])
-            shutil.rmtree(dst, ignore_errors=True)
+            save(out)
+            steps = [
+                ("convert", "convert", [str(src), str(dst)]),
+                ("redundancy_counts", "redundancy_counts", [str(src)]),
+                ("redundancy", "redundancy", [str(src)]),
+                ("check_bf16", "check", [str(src), str(dst)]),
+            ]
             if size in FP32_CHECK_UP_TO:
-                row["convert_fp32"] = _run_child("convert", [str(src), str(dst32), "float32"], threads, timeout_s)
-                if "error" not in row["convert_fp32"]:
-                    row["check_fp32"] = _run_child("check", [str(src), str(dst32)], threads, timeout_s)
-                    logger.info("%s: check (fp32 output) %s", size, row["check_fp32"])
-            out[size] = row
+                steps += [
+                    ("convert_fp32", "convert", [str(src), str(dst32), "float32"]),
+                    ("check_fp32", "check", [str(src), str(dst32)]),
+                ]
+            for key, kind, paths in steps:
+                if kind == "check" and "error" in row.get(key.replace("check", "convert").replace("_bf16", ""), {}):
+                    continue
+                row[key] = _run_child(kind, paths, threads, timeout_s)
+                logger.info("%s: %s %s", size, key, row[key])
+                save(out)
+                if key == "check_bf16":
+                    shutil.rmtree(dst, ignore_errors=True)  # disk: one converted copy at a time
         finally:
             shutil.rmtree(base, ignore_errors=True)  # this benchmark's own generated files only
     return out
@@ -515,7 +524,11 @@ def main() -> None:
     sizes = args.sizes or (["10M"] if args.quick else ["0.1B", "1B"])
     steps = args.steps or (100 if args.quick else 1500)
     start = time.perf_counter()
-    conversions = run_conversions(sizes, args.seed, args.threads, args.convert_timeout, args.workdir)
+
+    def save(partial: dict) -> None:
+        write_json(name, {"seed": args.seed, "threads": args.threads, "partial": True, "conversion": partial})
+
+    conversions = run_conversions(sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save)
     slicing = None if args.no_slicing else slicing_vs_pruning(args.quick, steps, args.seed)
     result = {
         "seed": args.seed,
