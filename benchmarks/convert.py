@@ -432,13 +432,20 @@ def plot(conversions: dict, slicing: dict | None, path) -> None:
     labels = [f"{c['size']}\n({c['generate']['parameters'] / 1e9:.2f}B, bf16)" for c in ok]
     x = list(range(len(ok)))
     ax = axes[0]
-    ax.bar([i - 0.2 for i in x], [c["convert"]["wall_s"] for c in ok], 0.4, label="streaming convert")
-    ax.bar([i + 0.2 for i in x], [c["redundancy"].get("wall_s", 0) for c in ok], 0.4, label="streaming redundancy")
+    steps = [("convert", "convert"), ("redundancy_counts", "redundancy (counts)"), ("redundancy", "redundancy + ranks")]
+    width = 0.8 / len(steps)
+    for j, (key, label) in enumerate(steps):
+        offs = [i - 0.4 + width * (j + 0.5) for i in x]
+        walls = [c.get(key, {}).get("wall_s", 0) for c in ok]
+        cpus = [c.get(key, {}).get("cpu_s", 0) for c in ok]
+        ax.bar(offs, walls, width, label=f"{label}: wall", alpha=0.45, color=f"C{j}")
+        ax.bar(offs, cpus, width * 0.5, label=f"{label}: CPU", color=f"C{j}")
     ax.axhline(60, color="gray", ls=":", lw=0.8, label="60 s")
     ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("wall time (s), 2 threads, shared machine")
-    ax.set_title("time")
-    ax.legend(fontsize=7)
+    threads = ok[0]["threads"] if ok else "?"
+    ax.set_ylabel(f"seconds ({threads} thread(s); wall on a shared, loaded machine)")
+    ax.set_title("time: wall (light) and CPU (dark)")
+    ax.legend(fontsize=6)
     ax = axes[1]
     ax.bar([i - 0.2 for i in x], [c["convert"]["peak_rss_mib"] for c in ok], 0.4, label="convert")
     ax.bar([i + 0.2 for i in x], [c["redundancy"].get("peak_rss_mib", 0) for c in ok], 0.4, label="redundancy")
