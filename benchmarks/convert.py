@@ -1,11 +1,19 @@
-"""Conversion of Llama checkpoints to relational models: cost, exactness, and slicing against magnitude pruning.
+"""Conversion of Llama checkpoints to relational models: streaming cost, exactness, and slicing against pruning.
 
-(a) Exact conversion (`relational_hf.convert.to_relational`) of randomly initialised `LlamaForCausalLM` checkpoints
-built from `LlamaConfig` on the CPU in fp32 (decoder norm gains drawn around 1 so that folding them is not trivial;
-the final gain is kept in front of the tied head either way). Each size is converted in its own subprocess: wall time of
-the conversion (its self-check included), peak resident memory from `resource.getrusage(...).ru_maxrss` before and
-after the conversion (the delta is what the conversion adds on top of building the source), max |logit difference|
-reported by the converter, and parameters saved (decoder norm gains + fixed orbit dimensions).
+(a) Streaming conversion (`relational_hf.convert.stream_to_relational`, what `relational-hf convert` runs on a
+safetensors folder). A random Llama of each size is generated on disk as sharded bf16 safetensors, one tensor at a
+time (never the whole model in memory; weights N(0, 0.02), norm gains 1 + N(0, 0.1) so that folding is not
+trivial). Then, each in its own child process so that its peak resident memory (`ru_maxrss` of that process: the
+WHOLE process, Python, torch and Transformers included) belongs to that step alone:
+- `convert`: stream_to_relational SRC OUT (bf16 kept on disk), whose own check runs every layer against the source
+  layer on random hidden states in fp32; wall time and peak RSS;
+- `redundancy`: redundancy_report_from_checkpoint SRC (counts and per-layer invariant descriptors); wall time, RSS;
+- `check`: an independent exactness check, on a sample of layers (source layer vs converted layer read back from
+  OUT, same random input, fp32 compute) and on full logits computed layer by layer (`layerwise_logits`, so it runs
+  for any size) on random tokens. The converted weights are stored in bf16, so the difference is bf16 rounding of
+  the new factors (not the conversion); sizes up to 1B are also converted with --dtype float32, where the logits
+  must agree to float32 rounding.
+Generated files are deleted after each size (only this benchmark's own temporary folder).
 
 (b) Slicing: a small Llama (byte tokenizer of `relational_hf.lm.data`, d=128, 4 layers, context 64) is
 trained here on Tiny Shakespeare (`../shared/data/tinyshakespeare`, first 90% of the text), converted with
@@ -14,10 +22,12 @@ held-out last 10%; next to it, the same trained Llama with as many decoder weigh
 (`relational_hf.directional.compression.prune_weights`), both "same number removed" and "same number left".
 Perplexity is `relational_hf.lm.metrics.perplexity`.
 
-    python benchmarks/convert.py            # 0.1B and 1B conversions, 1500 training steps (about 10-15 min on 2 cores)
-    python benchmarks/convert.py --quick    # a ~10M conversion, 100 training steps (under 2 minutes)
+    python benchmarks/convert.py                          # 0.1B and 1B streamed, slicing with 1500 steps
+    python benchmarks/convert.py --sizes 1B 7B --no-slicing   # writes convert_stream.json / .png (7B: ~27 GB disk)
+    python benchmarks/convert.py --quick                  # a ~10M conversion, 100 training steps (about 2 min)
 
-Writes benchmarks/results/convert.json and convert.png (`_quick` with --quick).
+Writes benchmarks/results/convert.json and convert.png (`_quick` with --quick, `_stream` with --no-slicing).
+The machine running it may be shared: wall times are then pessimistic.
 """
 
 from __future__ import annotations
@@ -26,9 +36,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -39,104 +52,237 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("convert")
 
-#: conversion sizes: name -> LlamaConfig fields (tied embeddings, 32k vocabulary)
+#: conversion sizes: name -> LlamaConfig fields (32k vocabulary); 1B as the earlier in-memory measurement (tied),
+#: 7B the Llama-2-7B shape (untied head)
 CONVERT_SIZES = {
-    "10M": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, vocab_size=32000),
-    "0.1B": dict(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, vocab_size=32000
+    "10M": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=688,
+        vocab_size=32000,
+        tie_word_embeddings=True,
     ),
-    "0.3B": dict(
-        hidden_size=1024, num_hidden_layers=20, num_attention_heads=16, intermediate_size=2816, vocab_size=32000
+    "0.1B": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        tie_word_embeddings=True,
     ),
     "1B": dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=5632, vocab_size=32000
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        intermediate_size=5632,
+        vocab_size=32000,
+        tie_word_embeddings=True,
+    ),
+    "7B": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        tie_word_embeddings=False,
     ),
 }
+FP32_CHECK_UP_TO = ("10M", "0.1B", "1B")
 FRACTIONS = (0.1, 0.2, 0.3, 0.4)
 SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384)
 SMALL_QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192)
 
 
 def _rss_peak_mib() -> float:
+    """Peak resident memory of this process (VmHWM; ru_maxrss would include the parent's peak, as Linux keeps it
+    across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _rss_now_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+# ---- (a) streaming conversion ----------------------------------------------------------------------------------------
+def generate_checkpoint(size: str, directory: Path, seed: int, shard: str = "2GB") -> dict:
+    """Write a random bf16 Llama of `size` as sharded safetensors, one tensor at a time."""
+    from relational_hf.convert.streaming import ShardWriter, meta_model, parse_size
 
-
-# ---- (a) conversion cost, one size per subprocess ------------------------------------------------------------------
-def convert_child(size: str, seed: int) -> dict:
-    """Build, convert and measure one size (run in a fresh process so that ru_maxrss belongs to this size only)."""
-    from relational_hf.convert import to_relational
-
-    torch.manual_seed(seed)
+    config = LlamaConfig(**CONVERT_SIZES[size], max_position_embeddings=4096, dtype="bfloat16")
+    model = meta_model(config)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    names = [(n, tuple(t.shape)) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+    directory.mkdir(parents=True)
+    writer = ShardWriter(directory, parse_size(shard), 4096 + 200 * len(names))
     start = time.perf_counter()
-    config = LlamaConfig(**CONVERT_SIZES[size], max_position_embeddings=2048, tie_word_embeddings=True)
-    source = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for layer in source.model.layers:  # non-trivial gains to fold (the final gain is kept: tied head)
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
-    build_s = time.perf_counter() - start
-    rss_before, peak_before = _rss_now_mib(), _rss_peak_mib()
-    start = time.perf_counter()
-    target, report = to_relational(source, return_report=True)
-    convert_s = time.perf_counter() - start
-    peak_after = _rss_peak_mib()
-    source_params = report.source_parameters
+    for i, (name, shape) in enumerate(names):
+        g = torch.Generator().manual_seed(seed * 100003 + i)
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            t = 0.02 * torch.randn(shape, generator=g)
+        writer.add(name, t.to(torch.bfloat16))
+        del t
+    writer.finish(sum(p.numel() for p in model.parameters()))
+    config.save_pretrained(directory)
     return {
-        "size": size,
-        "config": CONVERT_SIZES[size],
-        "source_parameters": source_params,
-        "relational_parameters": report.relational_parameters,
-        "parameters_saved": source_params - report.relational_parameters,
-        "parameters_saved_share": 1 - report.relational_parameters / source_params,
-        "norm_gain_parameters": report.source_norm_gain_parameters,
-        "removed_orbit_dimensions": report.removed_orbit_dimensions,
-        "max_logit_difference": report.max_logit_difference,
-        "verified_sequence_length": report.verified_sequence_length,
-        "build_s": build_s,
-        "convert_s": convert_s,
-        "source_fp32_mib": source_params * 4 / 2**20,
-        "rss_before_convert_mib": rss_before,
-        "peak_rss_before_convert_mib": peak_before,
-        "peak_rss_after_convert_mib": peak_after,
-        "convert_peak_delta_mib": peak_after - peak_before,
-        "convert_peak_over_rss_mib": peak_after - rss_before,
-        "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors")),
+        "shards": len(list(directory.glob("*.safetensors"))),
+        "generate_s": time.perf_counter() - start,
     }
 
 
-def run_conversions(sizes: list[str], seed: int, threads: int, timeout_s: float) -> dict:
-    out = {}
-    for size in sizes:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", size, "--seed", str(seed)]
-        cmd += ["--threads", str(threads)]
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            out[size] = {"size": size, "error": f"did not finish within {timeout_s:.0f} s (time box)"}
-            logger.info("%s: timed out after %.0f s", size, timeout_s)
-            continue
-        if proc.returncode != 0:
-            out[size] = {"size": size, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-            logger.info("%s: failed: %s", size, out[size]["error"])
-            continue
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["subprocess_wall_s"] = time.perf_counter() - start
-        out[size] = result
-        logger.info(
-            "%s: %s params, convert %.1f s, peak +%.0f MiB, max logit diff %.2g, saved %s",
-            size,
-            f"{result['source_parameters']:,}",
-            result["convert_s"],
-            result["convert_peak_delta_mib"],
-            result["max_logit_difference"],
-            f"{result['parameters_saved']:,}",
+def _child(kind: str, paths: list[str], threads: int) -> dict:
+    """One measured step in this (fresh) process."""
+    import relational_hf  # noqa: F401  (registers the architecture)
+
+    torch.set_num_threads(threads)
+    logging.getLogger("relational_hf").setLevel(logging.WARNING)
+    base_rss = _rss_peak_mib()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    base_cpu = usage.ru_utime + usage.ru_stime
+    start = time.perf_counter()
+    if kind == "convert":
+        from relational_hf.convert.streaming import stream_to_relational
+
+        dtype = paths[2] if len(paths) > 2 else None
+        report = stream_to_relational(paths[0], paths[1], dtype=dtype, progress=False)
+        out = {
+            "source_parameters": report.source_parameters,
+            "relational_parameters": report.relational_parameters,
+            "converter_check_max_abs": report.max_logit_difference,
+            "converter_check_relative": report.relative_logit_difference,
+            "output_bytes": sum(f.stat().st_size for f in Path(paths[1]).glob("*.safetensors")),
+        }
+    elif kind in ("redundancy", "redundancy_counts"):
+        from relational_hf.symmetry.report import redundancy_report_from_checkpoint
+
+        report = redundancy_report_from_checkpoint(paths[0], descriptors=kind == "redundancy")
+        out = {
+            "redundant_dimensions": report.redundant_dimensions,
+            "redundant_percent": report.redundant_percent,
+            "layers_with_descriptors": len(report.descriptors or []),
+        }
+    elif kind == "check":
+        out = exactness(paths[0], paths[1])
+    else:
+        raise ValueError(kind)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.update(
+        wall_s=time.perf_counter() - start,
+        cpu_s=usage.ru_utime + usage.ru_stime - base_cpu,  # load-independent: CPU time of this step
+        peak_rss_mib=_rss_peak_mib(),
+        startup_rss_mib=base_rss,
+    )
+    return out
+
+
+@torch.no_grad()
+def exactness(src: str, out: str, tokens: int = 32, layers: int = 3) -> dict:
+    """Sampled layers (source vs converted layer read back from OUT) and full logits (layer by layer), fp32."""
+    from transformers import AutoConfig
+
+    from relational_hf.convert.relational import relative_difference
+    from relational_hf.convert.streaming import (
+        CheckpointReader,
+        _layer_outputs,
+        _rotary,
+        layerwise_logits,
+        materialize,
+        meta_model,
+        release,
+    )
+
+    results = {}
+    src_model = meta_model(AutoConfig.from_pretrained(src))
+    dst_model = meta_model(AutoConfig.from_pretrained(out))
+    src_reader, dst_reader = CheckpointReader(src), CheckpointReader(out)
+    n = src_model.config.num_hidden_layers
+    sample = sorted({0, n // 2, n - 1})[:layers]
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in sample:
+        a = materialize(src_model, src_reader, f"model.layers.{i}", dtype=torch.float32)
+        b = materialize(dst_model, dst_reader, f"model.layers.{i}", dtype=torch.float32)
+        hidden = torch.randn(1, tokens, src_model.config.hidden_size, generator=g)
+        diff, scale, rel = relative_difference(
+            _layer_outputs(a, hidden, _rotary(src_model)), _layer_outputs(b, hidden, _rotary(dst_model))
         )
+        rows.append({"layer": i, "max_abs": diff, "scale": scale, "relative": rel})
+        release(a)
+        release(b)
+    results["layers"] = rows
+    ids = torch.randint(0, src_model.config.vocab_size, (2, tokens), generator=g)
+    la = layerwise_logits(src, ids)
+    lb = layerwise_logits(out, ids)
+    diff, scale, rel = relative_difference(la, lb)
+    results["logits"] = {
+        "max_abs": diff,
+        "scale": scale,
+        "relative": rel,
+        "argmax_agreement": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
+        "tokens": int(ids.numel()),
+    }
+    return results
+
+
+def _run_child(kind: str, paths: list[str], threads: int, timeout_s: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--threads", str(threads), *paths]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout_s:.0f} s (time box)"}
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["subprocess_wall_s"] = time.perf_counter() - start
+    return result
+
+
+def run_conversions(
+    sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None, save=None
+) -> dict:
+    """Generate, convert, analyse and check each size; `save(out)` runs after every step, so partial results
+    survive an interrupted run."""
+    out = {}
+    save = save or (lambda _: None)
+    for size in sizes:
+        base = Path(tempfile.mkdtemp(prefix=f"convert-bench-{size}-", dir=workdir))
+        try:
+            src, dst, dst32 = base / "src", base / "relational", base / "relational_fp32"
+            row = out[size] = {"size": size, "config": CONVERT_SIZES[size], "threads": threads}
+            row["generate"] = generate_checkpoint(size, src, seed)
+            logger.info(
+                "%s: generated %.2f GB in %.0f s", size, row["generate"]["bytes"] / 1e9, row["generate"]["generate_s"]
+            )
+            save(out)
+            steps = [
+                ("convert", "convert", [str(src), str(dst)]),
+                ("redundancy_counts", "redundancy_counts", [str(src)]),
+                ("redundancy", "redundancy", [str(src)]),
+                ("check_bf16", "check", [str(src), str(dst)]),
+            ]
+            if size in FP32_CHECK_UP_TO:
+                steps += [
+                    ("convert_fp32", "convert", [str(src), str(dst32), "float32"]),
+                    ("check_fp32", "check", [str(src), str(dst32)]),
+                ]
+            for key, kind, paths in steps:
+                if kind == "check" and "error" in row.get(key.replace("check", "convert").replace("_bf16", ""), {}):
+                    continue
+                row[key] = _run_child(kind, paths, threads, timeout_s)
+                logger.info("%s: %s %s", size, key, row[key])
+                save(out)
+                if key == "check_bf16":
+                    shutil.rmtree(dst, ignore_errors=True)  # disk: one converted copy at a time
+        finally:
+            shutil.rmtree(base, ignore_errors=True)  # this benchmark's own generated files only
     return out
 
 
@@ -274,96 +420,139 @@ def slicing_vs_pruning(quick: bool, steps: int, seed: int) -> dict:
     }
 
 
-def plot(conversions: dict, slicing: dict, path) -> None:
+def plot(conversions: dict, slicing: dict | None, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ok = [c for c in conversions.values() if "error" not in c]
-    if ok:
-        labels = [
-            f"{c['size']} ({c['source_parameters'] / 1e6:.0f}M)\nmax|dlogit| {c['max_logit_difference']:.1e}"
-            for c in ok
-        ]
-        x = range(len(ok))
-        ax0.bar([i - 0.2 for i in x], [c["convert_s"] for c in ok], 0.4, label="convert time (s)")
-        ax0b = ax0.twinx()
-        ax0b.bar([i + 0.2 for i in x], [c["convert_peak_over_rss_mib"] for c in ok], 0.4, color="tab:orange")
-        ax0b.set_ylabel("peak RSS above pre-conversion RSS (MiB)", color="tab:orange")
-        ax0.set_xticks(list(x), labels, fontsize=8)
-        ax0.set_xlim(-0.7, len(ok) - 0.3)
-        ax0.set_ylabel("conversion wall time (s)", color="tab:blue")
-        ax0.set_title("exact conversion (fp32, CPU)")
-    rows = slicing["rows"]
-    removed = [100 * r["parameter_reduction"] for r in rows]
-    ax1.plot(removed, [r["perplexity_sliced"] for r in rows], "o-", label="relational + slicing")
-    for label, style in (("same_removed", "s--"), ("same_left", "^:")):
-        pts = [(100 * r["parameter_reduction"], r[f"magnitude_{label}"].get("perplexity")) for r in rows]
-        pts = [p for p in pts if p[1] is not None]
-        ax1.plot(*zip(*pts), style, label=f"Llama + magnitude pruning ({label.replace('_', ' ')})")
-    ax1.axhline(slicing["perplexity_llama"], color="k", lw=0.8, label="trained Llama (unpruned)")
-    for r, x in zip(rows, removed):
-        ax1.annotate(f"slice {r['fraction']:.1f}", (x, r["perplexity_sliced"]), fontsize=7)
-    ax1.set_xlabel("stored parameters removed by slicing (%)")
-    ax1.set_ylabel("held-out perplexity (Tiny Shakespeare, bytes)")
-    ax1.set_title("slicing vs magnitude pruning")
-    ax1.legend(fontsize=7)
+    panels = 3 if slicing else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    ok = [c for c in conversions.values() if "error" not in c.get("convert", {"error": 1})]
+    labels = [f"{c['size']}\n({c['generate']['parameters'] / 1e9:.2f}B, bf16)" for c in ok]
+    x = list(range(len(ok)))
+    ax = axes[0]
+    steps = [("convert", "convert"), ("redundancy_counts", "redundancy (counts)"), ("redundancy", "redundancy + ranks")]
+    width = 0.8 / len(steps)
+    for j, (key, label) in enumerate(steps):
+        offs = [i - 0.4 + width * (j + 0.5) for i in x]
+        walls = [c.get(key, {}).get("wall_s", 0) for c in ok]
+        cpus = [c.get(key, {}).get("cpu_s", 0) for c in ok]
+        ax.bar(offs, walls, width, label=f"{label}: wall", alpha=0.45, color=f"C{j}")
+        ax.bar(offs, cpus, width * 0.5, label=f"{label}: CPU", color=f"C{j}")
+    ax.axhline(60, color="gray", ls=":", lw=0.8, label="60 s")
+    ax.set_xticks(x, labels, fontsize=8)
+    threads = ok[0]["threads"] if ok else "?"
+    ax.set_ylabel(f"seconds ({threads} thread(s); wall on a shared, loaded machine)")
+    ax.set_title("time: wall (light) and CPU (dark)")
+    ax.legend(fontsize=6)
+    ax = axes[1]
+    ax.bar([i - 0.2 for i in x], [c["convert"]["peak_rss_mib"] for c in ok], 0.4, label="convert")
+    ax.bar([i + 0.2 for i in x], [c["redundancy"].get("peak_rss_mib", 0) for c in ok], 0.4, label="redundancy")
+    for target in (2048, 4096):
+        ax.axhline(target, color="gray", ls=":", lw=0.8)
+    for i, c in enumerate(ok):
+        ax.annotate(f"{c['generate']['bytes'] / 2**20:,.0f} MiB on disk", (i, c["convert"]["peak_rss_mib"]), fontsize=7)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("peak RSS of the whole process (MiB)")
+    ax.set_title("memory (targets 2 GiB at 1B, 4 GiB at 7B)")
+    ax.legend(fontsize=7)
+    if slicing:
+        ax1 = axes[2]
+        rows = slicing["rows"]
+        removed = [100 * r["parameter_reduction"] for r in rows]
+        ax1.plot(removed, [r["perplexity_sliced"] for r in rows], "o-", label="relational + slicing")
+        for label, style in (("same_removed", "s--"), ("same_left", "^:")):
+            pts = [(100 * r["parameter_reduction"], r[f"magnitude_{label}"].get("perplexity")) for r in rows]
+            pts = [p for p in pts if p[1] is not None]
+            ax1.plot(*zip(*pts), style, label=f"Llama + magnitude pruning ({label.replace('_', ' ')})")
+        ax1.axhline(slicing["perplexity_llama"], color="k", lw=0.8, label="trained Llama (unpruned)")
+        for r, xx in zip(rows, removed):
+            ax1.annotate(f"slice {r['fraction']:.1f}", (xx, r["perplexity_sliced"]), fontsize=7)
+        ax1.set_xlabel("stored parameters removed by slicing (%)")
+        ax1.set_ylabel("held-out perplexity (Tiny Shakespeare, bytes)")
+        ax1.set_title("slicing vs magnitude pruning")
+        ax1.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def _summary(conversions: dict) -> None:
+    print(
+        "size  params  disk GB  convert s  RSS MiB  redund. s  RSS MiB  check rel (fp32)  layers rel  logits rel (bf16)"
+    )
+    for c in conversions.values():
+        conv, red = c.get("convert", {}), c.get("redundancy", {})
+        if "error" in conv:
+            print(f"{c['size']:5s} convert failed: {conv['error']}")
+            continue
+        bf = c.get("check_bf16", {})
+        layers = max((r["relative"] for r in bf.get("layers", [])), default=float("nan"))
+        print(
+            f"{c['size']:5s} {c['generate']['parameters'] / 1e9:6.2f}B {c['generate']['bytes'] / 1e9:7.2f} "
+            f"{conv['wall_s']:10.1f} {conv['peak_rss_mib']:8.0f} {red.get('wall_s', float('nan')):10.1f} "
+            f"{red.get('peak_rss_mib', float('nan')):8.0f} {conv['converter_check_relative']:17.2e} {layers:11.2e} "
+            f"{bf.get('logits', {}).get('relative', float('nan')):17.2e}"
+        )
+        if "check_fp32" in c:
+            lg = c["check_fp32"]["logits"]
+            print(f"      fp32 output: logits max |diff| {lg['max_abs']:.2e} (relative {lg['relative']:.2e})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a ~10M conversion and a short training (under 2 min)")
+    parser.add_argument("--quick", action="store_true", help="a ~10M conversion and a short training (about 2 min)")
     parser.add_argument("--sizes", nargs="+", choices=list(CONVERT_SIZES), help="conversion sizes (default 0.1B 1B)")
+    parser.add_argument("--no-slicing", action="store_true", help="streaming conversions only (-> convert_stream)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of the small model (1500; quick 100)")
-    parser.add_argument("--convert-timeout", type=float, default=900.0, help="seconds allowed per conversion")
+    parser.add_argument("--convert-timeout", type=float, default=3600.0, help="seconds allowed per child step")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoints go (temp dir)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the existing JSON")
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. 7B -> convert_stream_7B.json)")
     args = parser.parse_args()
-    name = "convert_quick" if args.quick else "convert"
+    name = "convert_quick" if args.quick else ("convert_stream" if args.no_slicing else "convert")
+    name = f"{name}_{args.tag}" if args.tag else name
     if args.plot_only:
         saved = json.loads((RESULTS / f"{name}.json").read_text())
-        plot(saved["conversion"], saved["slicing"], RESULTS / f"{name}.png")
+        plot(saved["conversion"], saved.get("slicing"), RESULTS / f"{name}.png")
         return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.child:
-        print(json.dumps(convert_child(args.child, args.seed)))
+        print(json.dumps(_child(args.child, args.paths, args.threads)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("relational_hf").setLevel(logging.WARNING)
     sizes = args.sizes or (["10M"] if args.quick else ["0.1B", "1B"])
     steps = args.steps or (100 if args.quick else 1500)
     start = time.perf_counter()
-    conversions = run_conversions(sizes, args.seed, args.threads, args.convert_timeout)
-    slicing = slicing_vs_pruning(args.quick, steps, args.seed)
-    write_json(
-        name,
-        {
-            "seed": args.seed,
-            "threads": args.threads,
-            "wall_s": time.perf_counter() - start,
-            "conversion": conversions,
-            "slicing": slicing,
-        },
-    )
+
+    def save(partial: dict) -> None:
+        write_json(name, {"seed": args.seed, "threads": args.threads, "partial": True, "conversion": partial})
+
+    conversions = run_conversions(sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save)
+    slicing = None if args.no_slicing else slicing_vs_pruning(args.quick, steps, args.seed)
+    result = {
+        "seed": args.seed,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "wall_s": time.perf_counter() - start,
+        "note": "wall times on a machine shared with other jobs: pessimistic",
+        "conversion": conversions,
+    }
+    if slicing is not None:
+        result["slicing"] = slicing
+    write_json(name, result)
     plot(conversions, slicing, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / (name + '.json')} in {time.perf_counter() - start:.0f} s")
-    print("size   source params  relational  saved  convert s  peak+ MiB  max|dlogit|")
-    for c in conversions.values():
-        if "error" in c:
-            print(f"{c['size']:6s} {c['error']}")
-            continue
-        print(
-            f"{c['size']:6s} {c['source_parameters']:13,d} {c['relational_parameters']:11,d} "
-            f"{c['parameters_saved']:7,d} {c['convert_s']:9.1f} {c['convert_peak_over_rss_mib']:10.0f} "
-            f"{c['max_logit_difference']:11.2e}"
-        )
+    _summary(conversions)
+    if slicing is None:
+        return
     print(
         f"trained Llama: {slicing['llama_parameters']:,} params, held-out perplexity {slicing['perplexity_llama']:.3f}"
     )

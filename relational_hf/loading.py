@@ -67,8 +67,9 @@ class ModelSource:
         return str(Path(self.location) / self.gguf_file) if self.local else f"{self.location} (GGUF {self.gguf_file})"
 
 
-def add_model_source_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add `--gguf-file NAME` and `--dtype` to a command whose positional argument names the model."""
+def add_model_source_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> argparse.ArgumentParser:
+    """Add `--gguf-file NAME` and (unless `dtype` is False, for a command whose --dtype means something else)
+    `--dtype` to a command whose positional argument names the model."""
     parser.add_argument(
         "--gguf-file",
         default=None,
@@ -77,6 +78,8 @@ def add_model_source_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
         "package); the model is dequantised and rebuilt as a plain fp32 checkpoint. A path ending in .gguf can "
         "also be given directly as the model",
     )
+    if not dtype:
+        return parser
     parser.add_argument(
         "--dtype",
         default="float32",

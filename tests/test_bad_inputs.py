@@ -212,7 +212,7 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{FT} {{model}} --dataset {{root}}/no_dataset", ["--dataset", "no such file or directory"]),
     (f"{FT} {{model}} --report-to nowhere", ["--report-to", "nowhere", "tensorboard"]),
     (
-        f"{FT} {{fp16}} --projection update --train-file {{text}} --block-size 32 --output-dir {{root}}/ft16",
+        f"{FT} {{fp16}} --dtype float16 --projection update --train-file {{text}} --block-size 32 --output-dir {{root}}/ft16",
         ["--projection update", "fp32", "float16"],
     ),
     (

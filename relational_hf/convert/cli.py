@@ -1,15 +1,16 @@
-"""`relational-hf convert SRC OUT [--slice F --calibration FILE]`."""
+"""`relational-hf convert SRC OUT [--slice F --calibration FILE] [--stream | --no-stream] [--dtype D]`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from ..loading import add_model_source_arguments, load_model, load_tokenizer, save_tokenizer
+from ..loading import add_model_source_arguments, load_model_from, load_tokenizer, resolve_model_source, save_tokenizer
 from ..validate import (
     check_convert_args,
     fraction_closed_open,
@@ -20,6 +21,14 @@ from ..validate import (
     text_or_ids_file,
 )
 from .relational import to_relational
+from .streaming import (
+    check_output_dir,
+    is_safetensors_checkpoint,
+    parse_dtype,
+    publish,
+    staging_dir,
+    stream_to_relational,
+)
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,9 +56,41 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--eval-fraction", type=fraction_open, default=0.2, help="share of the calibration tokens held out"
     )
-    parser.add_argument("--tolerance", type=positive_float, default=1e-4, help="max |logit difference| accepted (fp32)")
+    parser.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=1e-4,
+        help="max |logit difference| accepted, relative to the logit scale max(1, max |logit|) (fp32 check); "
+        "streaming: the same on each layer's outputs",
+    )
+    stream = parser.add_mutually_exclusive_group()
+    stream.add_argument(
+        "--stream",
+        dest="stream",
+        action="store_const",
+        const=True,
+        default=None,
+        help="convert one layer at a time from SRC's safetensors shards (default for a local safetensors folder "
+        "without --slice): memory of one layer, SRC's dtype kept on disk",
+    )
+    stream.add_argument(
+        "--no-stream", dest="stream", action="store_const", const=False, help="load the whole model (fp32)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard when streaming (e.g. 2GB)")
+    parser.add_argument(
+        "--verify-layers",
+        type=int,
+        default=None,
+        help="streaming: check this many evenly spaced layers against the source layer (default: all)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
-    add_model_source_arguments(parser)
+    add_model_source_arguments(parser, dtype=False)  # --dtype above is the saved dtype; the model loads in fp32
     return parser
 
 
@@ -79,26 +120,64 @@ def _split(ids: torch.Tensor, seq_len: int, samples: int, eval_fraction: float) 
 
 def run_convert(args: argparse.Namespace) -> int:
     """(Importing this package registers the relational architecture with the Auto classes.)
-    Load SRC in fp32, convert with `to_relational` (verified), save OUT (safetensors, config, code files for
-    trust_remote_code, SRC's tokenizer when it has one, conversion_report.json) and print the report."""
+    Streaming (`--stream`, the default for a local safetensors folder without --slice): `stream_to_relational`,
+    one layer at a time. Otherwise load SRC in fp32, convert with `to_relational` (verified on the held-out
+    calibration text when given), save OUT (safetensors, config, code files for trust_remote_code, SRC's tokenizer
+    when it has one, conversion_report.json) and print the report. OUT is staged beside and renamed when
+    complete; an existing non-empty OUT is refused."""
     check_convert_args(args)
-    model = load_model(args)
+    check_output_dir(args.out)
+    streamable = is_safetensors_checkpoint(args.src)
+    stream = args.stream if args.stream is not None else (streamable and args.slice_fraction == 0)
+    if stream:
+        if args.slice_fraction > 0:
+            raise SystemExit("--slice needs calibration activations of the whole model: use --no-stream")
+        if not streamable:
+            raise SystemExit(f"--stream needs a local folder with config.json and safetensors weights: {args.src}")
+        report = stream_to_relational(
+            args.src,
+            args.out,
+            dtype=args.dtype,
+            tolerance=args.tolerance,
+            verify_layers=args.verify_layers,
+            max_shard_size=args.max_shard_size,
+            trust_remote_code=args.trust_remote_code,
+        )
+        sys.stdout.write(report.to_markdown())
+        sys.stdout.write(f"saved {args.out}\n")
+        return 0
+    out_dtype = parse_dtype(args.dtype)
+    source = resolve_model_source(args.src, args.gguf_file)
+    model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
     calibration = evaluation = None
-    if args.slice_fraction > 0:
-        if args.calibration is None:
-            raise SystemExit("--slice needs --calibration FILE")
+    if args.slice_fraction > 0 and args.calibration is None:
+        raise SystemExit("--slice needs --calibration FILE")
+    if args.calibration is not None:  # also the exactness check's text: real tokens, not random ones
         ids = _token_ids(args.calibration, args)
         calibration, evaluation = _split(ids, args.seq_len, args.calibration_samples, args.eval_fraction)
     relational, report = to_relational(
-        model, args.slice_fraction, calibration, eval_data=evaluation, tolerance=args.tolerance, return_report=True
+        model,
+        args.slice_fraction,
+        calibration,
+        eval_data=evaluation if args.slice_fraction > 0 else None,
+        tolerance=args.tolerance,
+        verify_data=evaluation,
+        return_report=True,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    relational.save_pretrained(args.out)
+    if out_dtype is not None:
+        relational.to(out_dtype)
+    stage = staging_dir(args.out)
     try:
-        save_tokenizer(load_tokenizer(args), args.out)
-    except (OSError, ValueError):
-        sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
-    (args.out / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        relational.save_pretrained(stage)
+        try:
+            save_tokenizer(load_tokenizer(args), stage)
+        except (OSError, ValueError):
+            sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
+        (stage / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        publish(stage, args.out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     sys.stdout.write(report.to_markdown())
     sys.stdout.write(f"saved {args.out}\n")
     return 0

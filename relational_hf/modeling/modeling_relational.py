@@ -73,19 +73,28 @@ def max_volume_rows(w: torch.Tensor, rank: int) -> torch.Tensor:
     """Indices of `rank` well-conditioned pivot rows of each matrix in a batch w (..., n, r).
 
     Greedy column-pivoted QR of w^T (max-volume heuristic): repeatedly take the row with the largest residual
-    norm and remove its direction from the others. Returns a long tensor (..., rank), each row distinct.
+    norm and remove its direction from the others. The residual norms are downdated (|x_i|^2 - sum_j (x_i.u_j)^2
+    over the orthonormal directions u_j removed so far), so each step reads w once and writes nothing of its size.
+    Returns a long tensor (..., rank), each row distinct.
     """
-    residual = w.detach().double().clone()
+    x = w.detach().double()
+    norms = x.pow(2).sum(-1)  # (..., n)
+    basis = x.new_zeros(*x.shape[:-2], rank, x.shape[-1])  # (..., rank, r) directions removed so far
     picked = []
-    taken = torch.zeros(residual.shape[:-1], dtype=torch.bool, device=w.device)
-    for _ in range(rank):
-        norms = residual.pow(2).sum(-1).masked_fill(taken, -1.0)
-        idx = norms.argmax(-1)  # (...)
+    taken = torch.zeros(norms.shape, dtype=torch.bool, device=w.device)
+    for k in range(rank):
+        idx = norms.masked_fill(taken, -1.0).argmax(-1)  # (...)
         picked.append(idx)
         taken.scatter_(-1, idx.unsqueeze(-1), True)
-        pivot = torch.gather(residual, -2, idx[..., None, None].expand(*idx.shape, 1, residual.shape[-1]))
-        unit = pivot / pivot.norm(dim=-1, keepdim=True).clamp_min(1e-300)  # (..., 1, r)
-        residual = residual - (residual * unit).sum(-1, keepdim=True) * unit
+        row = torch.gather(x, -2, idx[..., None, None].expand(*idx.shape, 1, x.shape[-1]))  # (..., 1, r)
+        if k:
+            q = basis[..., :k, :]
+            for _ in range(2):  # Gram-Schmidt, twice for orthogonality to rounding
+                row = row - (row @ q.transpose(-1, -2)) @ q
+        unit = row / row.norm(dim=-1, keepdim=True).clamp_min(1e-300)  # (..., 1, r)
+        basis[..., k : k + 1, :] = unit
+        coeff = (x @ unit.transpose(-1, -2)).squeeze(-1)  # (..., n)
+        norms = norms - coeff * coeff
     return torch.stack(picked, dim=-1)
 
 

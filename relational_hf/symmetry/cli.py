@@ -1,4 +1,4 @@
-"""`relational-hf redundancy MODEL_OR_DIR [--png PATH] [--heatmap-dir DIR] [--json PATH] [--meta]`."""
+"""`relational-hf redundancy MODEL_OR_DIR [--png PATH] [--heatmap-dir DIR] [--json PATH] [--meta] [--no-stream]`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 
 from ..loading import add_model_source_arguments, load_config, load_model
 from ..validate import check_redundancy_args, fraction_open
-from .report import plot_head_similarity, plot_redundancy_by_layer, redundancy_report, redundancy_report_from_config
+from .report import (
+    plot_head_similarity,
+    plot_redundancy_by_layer,
+    redundancy_report,
+    redundancy_report_from_checkpoint,
+    redundancy_report_from_config,
+)
 
 
 def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,6 +39,11 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         help="relative tolerance of the effective rank (singular values > tol x largest)",
     )
     parser.add_argument("--no-descriptors", action="store_true", help="skip effective ranks and similarities")
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="load the whole model even for a local safetensors folder (default there: read one layer at a time)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
     add_model_source_arguments(parser)
     return parser
@@ -40,12 +51,23 @@ def add_redundancy_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 def run_redundancy(args: argparse.Namespace) -> int:
     """(Importing this package registers the relational architecture with the Auto classes.)
-    Load MODEL_OR_DIR with AutoModelForCausalLM (or only its config with --meta), print the Markdown report to
-    stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
+    A local safetensors folder is read one layer at a time (`redundancy_report_from_checkpoint`, same numbers);
+    otherwise load MODEL_OR_DIR (Hub id, folder or GGUF file; or only its config with --meta). Print the Markdown
+    report to stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
+    from ..convert.streaming import is_safetensors_checkpoint
+
     check_redundancy_args(args)
     if args.meta:
         config = load_config(args)
-        report = redundancy_report_from_config(config)
+        report = redundancy_report_from_config(config, trust_remote_code=args.trust_remote_code)
+    elif is_safetensors_checkpoint(args.model) and not args.no_stream and args.gguf_file is None:
+        report = redundancy_report_from_checkpoint(
+            args.model,
+            descriptors=not args.no_descriptors,
+            rank_tol=args.rank_tol,
+            trust_remote_code=args.trust_remote_code,
+            progress=True,
+        )
     else:
         model = load_model(args)
         want = not args.no_descriptors

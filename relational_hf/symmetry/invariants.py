@@ -63,37 +63,39 @@ def _rank(values: torch.Tensor, rtol: float) -> list[int]:
 
 
 @torch.no_grad()
+def layer_descriptors(adapter, layer, rank_tol: float = 1e-3) -> HeadDescriptors:
+    """The descriptors of one layer (a LayerRoles of `adapter`): only that layer's attention factors and attention
+    norm gain are read, so a streaming caller may materialise one layer at a time."""
+    w = adapter.attention_weights(layer)
+    slots = adapter.attention_slots(layer)
+    h, hkv, r, dh = slots.num_heads, slots.num_kv_heads, slots.qk_dim, slots.head_dim
+    gain = adapter.norm_slots(layer.attention_norm).gain
+    dtype = torch.float64 if w.q.shape[1] <= 2048 else torch.float32
+    g = torch.ones(w.q.shape[1], dtype=dtype) if gain is None else gain.get().to(dtype)
+    g = g.to(w.q.device)
+    group = h // hkv
+    q = (w.q.to(dtype) * g).reshape(h, r, -1).transpose(1, 2)  # (H, d, r) = W_Q diag-folded
+    k = (w.k.to(dtype) * g).reshape(hkv, r, -1).transpose(1, 2).repeat_interleave(group, 0)
+    v = (w.v.to(dtype) * g).reshape(hkv, dh, -1).transpose(1, 2).repeat_interleave(group, 0)  # (H, d, d_h)
+    o = w.o.to(dtype).reshape(w.o.shape[0], h, dh).permute(1, 0, 2)  # (H, d, d_h) = W_O^h^T
+    sv_qk, sv_vo = _core_singular_values(q, k), _core_singular_values(v, o)
+    return HeadDescriptors(
+        layer=layer.index,
+        qk_rank=_rank(sv_qk, rank_tol),
+        vo_rank=_rank(sv_vo, rank_tol),
+        qk_singular_values=sv_qk.float().cpu(),
+        vo_singular_values=sv_vo.float().cpu(),
+        qk_similarity=_similarity(q, k).float().cpu(),
+        vo_similarity=_similarity(v, o).float().cpu(),
+    )
+
+
+@torch.no_grad()
 def head_descriptors(model: nn.Module, rank_tol: float = 1e-3) -> list[HeadDescriptors]:
     """Per layer: effective ranks of G_QK^h and G_VO^h for every query head h (numerical rank: singular values above
     rank_tol times the largest) and the head-to-head similarity matrices of both forms."""
     adapter = get_adapter(model)
-    out = []
-    for layer in adapter.layers():
-        w = adapter.attention_weights(layer)
-        slots = adapter.attention_slots(layer)
-        h, hkv, r, dh = slots.num_heads, slots.num_kv_heads, slots.qk_dim, slots.head_dim
-        gain = adapter.norm_slots(layer.attention_norm).gain
-        dtype = torch.float64 if w.q.shape[1] <= 2048 else torch.float32
-        g = torch.ones(w.q.shape[1], dtype=dtype) if gain is None else gain.get().to(dtype)
-        g = g.to(w.q.device)
-        group = h // hkv
-        q = (w.q.to(dtype) * g).reshape(h, r, -1).transpose(1, 2)  # (H, d, r) = W_Q diag-folded
-        k = (w.k.to(dtype) * g).reshape(hkv, r, -1).transpose(1, 2).repeat_interleave(group, 0)
-        v = (w.v.to(dtype) * g).reshape(hkv, dh, -1).transpose(1, 2).repeat_interleave(group, 0)  # (H, d, d_h)
-        o = w.o.to(dtype).reshape(w.o.shape[0], h, dh).permute(1, 0, 2)  # (H, d, d_h) = W_O^h^T
-        sv_qk, sv_vo = _core_singular_values(q, k), _core_singular_values(v, o)
-        out.append(
-            HeadDescriptors(
-                layer=layer.index,
-                qk_rank=_rank(sv_qk, rank_tol),
-                vo_rank=_rank(sv_vo, rank_tol),
-                qk_singular_values=sv_qk.float().cpu(),
-                vo_singular_values=sv_vo.float().cpu(),
-                qk_similarity=_similarity(q, k).float().cpu(),
-                vo_similarity=_similarity(v, o).float().cpu(),
-            )
-        )
-    return out
+    return [layer_descriptors(adapter, layer, rank_tol) for layer in adapter.layers()]
 
 
-__all__ = ["HeadDescriptors", "head_descriptors"]
+__all__ = ["HeadDescriptors", "head_descriptors", "layer_descriptors"]

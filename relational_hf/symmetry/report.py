@@ -8,6 +8,7 @@ numerical rank of the combined infinitesimal action on tiny models.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..architectures import get_adapter
 from .groups import symmetry_groups
-from .invariants import HeadDescriptors, head_descriptors
+from .invariants import HeadDescriptors, head_descriptors, layer_descriptors
 
 
 @dataclass
@@ -40,6 +42,14 @@ class RedundancyReport:
     notes: list[str] = field(default_factory=list)
     rank_tolerance: float = 1e-3
     descriptors: list[HeadDescriptors] | None = None
+    #: groups whose dimension depends on weight values the report could not see (config alone): each counted at
+    #: its largest possible dimension here and NOT in `redundant_dimensions`
+    value_dependent: list[GroupEntry] = field(default_factory=list)
+
+    @property
+    def value_dependent_dimensions(self) -> int:
+        """At most this many further redundant dimensions, depending on weight values not read."""
+        return sum(g.dimension for g in self.value_dependent)
 
     @property
     def redundant_dimensions(self) -> int:
@@ -109,6 +119,8 @@ class RedundancyReport:
             "groups": [g.__dict__ for g in self.groups],
             "notes": self.notes,
             "rank_tolerance": self.rank_tolerance,
+            "value_dependent": [g.__dict__ for g in self.value_dependent],
+            "value_dependent_dimensions_at_most": self.value_dependent_dimensions,
             "descriptors": None if self.descriptors is None else [d.to_dict() for d in self.descriptors],
         }
 
@@ -120,6 +132,14 @@ class RedundancyReport:
             f"- stored parameters: {self.total_parameters:,}",
             f"- redundant (gauge) dimensions: {self.redundant_dimensions:,} ({self.redundant_percent:.3f}%)",
             f"- quotient dimension: {self.quotient_dimension:,}",
+        ]
+        if self.value_dependent:
+            lines.append(
+                f"- not counted above, depends on weights not read: at most {self.value_dependent_dimensions:,} more ("
+                + ", ".join(f"{g.name} {g.dimension:,}" for g in self.value_dependent)
+                + ")"
+            )
+        lines += [
             "",
             "| group | dimension | % of parameters | what acts |",
             "|---|---:|---:|---|",
@@ -181,14 +201,86 @@ def redundancy_report(model: nn.Module, *, descriptors: bool = True, rank_tol: f
     return RedundancyReport(type(model).__name__, total, entries, notes, rank_tol, desc)
 
 
-def redundancy_report_from_config(config) -> RedundancyReport:
+def _final_gain_unknown(model: nn.Module) -> bool:
+    """True when the residual rotation's dimension depends on final-gain values that are not materialised: a head
+    tied to the embedding behind a final norm gain on the meta device (a varying gain breaks O(d) down to the
+    commutant of diag(g); with an untied head the gain folds into the head and O(d) survives whatever its values)."""
+    adapter = get_adapter(model)
+    norm = adapter.final_norm()
+    gain = getattr(norm, "weight", None) if norm is not None else None
+    return adapter.head_tied() and gain is not None and gain.device.type == "meta"
+
+
+def redundancy_report_from_config(config, *, trust_remote_code: bool = False) -> RedundancyReport:
     """Redundancy counts of the causal LM described by a Transformers config alone (weights on the meta device:
-    nothing allocated; value-dependent facts such as tied-gain equalities are taken as at initialisation)."""
+    nothing allocated). What depends on weight values is separated: behind a tied head, the residual rotation O(d)
+    survives only if the final norm gain is constant (as initialised; a trained gain with distinct values reduces it
+    to the commutant of diag(g), down to nothing), so it goes to `value_dependent` (at most d(d-1)/2) with a note,
+    and `redundant_dimensions` counts what the config alone determines."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return redundancy_report(model, descriptors=False)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    report = redundancy_report(model, descriptors=False)
+    if _final_gain_unknown(model):
+        moved = [g for g in report.groups if g.name == "residual_rotation"]
+        if moved:
+            report.groups = [g for g in report.groups if g.name != "residual_rotation"]
+            report.value_dependent += moved
+            report.notes = [n for n in report.notes if "final norm gain not materialised" not in n]
+            report.notes.append(
+                "--meta: the residual rotation O(d) (at most "
+                f"{sum(g.dimension for g in moved):,} dimensions) is a symmetry only if the final norm gain in "
+                "front of the tied head is constant; a varying gain (visible only with the weights) reduces it to "
+                "the rotations among equal gain values, possibly none. It is listed apart, not counted; run "
+                "without --meta to count it"
+            )
+    return report
+
+
+def redundancy_report_from_checkpoint(
+    path: str | os.PathLike,
+    *,
+    descriptors: bool = True,
+    rank_tol: float = 1e-3,
+    trust_remote_code: bool = False,
+    progress: bool = False,
+) -> RedundancyReport:
+    """`redundancy_report` of the safetensors checkpoint folder `path` without building the model: the model lives
+    on the meta device, the one-dimensional tensors (norm gains, biases: the values the counts depend on) are read,
+    and the descriptors are computed one layer at a time from that layer's attention tensors (read from the
+    shards, released after use). Same numbers as loading the model and calling `redundancy_report`; memory is one
+    layer's attention."""
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    from ..convert.streaming import (
+        CheckpointReader,
+        materialize,
+        materialize_small,
+        meta_model,
+        release,
+        trim_heap,
+    )
+
+    reader = CheckpointReader(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = meta_model(config, trust_remote_code=trust_remote_code)
+    materialize_small(model, reader)
+    groups, notes = symmetry_groups(model)
+    entries = [GroupEntry(g.key, g.name, g.layer, g.dimension(), g.description) for g in groups]
+    total = sum(p.numel() for p in model.parameters())
+    desc = None
+    if descriptors:
+        adapter = get_adapter(model)
+        names = {id(m): n for n, m in model.named_modules()}
+        desc = []
+        for layer in tqdm(adapter.layers(), desc="layers", disable=not progress):
+            attention = materialize(model, reader, names[id(layer.attention)])
+            desc.append(layer_descriptors(adapter, layer, rank_tol))
+            release(attention)
+            trim_heap()
+    return RedundancyReport(type(model).__name__, total, entries, notes, rank_tol, desc)
 
 
 def _figure(width: float, height: float):
@@ -256,5 +348,6 @@ __all__ = [
     "plot_head_similarity",
     "plot_redundancy_by_layer",
     "redundancy_report",
+    "redundancy_report_from_checkpoint",
     "redundancy_report_from_config",
 ]
