@@ -19,7 +19,6 @@ from torch import nn
 
 from ..modeling import GaugeFixedLinear
 from ..training.metrics import perplexity
-from ..training.reference import document_split
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +93,21 @@ def stored_parameters(model: nn.Module) -> dict:
     return {"total": total, "by_kind": by_kind, "by_layer": by_layer, "nonzero": nonzero}
 
 
+class ModelGrewError(ValueError):
+    """A compression method produced a model storing more parameters than its source."""
+
+
+def check_not_grown(before: int | nn.Module, after: int | nn.Module, method: str = "compression") -> None:
+    """Raise ModelGrewError when `after` stores more parameters than `before` (models or stored totals): no
+    compression method may return a larger model than its source."""
+    b = before if isinstance(before, int) else stored_parameters(before)["total"]
+    a = after if isinstance(after, int) else stored_parameters(after)["total"]
+    if a > b:
+        raise ModelGrewError(
+            f"{method} would store {a:,} parameters, more than the source's {b:,}; choose a larger reduction"
+        )
+
+
 def _read_text(path_or_text: str | os.PathLike) -> tuple[str, str]:
     """(text, description): a path of an existing file is read, any other string is the text itself."""
     if isinstance(path_or_text, os.PathLike) or (
@@ -132,6 +146,8 @@ def text_windows(
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     text, _ = _read_text(path_or_text)
     if split != "all":
+        from ..training.reference import document_split  # heavy module (trainer, hub): imported on use
+
         first, last = document_split(text, fraction)
         text = first if split == "first" else last
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -158,6 +174,8 @@ def perplexity_on_windows(
 
 __all__ = [
     "PARAMETER_KINDS",
+    "ModelGrewError",
+    "check_not_grown",
     "TEXT_SPLITS",
     "parameter_kind",
     "perplexity_on_windows",
