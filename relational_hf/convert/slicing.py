@@ -59,8 +59,7 @@ class SliceReport:
         lines = [
             f"Slicing {self.fraction:.0%} of the residual stream: d {self.hidden_size_before} -> {self.hidden_size_after},"
             f" parameters {self.parameters_before:,} -> {self.parameters_after:,} ({self.parameter_reduction:.1%} fewer),"
-            f" calibration variance kept {self.variance_kept:.1%}"
-            + (" (head untied)" if self.head_untied else ""),
+            f" calibration variance kept {self.variance_kept:.1%}" + (" (head untied)" if self.head_untied else ""),
         ]
         if self.perplexity_before is not None:
             lines.append(f"- held-out perplexity {self.perplexity_before:.3f} -> {self.perplexity_after:.3f}")
