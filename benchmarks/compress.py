@@ -88,17 +88,23 @@ def load_model(quick: bool):
     return model, tokenizer
 
 
+_WANDA_NORMS: list = []  # one calibration pass for every Wanda cell
+
+
 def compress(method: str, target: float | None, model, tokenizer, calibration: torch.Tensor) -> tuple[object, dict]:
     """(compressed model, details) for one cell."""
-    from relational_hf.compress.baselines import prune_to_target, slicegpt
+    from relational_hf.compress.baselines import prune_to_target, slicegpt, wanda_feature_norms
 
     if method == "dense":
         return model, {}
+    score, pattern = method.split("-") if method in FIXED_PATTERN else (method, "unstructured")
+    if score == "wanda" and not _WANDA_NORMS:
+        _WANDA_NORMS.extend(wanda_feature_norms(model, calibration))
+    norms = _WANDA_NORMS if score == "wanda" else None
     if method in ("magnitude", "wanda"):
-        return prune_to_target(model, method, "unstructured", remove=target, calibration=calibration)
+        return prune_to_target(model, method, "unstructured", remove=target, feature_norms=norms)
     if method in FIXED_PATTERN:
-        score, pattern = method.split("-")
-        return prune_to_target(model, score, pattern, calibration=calibration)
+        return prune_to_target(model, score, pattern, calibration=calibration, feature_norms=norms)
     if method in ("slicegpt", "slicegpt-untied"):
         head = "untied" if method == "slicegpt-untied" else "auto"
         sliced, report = slicegpt(model, calibration, remove=target, head=head)
@@ -192,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="keep the cells already measured in the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the README table from the JSON and exit")
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default 512; quick 128)")
-    parser.add_argument("--calibration-windows", type=int, default=None, help="default 32 (quick 4)")
-    parser.add_argument("--eval-windows", type=int, default=None, help="default 20 (quick 4)")
+    parser.add_argument("--calibration-windows", type=int, default=None, help="default 16 (quick 4)")
+    parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.targets is None:
@@ -212,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     window = args.window or (128 if args.quick else 512)
-    n_cal = args.calibration_windows or (4 if args.quick else 32)
-    n_eval = args.eval_windows or (4 if args.quick else 20)
+    n_cal = args.calibration_windows or (4 if args.quick else 16)
+    n_eval = args.eval_windows or (4 if args.quick else 12)
 
     from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
 

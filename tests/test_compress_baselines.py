@@ -112,3 +112,16 @@ def test_pruning_to_a_target_removes_that_share_as_non_zeros_and_keeps_dense_sto
     assert perplexity_on_windows(pruned24, _data(2, 16)) > 0
     with pytest.raises(ValueError, match="prunable"):
         prune_to_target(model, score, "unstructured", remove=0.99, calibration=_data())
+
+
+def test_wanda_with_cached_feature_norms_equals_one_pass_pruning():
+    from relational_hf.compress.baselines import wanda_feature_norms
+
+    model = _llama(tied=False)
+    data = _data()
+    norms = wanda_feature_norms(model, data)
+    for pattern, remove in (("unstructured", 0.15), ("2:4", None)):
+        direct, _ = prune_to_target(model, "wanda", pattern, remove=remove, calibration=data)
+        cached, _ = prune_to_target(model, "wanda", pattern, remove=remove, feature_norms=norms)
+        for a, b in zip(direct.parameters(), cached.parameters()):
+            assert torch.equal(a, b)

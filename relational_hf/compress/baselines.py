@@ -36,7 +36,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..directional.compression import PRUNING_PATTERNS, PRUNING_SCORES, prune_weights, weight_matrices
+from ..directional.compression import (
+    PRUNING_PATTERNS,
+    PRUNING_SCORES,
+    input_feature_norms,
+    prune_weights,
+    pruning_mask,
+    weight_matrices,
+)
 from .eval import check_not_grown, stored_parameters
 
 logger = logging.getLogger(__name__)
@@ -60,13 +67,15 @@ def prune_to_target(
     pattern: str = "unstructured",
     remove: float | None = None,
     calibration: torch.Tensor | None = None,
+    feature_norms: list[torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict]:
     """Prune `model`'s decoder-layer weights (a deep copy) with `directional.compression.prune_weights`.
 
     Unstructured: the sparsity s = remove * P / P_prunable makes the zeros a share `remove` of all P stored
     parameters (embeddings included); N:M patterns have their fixed sparsity 1 - N/M (`remove` ignored). Wanda
     (`score="wanda"`) needs `calibration` (n, T) token ids. Returns (model, report) with the dense storage, the
-    non-zeros and the share of stored parameters the non-zeros remove."""
+    non-zeros and the share of stored parameters the non-zeros remove. `feature_norms`: Wanda's input-feature norms
+    from `wanda_feature_norms(model, calibration)`, to prune at several targets with one calibration pass."""
     if score not in PRUNING_SCORES:
         raise ValueError(f"unknown pruning score {score!r}; allowed: {', '.join(PRUNING_SCORES)}")
     if pattern not in PRUNING_PATTERNS:
@@ -85,7 +94,16 @@ def prune_to_target(
     else:
         n, m = (int(p) for p in pattern.split(":"))
         sparsity = 1.0 - n / m
-    pruned = prune_weights(model, score, pattern, sparsity, calibration_ids=calibration)
+    if score == "wanda" and feature_norms is not None:
+        pruned = copy.deepcopy(model)
+        matrices = weight_matrices(pruned)
+        if len(feature_norms) != len(matrices):
+            raise ValueError(f"feature_norms has {len(feature_norms)} entries for {len(matrices)} weight matrices")
+        for matrix, norm in zip(matrices, feature_norms):  # the Wanda score and mask of `prune_weights`
+            w = matrix.rows.detach()
+            matrix.write(w * pruning_mask(w.abs().float() * matrix.input_norms(norm), pattern, sparsity, per_row=True))
+    else:
+        pruned = prune_weights(model, score, pattern, sparsity, calibration_ids=calibration)
     after = stored_parameters(pruned)
     report = {
         "method": score if pattern == "unstructured" else f"{score}-{pattern}",
@@ -96,6 +114,12 @@ def prune_to_target(
         "removed_share_stored": 1.0 - after["total"] / before["total"],
     }
     return pruned, report
+
+
+def wanda_feature_norms(model: nn.Module, calibration: torch.Tensor, batch_size: int = 2) -> list[torch.Tensor]:
+    """||x_j||_2 over the calibration tokens for every input feature of every decoder weight (one forward pass),
+    `directional.compression.input_feature_norms`."""
+    return input_feature_norms(model, calibration, batch_size=batch_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -455,6 +479,7 @@ __all__ = [
     "SlicedDecoderLayer",
     "prunable_parameters",
     "prune_to_target",
+    "wanda_feature_norms",
     "slicegpt",
     "slicegpt_parameter_count",
     "slicegpt_width_for",
