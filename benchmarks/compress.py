@@ -23,6 +23,7 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
     python benchmarks/compress.py --quick              # 2 layers, short windows: about a minute
     python benchmarks/compress.py --methods slice relational --resume
     python benchmarks/compress.py --markdown           # the README table from the JSON
+    python benchmarks/compress.py --merge OTHER/compress.json   # add cells measured by a concurrent run
 
 Writes <out-dir>/compress.json and compress.png (`compress_quick.*` with --quick), after every cell (atomically).
 """
@@ -178,15 +179,49 @@ def markdown(payload: dict) -> str:
     lines.append("")
     lines.append(
         f"{p['model']}; calibration: {p['calibration']}; evaluation: {p['evaluation']}. "
-        f"Wall time {payload.get('wall_seconds', 0) / 60:.1f} min ({p['threads']} threads)."
+        f"Wall time {payload.get('wall_seconds', 0) / 60:.1f} min"
+        + (f" in {len(payload['merged_runs'])} runs" if payload.get("merged_runs") else "")
+        + f" ({p['threads']} threads) on a shared 2-core machine."
     )
     return "\n".join(lines)
+
+
+def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.ArgumentParser) -> int:
+    """Add the measured cells of `others` to `json_path` (kept where both measured a cell); the protocols must agree
+    on calibration and evaluation. Each run's command and wall time is listed under "merged_runs"."""
+    if not json_path.is_file():
+        parser.error(f"{json_path} does not exist: nothing to merge into")
+    payload = json.loads(json_path.read_text())
+    runs = payload.setdefault(
+        "merged_runs", [{"command": payload.get("command"), "wall_seconds": payload.get("wall_seconds")}]
+    )
+    for other_path in others:
+        other = json.loads(other_path.read_text())
+        for field in ("model", "calibration", "evaluation"):
+            if other["protocol"][field] != payload["protocol"][field]:
+                parser.error(f"--merge: {other_path} has another {field}: {other['protocol'][field]!r}")
+        for key, cell in other["cells"].items():
+            if cell.get("perplexity") is not None and payload["cells"].get(key, {}).get("perplexity") is None:
+                payload["cells"][key] = cell
+        runs.append({"command": other.get("command"), "wall_seconds": other.get("wall_seconds")})
+    payload["wall_seconds"] = sum(r["wall_seconds"] or 0.0 for r in runs)
+    write_atomically(json_path, payload)
+    plot(payload, png_path)
+    print(markdown(payload))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, short windows (about a minute)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=METHODS,
+        metavar="METHOD",
+        help=f"of {', '.join(METHODS)}",
+    )
     parser.add_argument(
         "--targets",
         nargs="+",
@@ -197,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already measured in the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the README table from the JSON and exit")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="add the measured cells of other runs' JSON files (same protocol, e.g. run concurrently) and exit",
+    )
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default 512; quick 128)")
     parser.add_argument("--calibration-windows", type=int, default=None, help="default 16 (quick 4)")
     parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
@@ -213,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{json_path} does not exist: run the benchmark first")
         print(markdown(json.loads(json_path.read_text())))
         return 0
+    if args.merge:
+        return merge(json_path, png_path, args.merge, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -250,11 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     payload["command"] = " ".join(["compress.py", *(argv if argv is not None else sys.argv[1:])])
     started = time.perf_counter()
     prior_wall = payload.get("wall_seconds", 0.0)
-    cells = [("dense", None)] + [
-        (m, None if m in FIXED_PATTERN else t)
+    cells = [
+        (m, None if m in FIXED_PATTERN or m == "dense" else t)
         for m in args.methods
-        if m != "dense"
-        for t in (args.targets if m not in FIXED_PATTERN else [None])
+        for t in (args.targets if m not in FIXED_PATTERN and m != "dense" else [None])
     ]
     seen = set()
     dense_total = stored_parameters(model)["total"]
