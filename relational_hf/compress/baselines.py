@@ -17,8 +17,9 @@ the paper for Llama-style decoders (pre-norm RMSNorm, attention and gated MLP bl
    sliced stream, so each PCA sees the errors slicing has already made;
 4. block b reads W Q_b, writes Q_{b+1}^T W (the basis of the next block), and the residual path carries the
    shortcut S_b = Q_b^T Q_{b+1} (d' x d'): x_{b+1} = x_b S_b + block(x_b). Parameters counted include the shortcuts.
-The head: for an untied head, head <- W_head diag(g_final) Q_last (what the paper stores). A tied head cannot be
-both E Q_first and W diag(g) Q_last; the paper unties it (+V d' parameters). `head="tied"` keeps it tied: the logits
+The head: `head="untied"`: head <- W_head diag(g_final) Q_last, the head sliced in the last block's basis as the
+paper does; for a tied model that separates it from the embedding E Q_first (+V d' parameters, counted).
+`head="tied"` keeps it tied: the logits
 n(y) Q_last^T diag(g) Q_first (E Q_first)^T need the d' x d' map M = Q_last^T diag(g) Q_first = U diag(sigma) V^T;
 the free rotations inside the first and last bases (Q_first <- Q_first V, Q_last <- Q_last U) turn M into the gain
 vector sigma on the final norm, so the head stays the embedding and only d' values are added. Exact at d' = d in
