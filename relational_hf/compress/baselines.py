@@ -366,12 +366,13 @@ def slicegpt(
         covariance."""
         out = torch.empty(n, length, d, dtype=torch.float32, device=device)
         cov = torch.zeros(d, d, dtype=torch.float64, device=device)
+        back = basis.T.float()  # activations in fp32, covariance accumulated in fp64
         for i in batches():
             y = stream[i : i + batch_size]
-            r = (y.double() @ basis.T) + block_fn(_normalise(y.float(), d, eps).to(dtype)).double()
-            out[i : i + batch_size] = r.float()
+            r = y @ back + block_fn(_normalise(y, d, eps).to(dtype)).float()
+            out[i : i + batch_size] = r
             flat = _normalise(r, d, eps).reshape(-1, d)
-            cov += flat.T @ flat
+            cov += (flat.T @ flat).double()
         return out, cov
 
     iterator = tqdm(range(len(layers)), desc="SliceGPT (sequential calibration)", disable=not progress, leave=False)
@@ -398,7 +399,7 @@ def slicegpt(
             mid_basis.T @ o.weight.detach().double(), None if o.bias is None else mid_basis.T @ o.bias.double(), o
         )
         attn_shortcut = basis.T @ mid_basis
-        stream = (residual.double() @ mid_basis).float()
+        stream = residual @ mid_basis.float()
         del residual
         for name in ("gate_proj", "up_proj"):
             lin = getattr(mlp, name)
@@ -412,7 +413,7 @@ def slicegpt(
             basis.T @ down.weight.detach().double(), None if down.bias is None else basis.T @ down.bias.double(), down
         )
         mlp_shortcut = mid_basis.T @ basis
-        stream = (residual.double() @ basis).float()
+        stream = residual @ basis.float()
         del residual
         layer = SlicedDecoderLayer(attn, mlp, width, d, eps).to(device=device, dtype=dtype)
         layer.attn_shortcut.copy_(attn_shortcut)
