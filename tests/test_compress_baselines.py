@@ -125,3 +125,23 @@ def test_wanda_with_cached_feature_norms_equals_one_pass_pruning():
         cached, _ = prune_to_target(model, "wanda", pattern, remove=remove, feature_norms=norms)
         for a, b in zip(direct.parameters(), cached.parameters()):
             assert torch.equal(a, b)
+
+
+def test_slicegpt_on_the_first_layers_of_smollm2_is_exact_at_full_width_and_keeps_the_head_tied(smollm2_dir):
+    """The real checkpoint (tied head, varying final gain, GQA, RoPE), cut to its first 2 layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    config.num_hidden_layers = 2
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, config=config, dtype=torch.float32).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    data = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    sliced, report = slicegpt(model, data, width=config.hidden_size, progress=False, allow_growth=True)
+    with torch.no_grad():
+        dense = model(ids).logits
+        assert (sliced(ids).logits - dense).abs().max().item() <= 1e-3 * dense.abs().max().item()
+    assert sliced.lm_head.weight is sliced.model.embed_tokens.weight and report.head == "tied"
+    smaller, small_report = slicegpt(model, data, remove=0.25, progress=False)
+    assert small_report.parameters_after <= 0.75 * stored_parameters(model)["total"]
+    assert small_report.parameters_after == slicegpt_parameter_count(model, small_report.width)
