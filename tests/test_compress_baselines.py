@@ -81,6 +81,8 @@ def test_slicegpt_calibration_is_sequential_and_slicing_costs_quality():
     assert all(0 < k <= 1 + 1e-9 for k in r_wide.variance_kept)
     assert sum(r_narrow.variance_kept) < sum(r_wide.variance_kept)
     assert len(r_wide.variance_kept) == 1 + 2 * TINY["num_hidden_layers"]
+    assert len(r_wide.shortcut_overlap) == 2 * TINY["num_hidden_layers"]
+    assert all(0 < o <= 1 + 1e-9 for o in r_wide.shortcut_overlap + r_narrow.shortcut_overlap)
     ids = _data(2, 16, seed=9)
     dense = model(ids).logits
     assert (narrow(ids).logits - dense).norm() > (wide(ids).logits - dense).norm()

@@ -174,7 +174,8 @@ class SlicedDecoderLayer(nn.Module):
 @dataclass
 class SliceGPTReport:
     """What `slicegpt` did: widths, head handling, stored parameters (shortcuts and head included), the share of
-    each block's calibration variance kept, time."""
+    each block's calibration variance kept, the share of each block's kept subspace that the next block's keeps
+    (||S_b||_F^2 / d', 1 when consecutive bases span the same subspace), time."""
 
     hidden_size: int
     width: int
@@ -185,6 +186,7 @@ class SliceGPTReport:
     calibration_tokens: int
     seconds: float = 0.0
     variance_kept: list[float] = field(default_factory=list)
+    shortcut_overlap: list[float] = field(default_factory=list)  # ||Q_b^T Q_{b+1}||_F^2 / d' per block
 
     @property
     def slicing_fraction(self) -> float:
@@ -359,7 +361,7 @@ def slicegpt(
     basis, kept = _top_eigenvectors(covariance(stream), width)  # Q_first (d, d')
     first_basis = basis
     stream = (stream @ basis).float()  # the sliced stream, (n, T, d')
-    variance_kept = [kept]
+    variance_kept, overlaps = [kept], []
 
     def sliced_block(block_fn, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a block on the sliced stream; returns the full-width residual R = y Q^T + block(n(y)) and its
@@ -399,6 +401,7 @@ def slicegpt(
             mid_basis.T @ o.weight.detach().double(), None if o.bias is None else mid_basis.T @ o.bias.double(), o
         )
         attn_shortcut = basis.T @ mid_basis
+        overlaps.append(float(attn_shortcut.square().sum()) / width)
         stream = residual @ mid_basis.float()
         del residual
         for name in ("gate_proj", "up_proj"):
@@ -413,6 +416,7 @@ def slicegpt(
             basis.T @ down.weight.detach().double(), None if down.bias is None else basis.T @ down.bias.double(), down
         )
         mlp_shortcut = mid_basis.T @ basis
+        overlaps.append(float(mlp_shortcut.square().sum()) / width)
         stream = residual @ basis.float()
         del residual
         layer = SlicedDecoderLayer(attn, mlp, width, d, eps).to(device=device, dtype=dtype)
@@ -464,6 +468,7 @@ def slicegpt(
         calibration_tokens=calibration.numel(),
         seconds=time.perf_counter() - start,
         variance_kept=variance_kept,
+        shortcut_overlap=overlaps,
     )
     if after["total"] != slicegpt_parameter_count(model, width, head):
         logger.warning(
