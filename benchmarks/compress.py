@@ -35,6 +35,7 @@ import copy
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -203,7 +204,8 @@ def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.
         for key, cell in other["cells"].items():
             if cell.get("perplexity") is not None and payload["cells"].get(key, {}).get("perplexity") is None:
                 payload["cells"][key] = cell
-        runs.append({"command": other.get("command"), "wall_seconds": other.get("wall_seconds")})
+        command = re.sub(r" --out-dir \S+", "", other.get("command") or "")  # no machine paths in the results
+        runs.append({"command": command, "wall_seconds": other.get("wall_seconds")})
     payload["wall_seconds"] = sum(r["wall_seconds"] or 0.0 for r in runs)
     write_atomically(json_path, payload)
     plot(payload, png_path)
