@@ -7,9 +7,13 @@ Slicing keeps the first d' columns Q_s of R: E <- E Q_s, writers <- Q_s^T W, rea
 over d' coordinates is sqrt(d'/d) times the one over d when the dropped directions carry little energy, readers are
 scaled by sqrt(d/d'); with a tied head the embedding and all writers are scaled by the same factor instead, which
 the norms do not see (scale invariance) and which gives the head its factor. At d' = d this is exact.
-A final norm gain (`final_norm_gain`) commutes with the rotation only where it is constant: a constant gain is kept
-(d' copies), any other is folded into the head, which is untied for it when it was tied (+V d' parameters).
+A final norm gain g (`final_norm_gain`) in front of a tied head: the logits n(x) diag(g) E^T become, in the sliced
+stream y = x Q_s, n(y) M (E Q_s)^T with M = Q_s^T diag(g) Q_s (d' x d', symmetric; exact at d' = d). The basis inside
+the kept subspace is free (the gain-free norms commute with any rotation of the sliced stream), so Q_s is replaced by
+Q_s P with M = P diag(lambda) P^T: M becomes the diagonal gain lambda (d' values) and the head stays tied (Rayleigh-Ritz
+of the gain on the kept subspace). A constant gain is the special case P = I. An untied head absorbs the gain.
 One rotation serves the whole stream (the relational architecture has no per-layer shortcut maps, unlike SliceGPT).
+A slice never stores more parameters than its source (`compress.eval.check_not_grown`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..architectures import get_adapter
+from ..compress.eval import check_not_grown, stored_parameters
 from ..modeling import RelationalConfig
 from ..modeling.modeling_relational import RelationalRMSNorm
 from ..symmetry.algebra import principal_rotation
@@ -42,7 +48,7 @@ class SliceReport:
     variance_kept: float
     perplexity_before: float | None = None
     perplexity_after: float | None = None
-    head_untied: bool = False
+    head_untied: bool = False  # kept for compatibility: slicing never unties a tied head any more
 
     @property
     def parameter_reduction(self) -> float:
@@ -53,8 +59,7 @@ class SliceReport:
         lines = [
             f"Slicing {self.fraction:.0%} of the residual stream: d {self.hidden_size_before} -> {self.hidden_size_after},"
             f" parameters {self.parameters_before:,} -> {self.parameters_after:,} ({self.parameter_reduction:.1%} fewer),"
-            f" calibration variance kept {self.variance_kept:.1%}"
-            + (" (head untied: a non-constant final gain was folded into it)" if self.head_untied else ""),
+            f" calibration variance kept {self.variance_kept:.1%}" + (" (head untied)" if self.head_untied else ""),
         ]
         if self.perplexity_before is not None:
             lines.append(f"- held-out perplexity {self.perplexity_before:.3f} -> {self.perplexity_after:.3f}")
@@ -69,6 +74,12 @@ def _batches(data: torch.Tensor | Sequence[torch.Tensor], batch_size: int):
     else:
         for seq in data:
             yield seq.reshape(1, -1)
+
+
+def _num_batches(data: torch.Tensor | Sequence[torch.Tensor], batch_size: int) -> int:
+    if isinstance(data, torch.Tensor):
+        return math.ceil((data.shape[0] if data.dim() == 2 else 1) / batch_size)
+    return len(data)
 
 
 @torch.no_grad()
@@ -90,7 +101,12 @@ def residual_covariance(
     try:
         was_training = model.training
         model.eval()
-        for batch in _batches(calibration_data, batch_size):
+        for batch in tqdm(
+            _batches(calibration_data, batch_size),
+            total=_num_batches(calibration_data, batch_size),
+            desc="calibration (residual covariance)",
+            leave=False,
+        ):
             model(batch.to(device))
         model.train(was_training)
     finally:
@@ -113,9 +129,12 @@ def slice_relational(
 ) -> tuple[nn.Module, SliceReport]:
     """Rotate `model` (a relational causal LM) into the principal gauge of the calibration covariance and keep the
     d' = d - round(fraction d) highest-variance directions. Returns (new model, SliceReport). d' must stay >= the
-    head width (the pivot gauge needs head_dim <= hidden_size). A non-constant final gain is folded into the head
-    (untying a tied head); the report's parameter counts include that."""
+    head width (the pivot gauge needs head_dim <= hidden_size). A tied head stays tied: a final gain becomes the
+    diagonal of Q_s^T diag(g) Q_s in its own eigenbasis of the kept subspace (module docstring); an untied head
+    absorbs the gain. Raises ValueError if the result would store more parameters than `model`."""
     config: RelationalConfig = model.config
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"slicing fraction must be in [0, 1), got {fraction}")
     d = config.hidden_size
     d_new = d - int(round(fraction * d))
     if d_new < max(config.head_dim, config.qk_rank) or d_new < 1:
@@ -124,9 +143,18 @@ def slice_relational(
     qs = rot[:, :d_new]  # (d, d')
     rho = math.sqrt(d / d_new)  # reader factor
     gain = model.model.norm.weight
-    keep_gain = gain is not None and bool((gain == gain[0]).all())  # constant: commutes with every rotation
-    fold_gain = gain is not None and not keep_gain
-    tied = config.tie_word_embeddings and not fold_gain
+    tied = bool(config.tie_word_embeddings)
+    keep_gain = gain is not None and tied  # a gain in front of a tied head stays a gain (in the rotated basis)
+    fold_gain = gain is not None and not tied  # an untied head absorbs it
+    new_gain = None
+    if keep_gain:
+        compressed = qs.T @ (gain.detach().double().cpu()[:, None] * qs)  # M = Q_s^T diag(g) Q_s, (d', d')
+        if bool((gain == gain[0]).all()):
+            new_gain = torch.full((d_new,), float(gain[0]), dtype=torch.float64)  # M = g I: any basis
+        else:
+            lam, p = torch.linalg.eigh(0.5 * (compressed + compressed.T))
+            order = torch.argsort(lam, descending=True)
+            qs, new_gain = qs @ p[:, order], lam[order]
     beta = rho if tied else 1.0  # embedding/writer factor (tied head)
     new_config = copy.deepcopy(config)
     new_config.hidden_size = d_new
@@ -161,7 +189,7 @@ def slice_relational(
         )
     dst.embedding().weight.copy_((src.embedding().weight.double() @ q) * beta)
     if keep_gain:
-        sliced.model.norm.weight.fill_(float(gain[0]))
+        sliced.model.norm.weight.copy_(new_gain.to(sliced.model.norm.weight))
     if not tied:
         head = model.lm_head.weight.double() * (gain.double() if fold_gain else 1.0)
         sliced.lm_head.weight.copy_(readers(head))
@@ -170,11 +198,12 @@ def slice_relational(
         fraction=fraction,
         hidden_size_before=d,
         hidden_size_after=d_new,
-        parameters_before=sum(p.numel() for p in model.parameters()),
-        parameters_after=sum(p.numel() for p in sliced.parameters()),
+        parameters_before=stored_parameters(model)["total"],
+        parameters_after=stored_parameters(sliced)["total"],
         variance_kept=float(evals[:d_new].clamp_min(0).sum()) / total if total > 0 else 1.0,
-        head_untied=config.tie_word_embeddings and not tied,
+        head_untied=False,
     )
+    check_not_grown(report.parameters_before, report.parameters_after, f"slicing {fraction}")
     return sliced, report
 
 

@@ -1,0 +1,353 @@
+"""Compression of a real checkpoint at equal stored size: SmolLM2-135M-Instruct, perplexity against stored parameters.
+
+Model: `relational_hf.pretrained.smollm2_checkpoint()` (SmolLM2-135M-Instruct, fp32, tied head), on the CPU.
+Text: WikiText-2 validation (`../shared/data/wikitext-2/valid.txt`), cut by `relational_hf.compress.eval.text_windows`
+at the ` = Title = ` heading closest to the 90% mark (whole documents on each side, `training.reference.document_split`):
+calibration = the first `--calibration-windows` non-overlapping windows of `--window` tokens from the start of the
+first 90% of the documents; evaluation = the first `--eval-windows` windows of the last 10% of the documents
+(held out, never seen in calibration). Perplexity = exp(mean next-token NLL over every predicted token of the
+windows), `compress.eval.perplexity_on_windows`; stored parameters = `compress.eval.stored_parameters` (every stored
+tensor once: tied head once, shortcuts and untied heads counted).
+
+Methods at each target share r of stored parameters removed (10/20/25/30%):
+- magnitude / wanda: unstructured pruning of the decoder-layer weights (`compress.baselines.prune_to_target`), sparsity
+  chosen so that the non-zeros are (1 - r) of the dense count; they keep their dense storage (both reported);
+- magnitude-2:4 / wanda-2:4: the fixed 2:4 pattern (50% of decoder weights), one cell each;
+- slicegpt: the SliceGPT reimplementation (`compress.baselines.slicegpt`) keeping SmolLM2's head tied (its final gain
+  becomes a d' gain vector), at the widest d' storing at most (1 - r) of the dense count (bisection on the count);
+- slicegpt-untied: the same with the head untied as the paper stores it (+V d' parameters, so a narrower d');
+- slice, relational: the project's methods through `relational_hf.compress.api.compress_model` (recorded as not
+  available when that module is missing; rerun with `--methods slice relational --resume`).
+
+    python benchmarks/compress.py                      # full benchmark (see the JSON for the wall time)
+    python benchmarks/compress.py --quick              # 2 layers, short windows: about a minute
+    python benchmarks/compress.py --methods slice relational --resume
+    python benchmarks/compress.py --markdown           # the README table from the JSON
+    python benchmarks/compress.py --merge OTHER/compress.json   # add cells measured by a concurrent run
+
+Writes <out-dir>/compress.json and compress.png (`compress_quick.*` with --quick), after every cell (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from common import RESULTS, SHARED_DATA, machine
+
+logger = logging.getLogger("compress")
+
+METHODS = (
+    "dense",
+    "slicegpt",
+    "wanda",
+    "magnitude",
+    "wanda-2:4",
+    "magnitude-2:4",
+    "slicegpt-untied",
+    "slice",
+    "relational",
+)
+PROJECT_METHODS = ("slice", "relational")
+FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
+TARGETS = (0.1, 0.2, 0.25, 0.3)
+
+
+def cell_key(method: str, target: float | None) -> str:
+    return method if target is None else f"{method}@{target:g}"
+
+
+def write_atomically(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def load_model(quick: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    folder = smollm2_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if quick:  # the first two decoder layers only
+        model.model.layers = model.model.layers[:2]
+        model.config.num_hidden_layers = 2
+    return model, tokenizer
+
+
+_WANDA_NORMS: list = []  # one calibration pass for every Wanda cell
+
+
+def compress(method: str, target: float | None, model, tokenizer, calibration: torch.Tensor) -> tuple[object, dict]:
+    """(compressed model, details) for one cell."""
+    from relational_hf.compress.baselines import prune_to_target, slicegpt, wanda_feature_norms
+
+    if method == "dense":
+        return model, {}
+    score, pattern = method.split("-") if method in FIXED_PATTERN else (method, "unstructured")
+    if score == "wanda" and not _WANDA_NORMS:
+        _WANDA_NORMS.extend(wanda_feature_norms(model, calibration))
+    norms = _WANDA_NORMS if score == "wanda" else None
+    if method in ("magnitude", "wanda"):
+        return prune_to_target(model, method, "unstructured", remove=target, feature_norms=norms)
+    if method in FIXED_PATTERN:
+        return prune_to_target(model, score, pattern, calibration=calibration, feature_norms=norms)
+    if method in ("slicegpt", "slicegpt-untied"):
+        head = "untied" if method == "slicegpt-untied" else "auto"
+        sliced, report = slicegpt(model, calibration, remove=target, head=head)
+        return sliced, report.to_dict()
+    if method in PROJECT_METHODS:
+        from relational_hf.compress.api import compress_model  # ImportError: recorded as not available
+
+        compressed, report = compress_model(
+            copy.deepcopy(model), tokenizer, remove=target, method=method, calibration=calibration
+        )
+        return compressed, report
+    raise ValueError(f"unknown method {method!r}")
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = payload["cells"].get("dense", {})
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    by_method: dict[str, list] = {}
+    for cell in payload["cells"].values():
+        if cell.get("perplexity") is None or cell["method"] == "dense":
+            continue
+        pruned = cell["method"].startswith(("magnitude", "wanda"))
+        x = cell["nonzero_parameters"] if pruned else cell["stored_parameters"]
+        by_method.setdefault(cell["method"], []).append((x / 1e6, cell["perplexity"]))
+    for method, points in sorted(by_method.items()):
+        points.sort()
+        label = f"{method} (non-zeros; dense storage)" if method.startswith(("magnitude", "wanda")) else method
+        ax.plot(*zip(*points), marker="o", label=label, linestyle="--" if "2:4" in method else "-")
+    if dense.get("perplexity"):
+        ax.axhline(dense["perplexity"], color="black", linewidth=1, label=f"dense ({dense['perplexity']:.2f})")
+        ax.axvline(dense["stored_parameters"] / 1e6, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored parameters (millions; non-zeros for pruning)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(payload["protocol"]["model"] + ", WikiText-2 held-out documents")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(payload: dict) -> str:
+    """The README table: one row per method and target."""
+    dense = payload["cells"].get("dense", {})
+    base = dense.get("perplexity")
+    lines = [
+        "| method | target removed | stored parameters | non-zeros | perplexity | vs dense |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def order(item):
+        cell = item[1]
+        return (METHODS.index(cell["method"]) if cell["method"] in METHODS else 99, cell.get("target") or 0)
+
+    for _, cell in sorted(payload["cells"].items(), key=order):
+        target = "-" if cell.get("target") is None else f"{cell['target']:.0%}"
+        if cell.get("perplexity") is None:
+            lines.append(f"| {cell['method']} | {target} | | | {cell.get('status', 'not run')} | |")
+            continue
+        rel = "" if not base else f"{cell['perplexity'] / base - 1:+.1%}"
+        lines.append(
+            f"| {cell['method']} | {target} | {cell['stored_parameters']:,} | {cell['nonzero_parameters']:,} "
+            f"| {cell['perplexity']:.2f} | {rel} |"
+        )
+    p = payload["protocol"]
+    lines.append("")
+    lines.append(
+        f"{p['model']}; calibration: {p['calibration']}; evaluation: {p['evaluation']}. "
+        f"Wall time {payload.get('wall_seconds', 0) / 60:.1f} min"
+        + (f" in {len(payload['merged_runs'])} runs" if payload.get("merged_runs") else "")
+        + f" ({p['threads']} threads) on a shared 2-core machine."
+    )
+    return "\n".join(lines)
+
+
+def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.ArgumentParser) -> int:
+    """Add the measured cells of `others` to `json_path` (kept where both measured a cell); the protocols must agree
+    on calibration and evaluation. Each run's command and wall time is listed under "merged_runs"."""
+    if not json_path.is_file():
+        parser.error(f"{json_path} does not exist: nothing to merge into")
+    payload = json.loads(json_path.read_text())
+    runs = payload.setdefault(
+        "merged_runs", [{"command": payload.get("command"), "wall_seconds": payload.get("wall_seconds")}]
+    )
+    for other_path in others:
+        other = json.loads(other_path.read_text())
+        for field in ("model", "calibration", "evaluation"):
+            if other["protocol"][field] != payload["protocol"][field]:
+                parser.error(f"--merge: {other_path} has another {field}: {other['protocol'][field]!r}")
+        for key, cell in other["cells"].items():
+            if cell.get("perplexity") is not None and payload["cells"].get(key, {}).get("perplexity") is None:
+                payload["cells"][key] = cell
+        command = re.sub(r" --out-dir \S+", "", other.get("command") or "")  # no machine paths in the results
+        runs.append({"command": command, "wall_seconds": other.get("wall_seconds")})
+    payload["wall_seconds"] = sum(r["wall_seconds"] or 0.0 for r in runs)
+    write_atomically(json_path, payload)
+    plot(payload, png_path)
+    print(markdown(payload))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, short windows (about a minute)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=METHODS,
+        metavar="METHOD",
+        help=f"of {', '.join(METHODS)}",
+    )
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        type=float,
+        default=None,
+        help="shares removed, in (0, 1) (default 0.1 0.2 0.25 0.3; quick 0.1)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true", help="keep the cells already measured in the JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the README table from the JSON and exit")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="add the measured cells of other runs' JSON files (same protocol, e.g. run concurrently) and exit",
+    )
+    parser.add_argument("--window", type=int, default=None, help="tokens per window (default 512; quick 128)")
+    parser.add_argument("--calibration-windows", type=int, default=None, help="default 16 (quick 4)")
+    parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.targets is None:
+        args.targets = [0.1] if args.quick else list(TARGETS)
+    if any(not 0.0 < t < 1.0 for t in args.targets):
+        parser.error("--targets must be shares in (0, 1)")
+    name = "compress_quick" if args.quick else "compress"
+    json_path, png_path = args.out_dir / f"{name}.json", args.out_dir / f"{name}.png"
+    if args.markdown:
+        if not json_path.is_file():
+            parser.error(f"{json_path} does not exist: run the benchmark first")
+        print(markdown(json.loads(json_path.read_text())))
+        return 0
+    if args.merge:
+        return merge(json_path, png_path, args.merge, parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    window = args.window or (128 if args.quick else 512)
+    n_cal = args.calibration_windows or (4 if args.quick else 16)
+    n_eval = args.eval_windows or (4 if args.quick else 12)
+
+    from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
+
+    model, tokenizer = load_model(args.quick)
+    text = SHARED_DATA / "wikitext-2" / "valid.txt"
+    calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
+    evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
+    protocol = {
+        "model": "SmolLM2-135M-Instruct" + (" (first 2 layers)" if args.quick else ""),
+        "text": "WikiText-2 validation split, cut at the ' = Title = ' heading closest to 90% (document_split)",
+        "calibration": f"first {calibration.shape[0]} windows of {window} tokens of the first 90% of the documents",
+        "evaluation": f"first {evaluation.shape[0]} windows of {window} tokens of the last 10% of the documents",
+        "window": window,
+        "calibration_windows": calibration.shape[0],
+        "eval_windows": evaluation.shape[0],
+        "threads": args.threads,
+        "perplexity": "relational_hf.compress.eval.perplexity_on_windows (exp of mean token NLL, windows independent)",
+        "stored_parameters": "relational_hf.compress.eval.stored_parameters (each stored tensor once)",
+    }
+    payload = {"protocol": protocol, "cells": {}}
+    if args.resume and json_path.is_file():
+        previous = json.loads(json_path.read_text())
+        if previous.get("protocol", {}).get("evaluation") != protocol["evaluation"]:
+            parser.error(f"--resume: {json_path} was measured with another protocol")
+        payload["cells"] = {k: v for k, v in previous["cells"].items() if v.get("perplexity") is not None}
+        payload["wall_seconds"] = previous.get("wall_seconds", 0.0)
+    payload["machine"] = machine()
+    payload["command"] = " ".join(["compress.py", *(argv if argv is not None else sys.argv[1:])])
+    started = time.perf_counter()
+    prior_wall = payload.get("wall_seconds", 0.0)
+    cells = [
+        (m, None if m in FIXED_PATTERN or m == "dense" else t)
+        for m in args.methods
+        for t in (args.targets if m not in FIXED_PATTERN and m != "dense" else [None])
+    ]
+    seen = set()
+    dense_total = stored_parameters(model)["total"]
+    for method, target in cells:
+        key = cell_key(method, target)
+        if key in seen or (key in payload["cells"] and args.resume):
+            continue
+        seen.add(key)
+        logger.info("cell %s", key)
+        cell = {"method": method, "target": target}
+        t0 = time.perf_counter()
+        try:
+            compressed, details = compress(method, target, model, tokenizer, calibration)
+        except ImportError as err:
+            cell.update(status="not available", error=str(err))
+        except ValueError as err:  # a target the method cannot reach (e.g. pruning a 2-layer quick model)
+            cell.update(status="not reachable", error=str(err))
+        else:
+            t1 = time.perf_counter()
+            counts = stored_parameters(compressed)
+            ppl = perplexity_on_windows(compressed, evaluation, batch_size=2, progress=True)
+            cell.update(
+                status="ok",
+                perplexity=ppl,
+                stored_parameters=counts["total"],
+                nonzero_parameters=counts["nonzero"],
+                removed_share_stored=1 - counts["total"] / dense_total,
+                removed_share_nonzero=1 - counts["nonzero"] / dense_total,
+                by_kind=counts["by_kind"],
+                compress_seconds=t1 - t0,
+                eval_seconds=time.perf_counter() - t1,
+                details=details,
+            )
+            del compressed
+            logger.info("%s: %d stored, ppl %.3f", key, counts["total"], ppl)
+        if cell.get("perplexity") is None:
+            logger.info("%s: %s (%s)", key, cell["status"], cell.get("error"))
+        payload["cells"][key] = cell
+        payload["wall_seconds"] = prior_wall + time.perf_counter() - started
+        write_atomically(json_path, payload)
+        plot(payload, png_path)
+    payload["wall_seconds"] = prior_wall + time.perf_counter() - started
+    write_atomically(json_path, payload)
+    plot(payload, png_path)
+    print(markdown(payload))
+    logger.info("wrote %s and %s in %.1f min", json_path, png_path, (time.perf_counter() - started) / 60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
