@@ -110,7 +110,7 @@ def _rss_peak_mib() -> float:
 # ---- (a) streaming conversion ----------------------------------------------------------------------------------------
 def generate_checkpoint(size: str, directory: Path, seed: int, shard: str = "2GB") -> dict:
     """Write a random bf16 Llama of `size` as sharded safetensors, one tensor at a time."""
-    from relational_hf.convert.streaming import ShardWriter, meta_model, parse_size
+    from relational_hf.shards import ShardWriter, meta_model, parse_size
 
     config = LlamaConfig(**CONVERT_SIZES[size], max_position_embeddings=4096, dtype="bfloat16")
     model = meta_model(config)

@@ -1,8 +1,19 @@
-"""Closed-form parameter counts (the README's formula), for relational models and same-size Llama baselines."""
+"""Parameter counts: the closed-form formula (the README's), for relational models and same-size Llama baselines, and
+the stored parameters of any model (every stored tensor once, by kind and by layer), which compression reports and
+checks (`check_not_grown`)."""
 
 from __future__ import annotations
 
-from .modeling import RelationalConfig
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from .modeling import GaugeFixedLinear, RelationalConfig
+
+PARAMETER_KINDS: tuple[str, ...] = ("embedding", "head", "attention_qk", "attention_vo", "mlp", "norms", "other")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def orbit_dimensions_fixed(config: RelationalConfig) -> dict[str, int]:
@@ -45,3 +56,84 @@ def llama_parameter_count(config: RelationalConfig) -> int:
         **{**config.to_dict(), "gauge": "free", "qk_rank": config.head_dim, "final_norm_gain": False}
     )
     return relational_parameter_count(free) + (2 * config.num_hidden_layers + 1) * config.hidden_size
+
+
+def parameter_kind(name: str) -> str:
+    """The kind of a stored tensor from its qualified name: embedding, head, attention_qk (queries, keys and their
+    biases), attention_vo (values, outputs), mlp, norms (gains) or other (shortcut matrices and anything else)."""
+    leaf = name.lower()
+    if "embed" in leaf or leaf.startswith("wte") or ".wte." in leaf or ".wpe." in leaf:
+        return "embedding"
+    if leaf.startswith("lm_head") or ".lm_head." in leaf:
+        return "head"
+    if "shortcut" in leaf:
+        return "other"
+    if "norm" in leaf or re.search(r"(^|\.)ln_\w+\.", leaf):
+        return "norms"
+    if re.search(r"(q_proj|k_proj|\.wq\.|\.wk\.|query|key)", leaf):
+        return "attention_qk"
+    if re.search(r"(v_proj|o_proj|\.wv\.|\.wo\.|value|out_proj|attn\.c_proj|c_attn)", leaf):
+        return "attention_vo"
+    if re.search(r"(mlp|gate_proj|up_proj|down_proj|c_fc|feed_forward|ffn)", leaf):
+        return "mlp"
+    return "other"
+
+
+def _stored_tensors(model: nn.Module):
+    """(qualified name, tensor) for every stored tensor once (the first name under which its storage appears)."""
+    seen: set[tuple[int, int, tuple]] = set()
+
+    def first_time(t: torch.Tensor) -> bool:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if first_time(p):
+            yield name, p
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            if not (buf.is_floating_point() or buf.is_complex()):
+                continue  # layout: indices, masks
+            if isinstance(module, GaugeFixedLinear) and buf_name == "fixed_value":
+                continue  # gauge constants, not data
+            if first_time(buf):
+                yield (f"{module_name}.{buf_name}" if module_name else buf_name), buf
+
+
+def stored_parameters(model: nn.Module) -> dict:
+    """Stored parameters of `model`: {"total": int, "by_kind": {kind: int}, "by_layer": [int per decoder layer],
+    "nonzero": int}. Every stored tensor counts once (see the module docstring); "by_layer" sums the tensors whose
+    name holds `layers.<i>.`; "nonzero" counts the non-zero entries (what a sparse format would store)."""
+    by_kind = dict.fromkeys(PARAMETER_KINDS, 0)
+    layers: dict[int, int] = defaultdict(int)
+    total = nonzero = 0
+    for name, t in _stored_tensors(model):
+        n = t.numel()
+        total += n
+        nonzero += int(torch.count_nonzero(t.detach()))
+        by_kind[parameter_kind(name)] += n
+        m = _LAYER.search(name)
+        if m:
+            layers[int(m.group(1))] += n
+    by_layer = [layers.get(i, 0) for i in range(max(layers) + 1)] if layers else []
+    return {"total": total, "by_kind": by_kind, "by_layer": by_layer, "nonzero": nonzero}
+
+
+class ModelGrewError(ValueError):
+    """A compression method produced a model storing more parameters than its source."""
+
+
+def check_not_grown(before: int | nn.Module, after: int | nn.Module, method: str = "compression") -> None:
+    """Raise ModelGrewError when `after` stores more parameters than `before` (models or stored totals): no
+    compression method may return a larger model than its source."""
+    b = before if isinstance(before, int) else stored_parameters(before)["total"]
+    a = after if isinstance(after, int) else stored_parameters(after)["total"]
+    if a > b:
+        raise ModelGrewError(
+            f"{method} would store {a:,} parameters, more than the source's {b:,}; choose a larger reduction"
+        )

@@ -22,11 +22,12 @@ ORDER = (
     "errors",
     "outputs",
     "validate",
-    "params",
+    "params",  # parameter formulas and stored-parameter counts
     "registration",
     "__init__",
     "pretrained",
     "loading",  # model sources (directories, Hub ids, GGUF files) for the commands
+    "shards",  # safetensors checkpoints read and written a tensor / a layer at a time
     "architectures",
     "symmetry",
     "lm",  # LM data and metrics, below every user of them
@@ -48,10 +49,6 @@ LAZY_UPWARD = {
     # the SmolLM2 checkpoint is built once from its GGUF file and its tokenizer saved with loading's writer
     # (loading reads GGUF sources through pretrained in turn)
     ("relational_hf/pretrained.py", "loading"),
-    # the redundancy report (and its command) of a checkpoint on disk streams it layer by layer with convert's shard
-    # reader, only on that path; a lower home for the reader would remove these two
-    ("relational_hf/symmetry/report.py", "convert"),
-    ("relational_hf/symmetry/cli.py", "convert"),
 }
 
 MAX_LINES = 600

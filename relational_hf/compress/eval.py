@@ -10,102 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..modeling import GaugeFixedLinear
-from ..training.metrics import perplexity
+from ..lm.data import document_split
+from ..lm.metrics import perplexity
+from ..params import (  # noqa: F401  (the counting lives with the parameter formulas; public here too)
+    PARAMETER_KINDS,
+    ModelGrewError,
+    check_not_grown,
+    parameter_kind,
+    stored_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
-PARAMETER_KINDS: tuple[str, ...] = ("embedding", "head", "attention_qk", "attention_vo", "mlp", "norms", "other")
 TEXT_SPLITS: tuple[str, ...] = ("all", "first", "last")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def parameter_kind(name: str) -> str:
-    """The kind of a stored tensor from its qualified name: embedding, head, attention_qk (queries, keys and their
-    biases), attention_vo (values, outputs), mlp, norms (gains) or other (shortcut matrices and anything else)."""
-    leaf = name.lower()
-    if "embed" in leaf or leaf.startswith("wte") or ".wte." in leaf or ".wpe." in leaf:
-        return "embedding"
-    if leaf.startswith("lm_head") or ".lm_head." in leaf:
-        return "head"
-    if "shortcut" in leaf:
-        return "other"
-    if "norm" in leaf or re.search(r"(^|\.)ln_\w+\.", leaf):
-        return "norms"
-    if re.search(r"(q_proj|k_proj|\.wq\.|\.wk\.|query|key)", leaf):
-        return "attention_qk"
-    if re.search(r"(v_proj|o_proj|\.wv\.|\.wo\.|value|out_proj|attn\.c_proj|c_attn)", leaf):
-        return "attention_vo"
-    if re.search(r"(mlp|gate_proj|up_proj|down_proj|c_fc|feed_forward|ffn)", leaf):
-        return "mlp"
-    return "other"
-
-
-def _stored_tensors(model: nn.Module):
-    """(qualified name, tensor) for every stored tensor once (the first name under which its storage appears)."""
-    seen: set[tuple[int, int, tuple]] = set()
-
-    def first_time(t: torch.Tensor) -> bool:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            return False
-        seen.add(key)
-        return True
-
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if first_time(p):
-            yield name, p
-    for module_name, module in model.named_modules():
-        for buf_name, buf in module.named_buffers(recurse=False):
-            if buf is None or buf_name in module._non_persistent_buffers_set:
-                continue
-            if not (buf.is_floating_point() or buf.is_complex()):
-                continue  # layout: indices, masks
-            if isinstance(module, GaugeFixedLinear) and buf_name == "fixed_value":
-                continue  # gauge constants, not data
-            if first_time(buf):
-                yield (f"{module_name}.{buf_name}" if module_name else buf_name), buf
-
-
-def stored_parameters(model: nn.Module) -> dict:
-    """Stored parameters of `model`: {"total": int, "by_kind": {kind: int}, "by_layer": [int per decoder layer],
-    "nonzero": int}. Every stored tensor counts once (see the module docstring); "by_layer" sums the tensors whose
-    name holds `layers.<i>.`; "nonzero" counts the non-zero entries (what a sparse format would store)."""
-    by_kind = dict.fromkeys(PARAMETER_KINDS, 0)
-    layers: dict[int, int] = defaultdict(int)
-    total = nonzero = 0
-    for name, t in _stored_tensors(model):
-        n = t.numel()
-        total += n
-        nonzero += int(torch.count_nonzero(t.detach()))
-        by_kind[parameter_kind(name)] += n
-        m = _LAYER.search(name)
-        if m:
-            layers[int(m.group(1))] += n
-    by_layer = [layers.get(i, 0) for i in range(max(layers) + 1)] if layers else []
-    return {"total": total, "by_kind": by_kind, "by_layer": by_layer, "nonzero": nonzero}
-
-
-class ModelGrewError(ValueError):
-    """A compression method produced a model storing more parameters than its source."""
-
-
-def check_not_grown(before: int | nn.Module, after: int | nn.Module, method: str = "compression") -> None:
-    """Raise ModelGrewError when `after` stores more parameters than `before` (models or stored totals): no
-    compression method may return a larger model than its source."""
-    b = before if isinstance(before, int) else stored_parameters(before)["total"]
-    a = after if isinstance(after, int) else stored_parameters(after)["total"]
-    if a > b:
-        raise ModelGrewError(
-            f"{method} would store {a:,} parameters, more than the source's {b:,}; choose a larger reduction"
-        )
 
 
 def _read_text(path_or_text: str | os.PathLike) -> tuple[str, str]:
@@ -132,7 +54,7 @@ def text_windows(
     """Non-overlapping windows (n, window) of token ids of a text file (or a text given as a string).
 
     split "all": the whole text; "first": its first 1 - `fraction`, "last": its last `fraction`, cut at the WikiText
-    top-level heading ` = Title = ` closest to that mark (`training.reference.document_split`; whole documents on
+    top-level heading ` = Title = ` closest to that mark (`relational_hf.lm.data.document_split`; whole documents on
     each side; a text without headings is cut at a line). "first" windows are taken from the start, "last" windows
     from the start of the held-out part too. `n` (default: all that fit) caps the number of windows; a text too
     short for one window raises ValueError."""
@@ -146,7 +68,6 @@ def text_windows(
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     text, _ = _read_text(path_or_text)
     if split != "all":
-        from ..training.reference import document_split  # heavy module (trainer, hub): imported on use
 
         first, last = document_split(text, fraction)
         text = first if split == "first" else last

@@ -29,9 +29,9 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..architectures import get_adapter
-from ..compress.eval import check_not_grown, stored_parameters
 from ..modeling import RelationalConfig
 from ..modeling.modeling_relational import RelationalRMSNorm
+from ..params import check_not_grown, stored_parameters
 from ..symmetry.algebra import principal_rotation
 
 

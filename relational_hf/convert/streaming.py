@@ -16,30 +16,47 @@ is given). The output is staged in a hidden sibling folder and renamed at the en
 leaves no folder that looks like a checkpoint.
 
 Streaming analysis (`redundancy_report_from_checkpoint` in `relational_hf.symmetry.report`) uses the same reader
-and the meta-device model (`meta_model`, `materialize`).
+and the meta-device model (`meta_model`, `materialize`), both in `relational_hf.shards`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
-import struct
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.initialization import no_init_weights
 
 from ..architectures import get_adapter
+from ..lm.offload import load_offloaded, offloaded_perplexity  # noqa: F401  (public here before the split)
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRotaryEmbedding
+from ..shards import (  # noqa: F401  (names public here before the split)
+    SAFE_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    CheckpointReader,
+    ShardWriter,
+    check_output_dir,
+    checkpoint_names,
+    drop_caches,
+    is_safetensors_checkpoint,
+    materialize,
+    materialize_small,
+    meta_model,
+    parse_dtype,
+    parse_size,
+    publish,
+    release,
+    staging_dir,
+    trim_heap,
+)
 from .relational import (
     _FIXED_GROUPS,
     ConversionError,
@@ -54,368 +71,6 @@ from .relational import (
 )
 
 logger = logging.getLogger(__name__)
-
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_INDEX_NAME = "model.safetensors.index.json"
-
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_BLOCK_BYTES = 64 * 2**20  # embedding / head rows copied per block
-
-
-def is_safetensors_checkpoint(path: str | os.PathLike) -> bool:
-    """True when `path` is a local folder with config.json and safetensors weights (one file or an index)."""
-    p = Path(path)
-    return (
-        p.is_dir()
-        and (p / "config.json").is_file()
-        and ((p / SAFE_INDEX_NAME).is_file() or (p / SAFE_WEIGHTS_NAME).is_file())
-    )
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """ "float32" / "bfloat16" / "float16" (or a torch dtype, or None / "auto": keep the source's) -> torch dtype."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return None
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPE_NAMES)}; got {name!r}")
-    return _DTYPE_NAMES[name]
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "5GB", "500MB", "2GiB"."""
-    if isinstance(value, int):
-        size = value
-    else:
-        text = value.strip().upper()
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-        for unit, factor in units.items():
-            if text.endswith(unit):
-                try:
-                    size = int(float(text[: -len(unit)]) * factor)
-                except ValueError:
-                    raise ValueError(f"max_shard_size: cannot read {value!r} (e.g. 5GB, 500MB)") from None
-                break
-        else:
-            try:
-                size = int(text)
-            except ValueError:
-                raise ValueError(f"max_shard_size: cannot read {value!r} (e.g. 5GB, 500MB)") from None
-    if size <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {value!r}")
-    return size
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reading
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class CheckpointReader:
-    """Tensors of a local safetensors checkpoint (one file or an index of shards), read on demand.
-
-    Files are opened with `safe_open` for each batch of reads and closed afterwards, so the memory map of a 13 GB
-    checkpoint never stays resident: a batch costs the tensors it returns."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
-        self.path = Path(path)
-        self._safe_open = safe_open
-        index = self.path / SAFE_INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{index}: not a safetensors index (no weight_map): {err}") from None
-        elif (self.path / SAFE_WEIGHTS_NAME).is_file():
-            weight_map = None
-        else:
-            raise FileNotFoundError(f"{self.path}: no {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME}")
-        self._info: dict[str, tuple[str, str, tuple[int, ...]]] = {}
-        files = sorted(set(weight_map.values())) if weight_map is not None else [SAFE_WEIGHTS_NAME]
-        for name in files:
-            file = self.path / name
-            if not file.is_file():
-                raise FileNotFoundError(f"{file}: shard listed in {SAFE_INDEX_NAME} is missing")
-            try:
-                with safe_open(str(file), framework="pt") as st:
-                    for key in st.keys():
-                        sl = st.get_slice(key)
-                        self._info[key] = (name, sl.get_dtype(), tuple(sl.get_shape()))
-            except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
-                raise OSError(f"{file}: not a readable safetensors file ({err})") from None
-        if weight_map is not None:
-            missing = sorted(k for k, f in weight_map.items() if self._info.get(k, (f,))[0] != f)
-            if missing:
-                raise OSError(f"{index}: {len(missing)} tensor(s) not found in their shard, e.g. {missing[0]!r}")
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._info
-
-    def keys(self) -> list[str]:
-        return list(self._info)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._info[self._check(name)][2]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return _TORCH_DTYPES[self._info[self._check(name)][1]]
-
-    def _check(self, name: str) -> str:
-        if name not in self._info:
-            raise KeyError(f"{self.path}: tensor {name!r} is not in the checkpoint")
-        return name
-
-    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The named tensors (copies in their stored dtype), each file opened once and closed afterwards."""
-        by_file: dict[str, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self._info[self._check(name)][0], []).append(name)
-        out = {}
-        for file, keys in by_file.items():
-            with self._safe_open(str(self.path / file), framework="pt") as st:
-                for key in keys:
-                    out[key] = st.get_tensor(key)
-        return out
-
-    def rows(self, name: str, block_bytes: int = _BLOCK_BYTES) -> Iterator[torch.Tensor]:
-        """Row blocks of a 2-D tensor (about `block_bytes` each), read one block at a time."""
-        file, _, shape = self._info[self._check(name)]
-        row_bytes = max(1, math.prod(shape[1:]) * torch.finfo(self.dtype(name)).bits // 8)
-        step = max(1, block_bytes // row_bytes)
-        for start in range(0, shape[0], step):
-            with self._safe_open(str(self.path / file), framework="pt") as st:
-                yield st.get_slice(name)[start : start + step]
-
-
-def meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM of `config` on the meta device (nothing allocated), in eval mode."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return model.eval()
-
-
-def checkpoint_names(model: nn.Module, reader: CheckpointReader, prefix: str = "") -> dict[str, str]:
-    """state_dict name (under `prefix`) -> checkpoint name, for the model's persistent tensors under `prefix`,
-    accepting checkpoints saved without the base-model prefix (e.g. "layers.0..." for "model.layers.0...")."""
-    base = getattr(model, "base_model_prefix", "") or ""
-    out = {}
-    module = model.get_submodule(prefix) if prefix else model
-    for local in module.state_dict(keep_vars=True):
-        full = f"{prefix}.{local}" if prefix else local
-        if full in reader:
-            out[local] = full
-        elif base and full.startswith(base + ".") and full[len(base) + 1 :] in reader:
-            out[local] = full[len(base) + 1 :]
-    return out
-
-
-@torch.no_grad()
-def materialize(
-    model: nn.Module, reader: CheckpointReader, prefix: str, *, dtype: torch.dtype | None = None, strict: bool = True
-) -> nn.Module:
-    """Load the tensors of the submodule `prefix` of a meta-device `model` from the checkpoint (assigned, so the
-    module holds exactly these tensors; `dtype` casts floating ones) and return the submodule. `release` frees it."""
-    module = model.get_submodule(prefix) if prefix else model
-    names = checkpoint_names(model, reader, prefix)
-    expected = [k for k, v in module.state_dict(keep_vars=True).items()]
-    missing = [k for k in expected if k not in names]
-    if missing and strict:
-        where = f"{prefix}." if prefix else ""
-        raise KeyError(f"{reader.path}: tensor {where}{missing[0]!r} is missing from the checkpoint")
-    tensors = reader.get(names.values())
-    state = {}
-    for local, name in names.items():
-        t = tensors.pop(name)
-        state[local] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-    module.load_state_dict(state, strict=False, assign=True)
-    return module
-
-
-def trim_heap() -> None:
-    """Return freed heap memory to the system (glibc `malloc_trim`; a no-op elsewhere). Per-layer work frees
-    tensors of tens of MB that glibc keeps in its heap otherwise, so the resident size would creep up layer by
-    layer even though nothing is alive."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def release(module: nn.Module) -> None:
-    """Move a materialised submodule back to the meta device (its memory is freed), dropping the per-module caches
-    of derived tensors (attributes named ``*_cache``, e.g. an assembled gauge-fixed weight) that would keep it."""
-    module.to("meta")
-    drop_caches(module)
-
-
-def drop_caches(module: nn.Module) -> None:
-    """Forget the per-module caches of derived tensors (attributes named ``*_cache``, e.g. an assembled gauge-fixed
-    weight kept for decoding) so that they do not hold memory between layers."""
-    for m in module.modules():
-        for key in [k for k in vars(m) if k.endswith("_cache")]:
-            del m.__dict__[key]
-
-
-@torch.no_grad()
-def materialize_small(model: nn.Module, reader: CheckpointReader) -> None:
-    """Load every tensor of at most one dimension (norm gains, biases, QK-norm gains) into a meta-device model:
-    the few values the symmetry counts depend on (e.g. equal entries of a final gain), d per norm."""
-    names = checkpoint_names(model, reader)
-    params = dict(model.named_parameters())
-    small = {k: v for k, v in names.items() if k in params and params[k].ndim <= 1}
-    tensors = reader.get(small.values())
-    for local, name in small.items():
-        owner, _, attr = local.rpartition(".")
-        module = model.get_submodule(owner)
-        old = module._parameters[attr]
-        module._parameters[attr] = nn.Parameter(tensors[name], requires_grad=old.requires_grad)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class ShardWriter:
-    """Write safetensors shards tensor by tensor (never a whole shard in memory).
-
-    The header of each shard is reserved at its start (a JSON header may be padded with spaces, safetensors format)
-    and filled in when the shard closes; tensors are appended as raw little-endian bytes, a tensor may arrive in
-    row blocks. `finish` renames the shards as `save_pretrained` names them and writes the index."""
-
-    def __init__(self, directory: Path, max_shard_bytes: int, header_reserve: int) -> None:
-        self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self.header_reserve = (header_reserve + 7) // 8 * 8
-        self.shards: list[tuple[Path, dict]] = []
-        self._file = None
-        self._header: dict = {}
-        self._offset = 0
-        self._pending: tuple[str, int] | None = None  # name, bytes still expected
-        self.total_bytes = 0
-
-    def _open(self) -> None:
-        self._close()
-        path = self.directory / f".shard-{len(self.shards):05d}.tmp"
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in _close
-        self._file.write(b"\0" * (8 + self.header_reserve))
-        self._header = {"__metadata__": {"format": "pt"}}
-        self._offset = 0
-        self.shards.append((path, self._header))
-
-    def _close(self) -> None:
-        if self._file is None:
-            return
-        blob = json.dumps(self._header, separators=(",", ":")).encode("utf-8")
-        if len(blob) > self.header_reserve:
-            raise RuntimeError(f"safetensors header of {len(blob)} bytes exceeds the {self.header_reserve} reserved")
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", self.header_reserve) + blob + b" " * (self.header_reserve - len(blob)))
-        self._file.close()
-        self._file = None
-
-    def begin(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Start tensor `name`; its bytes follow through `write`."""
-        if self._pending is not None:
-            raise RuntimeError(f"tensor {self._pending[0]!r} is incomplete")
-        nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else _int_bits(dtype)) // 8
-        if self._file is None or (self._offset > 0 and self._offset + nbytes > self.max_shard_bytes):
-            self._open()
-        self._header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [self._offset, self._offset + nbytes],
-        }
-        self._pending = (name, nbytes)
-
-    def write(self, tensor: torch.Tensor) -> None:
-        """Append the bytes of `tensor` (a whole tensor or the next row block of the current one)."""
-        name, left = self._pending
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        if data.nbytes > left:
-            raise RuntimeError(f"tensor {name!r}: more bytes written than its shape holds")
-        self._file.write(memoryview(data))
-        self._offset += data.nbytes
-        self.total_bytes += data.nbytes
-        self._pending = (name, left - data.nbytes) if left > data.nbytes else None
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one whole tensor."""
-        self.begin(name, tuple(tensor.shape), tensor.dtype)
-        if tensor.numel():
-            self.write(tensor)
-        else:
-            self._pending = None
-
-    def finish(self, total_parameters: int) -> dict[str, str]:
-        """Close the last shard, rename the shards (model.safetensors, or model-0000i-of-0000N.safetensors with an
-        index) and return the weight map."""
-        if self._pending is not None:
-            raise RuntimeError(f"tensor {self._pending[0]!r} is incomplete")
-        self._close()
-        n = len(self.shards)
-        weight_map = {}
-        for i, (path, header) in enumerate(self.shards):
-            final = SAFE_WEIGHTS_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            path.rename(self.directory / final)
-            weight_map.update({k: final for k in header if k != "__metadata__"})
-        if n > 1:
-            index = {
-                "metadata": {"total_parameters": total_parameters, "total_size": self.total_bytes},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            (self.directory / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return weight_map
-
-
-def _int_bits(dtype: torch.dtype) -> int:
-    return 8 if dtype == torch.bool else torch.iinfo(dtype).bits
-
-
-def staging_dir(out: Path) -> Path:
-    """A fresh hidden sibling of `out` to stage a checkpoint in (renamed to `out` when complete)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.parent / f".{out.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
-    stage.mkdir()
-    return stage
-
-
-def check_output_dir(out: Path) -> None:
-    """Refuse an existing OUT that is not an empty folder (nothing is overwritten or deleted)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new output folder (nothing was written)")
-
-
-def publish(stage: Path, out: Path) -> None:
-    """Rename the completed `stage` folder to `out` (an empty `out` folder is replaced)."""
-    check_output_dir(out)
-    if out.is_dir():
-        out.rmdir()
-    os.replace(stage, out)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Streaming conversion
-# ----------------------------------------------------------------------------------------------------------------
-
 
 def _layer_prefixes(model: nn.Module, layers: list[nn.Module]) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
@@ -647,60 +302,6 @@ def layerwise_logits(
     logits = torch.nn.functional.linear(hidden, weight, getattr(head, "bias", None))
     release(model.get_submodule(head_name))
     return logits
-
-
-def load_offloaded(
-    path: str | os.PathLike,
-    *,
-    max_memory: dict[int | str, int | str] | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    dtype: str | torch.dtype | None = None,
-    trust_remote_code: bool = False,
-) -> nn.Module:
-    """A causal LM too big for memory, loaded with Accelerate's big-model loading: `device_map="auto"` fills the
-    accelerators, then the CPU up to `max_memory` (e.g. {"cpu": "8GiB"}; default: what is free), and offloads the
-    remaining decoder layers to disk (`offload_folder`; a temporary folder removed with the model when None).
-    Layers are never split (`_no_split_modules`). The placement is in `model.hf_device_map`; forward passes move
-    each offloaded layer in when it runs, so evaluation works at the cost of reading it each time."""
-    import tempfile
-    import weakref
-
-    temporary = offload_folder is None
-    folder = Path(tempfile.mkdtemp(prefix="relational-offload-")) if temporary else Path(offload_folder)
-    kwargs = dict(device_map="auto", offload_folder=str(folder), trust_remote_code=trust_remote_code)
-    if max_memory is not None:
-        kwargs["max_memory"] = max_memory
-    torch_dtype = parse_dtype(dtype)
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except BaseException:
-        if temporary:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
-    if temporary:
-        weakref.finalize(model, shutil.rmtree, str(folder), True)
-    return model.eval()
-
-
-def offloaded_perplexity(
-    path: str | os.PathLike,
-    input_ids: torch.Tensor,
-    *,
-    max_memory: dict[int | str, int | str] | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    dtype: str | torch.dtype | None = None,
-    batch_size: int = 4,
-    progress: bool = False,
-) -> tuple[float, dict[str, str]]:
-    """exp(mean next-token NLL) (`relational_hf.training.metrics.perplexity`) of the checkpoint at `path` on token
-    ids (N, T), with the model loaded by `load_offloaded`; returns (perplexity, device map used)."""
-    from ..training.metrics import perplexity
-
-    model = load_offloaded(path, max_memory=max_memory, offload_folder=offload_folder, dtype=dtype)
-    device_map = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
-    return perplexity(model, input_ids, batch_size=batch_size, progress=progress), device_map
 
 
 def _report(source, target, tie: bool, worst, length: int, tolerance: float, notes: list[str]) -> ConversionReport:

@@ -54,7 +54,7 @@ def run_redundancy(args: argparse.Namespace) -> int:
     A local safetensors folder is read one layer at a time (`redundancy_report_from_checkpoint`, same numbers);
     otherwise load MODEL_OR_DIR (Hub id, folder or GGUF file; or only its config with --meta). Print the Markdown
     report to stdout, and write the optional PNG / heatmaps / JSON. Returns the process exit code."""
-    from ..convert.streaming import is_safetensors_checkpoint
+    from ..shards import is_safetensors_checkpoint
 
     check_redundancy_args(args)
     if args.meta:

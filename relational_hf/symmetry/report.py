@@ -254,7 +254,7 @@ def redundancy_report_from_checkpoint(
     from tqdm.auto import tqdm
     from transformers import AutoConfig
 
-    from ..convert.streaming import (
+    from ..shards import (
         CheckpointReader,
         materialize,
         materialize_small,
