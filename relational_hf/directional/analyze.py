@@ -114,9 +114,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--per-layer-tokens",
         type=int,
-        default=1024,
+        default=512,
         metavar="N",
-        help="analysed tokens (whole rows, from the first) the per-layer edits are measured on (default: 1024)",
+        help="analysed tokens (whole rows, from the first) the per-layer edits are measured on (default: 512)",
     )
     parser.add_argument(
         "--compression",
