@@ -233,12 +233,37 @@ def test_analyze_reports_per_layer_edits_in_json_markdown_and_figure(tmp_path, c
     printed = capsys.readouterr().out
     assert "s_par=0.5" in printed and "min dPPL" in printed
     assert report["per_layer"] == saved["per_layer"]
+    assert saved["complete"] and set(saved["timings_s"]) == {
+        "clean_pass", "decomposition", "all_layer_edits", "per_layer_edits"
+    }  # fmt: skip
+    assert not list((tmp_path / "out").glob(".*.partial"))  # staged files were renamed into place
     skipped = run_analyze(parser.parse_args([*argv, "--no-per-layer", "--out", str(tmp_path / "b")]))
     assert "per_layer" not in skipped and not (tmp_path / "b" / "per_layer.png").exists()
     with pytest.raises(ValueError, match="--per-layer-values takes numbers or the single word 'none'"):
         run_analyze(parser.parse_args([*argv, "--per-layer-values", "zero"]))
     with pytest.raises(ValueError, match="--per-layer-tokens must be a positive integer"):
         run_analyze(parser.parse_args([*argv, "--per-layer-tokens", "0"]))
+
+
+def test_an_interrupted_analysis_leaves_the_finished_stages_on_disk(tmp_path, monkeypatch):
+    import relational_hf.directional.analyze as analyze_module
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(32, 127)) * 8)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(analyze_module, "sweep_per_layer", interrupted)
+    parser = add_analyze_arguments(argparse.ArgumentParser())
+    argv = [str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"), "--max-tokens", "256"]
+    with pytest.raises(KeyboardInterrupt):
+        run_analyze(parser.parse_args([*argv, "--seq-len", "32", "--compression", "none", "--sites", "block"]))
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["complete"] is False and saved["sweeps"] and "per_layer" not in saved
+    assert "All-layer edits" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_smollm2_layers_replay_exactly(smollm2_dir):

@@ -17,7 +17,9 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -169,6 +171,19 @@ def _load(args: argparse.Namespace):
     return model, torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a file beside `path`, then rename it over `path` (a reader never sees half a file)."""
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
+
+
+def _save(out: Path, report: dict, compression: CompressionReport | None = None) -> None:
+    """report.json and report.md as far as the analysis has come (`complete` says whether it finished)."""
+    _write_atomic(out / "report.json", json.dumps(report, indent=2))
+    _write_atomic(out / "report.md", format_markdown(report, compression) + "\n")
+
+
 def run_analyze(args: argparse.Namespace) -> dict:
     """Run the analysis the flags ask for, write the JSON report, the markdown tables and the figures, print the
     tables; returns the report."""
@@ -189,11 +204,22 @@ def run_analyze(args: argparse.Namespace) -> dict:
     rows = rows[n_cal:]
     batches = [rows[i : i + args.batch_size] for i in range(0, rows.shape[0], args.batch_size)]
 
+    timings: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def lap(stage: str) -> None:
+        now = time.perf_counter()
+        timings[stage] = round(now - clock[0], 3)
+        clock[0] = now
+
     clean = CleanPass(model, rows, None, args.batch_size, progress=True, desc="clean pass")
+    lap("clean_pass")
     decomposition = decompose_dataset(model, batches, sites=args.sites, total=len(batches))
+    lap("decomposition")
     sweeps = sweep_all(model, rows, args.sites, COMPONENTS, args.sweep_values, batch_size=args.batch_size, clean=clean)
     with scale_components(model, "diagonal"):
         diagonal = clean.perplexity(progress=True, desc="diagonal control")
+    lap("all_layer_edits")
     figures = {"parallel_profile": str(out / "parallel_ratio.png"), "sweeps": str(out / "sweep.png")}
     plot_parallel_profile(decomposition, figures["parallel_profile"])
     plot_sweeps(sweeps, figures["sweeps"])
@@ -210,15 +236,20 @@ def run_analyze(args: argparse.Namespace) -> dict:
             "delta": finite_or_none(diagonal - clean.baseline),
         },
         "figures": figures,
+        "timings_s": timings,
+        "complete": False,
     }
+    _save(out, report)  # partial results survive an interrupted run
     if per_layer:
         n_rows = max(1, min(rows.shape[0], math.ceil(args.per_layer_tokens / args.seq_len)))
         layer_sweeps = sweep_per_layer(
             model, rows, args.per_layer_sites, per_layer_edits, batch_size=args.batch_size, clean=clean, rows=n_rows
         )
+        lap("per_layer_edits")
         figures["per_layer"] = str(out / "per_layer.png")
         plot_per_layer(layer_sweeps, figures["per_layer"])
         report["per_layer"] = [s.to_dict() for s in layer_sweeps]
+        _save(out, report)
     compression = None
     if settings:
         compression = compression_report(
@@ -230,11 +261,12 @@ def run_analyze(args: argparse.Namespace) -> dict:
             batch_size=args.batch_size,
             clean=clean,
         )
+        lap("compression")
         figures["compression"] = str(out / "compression.png")
         plot_compression(compression, figures["compression"])
         report["compression"] = compression.to_dict()
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(format_markdown(report, compression) + "\n")
+    report["complete"] = True
+    _save(out, report, compression)
     print(format_table(report, compression))
     print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}; figures: {', '.join(figures.values())}")
     return report
