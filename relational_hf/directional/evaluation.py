@@ -184,24 +184,31 @@ def sweep_layers(
     clean: CleanPass | None = None,
     rows: int | None = None,
     progress: bool = True,
+    bar: tqdm | None = None,
 ) -> LayerSweepResult:
     """Per-layer edits: for each layer l of `layers` (None: all) and each s, PPL with `scale_components(model, site,
     layers=[l], component=s)`, i.e. only layer l edited, on the first `rows` rows (None: all). Layers 0..l-1 are
-    replayed from `clean` (recorded here if not given), so each run costs (L - l)/L of a forward pass."""
+    replayed from `clean` (recorded here if not given), so each run costs (L - l)/L of a forward pass. `bar`: a tqdm
+    bar to advance once per run instead of a bar of its own."""
     (site,) = check_sites(site, SITES)
     _check_component(component)
     values = [check_scale(component, v) for v in values]
     chosen = [roles.index for roles in select_layers(model, layers)]
     clean = _clean_for(model, input_ids, attention_mask, batch_size, clean, progress)
-    bar = tqdm(total=len(chosen) * len(values), desc=f"per-layer {site} {component}", disable=not progress, leave=False)
+    own = bar is None
+    if own:
+        bar = tqdm(total=len(chosen) * len(values), desc=f"per-layer {site} {component}", disable=not progress)
     perplexities = []
-    with bar:
+    try:
         for layer in chosen:
             row = []
             for s in values:
                 row.append(_edited_perplexity(clean, site, component, s, [layer], layer, rows))
                 bar.update()
             perplexities.append(row)
+    finally:
+        if own:
+            bar.close()
     n = clean.num_rows if rows is None else rows
     return LayerSweepResult(
         site, component, values, chosen, perplexities, clean.baseline_of(rows), n, int(clean.row_count[:n].sum())
@@ -249,8 +256,10 @@ def sweep_per_layer(
                     clean,
                     rows,
                     progress=False,
+                    bar=bar,
                 )
-            bar.update(len(values) * n_layers)
+            else:
+                bar.update(len(values) * n_layers)
             result = runs[key]
             results.append(
                 LayerSweepResult(
