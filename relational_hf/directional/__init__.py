@@ -3,7 +3,8 @@ reference z and the perpendicular rest, measure it, edit it, and use it to diagn
 
 - `sites`: where updates are read and edited (forward hooks on the adapter's roles; the eager attention kernel);
 - `statistics`, `decompose`: what is measured, per layer and site;
-- `edits`, `evaluation`: `scale_components` and the perplexity sweeps;
+- `edits`, `evaluation`: `scale_components` and the perplexity sweeps (all layers at once, or one layer at a time);
+- `replay`: `CleanPass`, the unedited pass kept so that an edit of layer l reruns only layers l..L-1;
 - `compression`: compressors and the layer-local counterfactual error;
 - `plots`, `analyze`: figures and the `relational-hf analyze` command.
 """
@@ -23,8 +24,17 @@ from .compression import (
 )
 from .decompose import collect_updates, decompose, decompose_dataset
 from .edits import scale_components
-from .evaluation import SweepResult, perplexity, sweep_all, sweep_components
-from .plots import plot_compression, plot_parallel_profile, plot_sweeps
+from .evaluation import (
+    LayerSweepResult,
+    SweepResult,
+    perplexity,
+    sweep_all,
+    sweep_components,
+    sweep_layers,
+    sweep_per_layer,
+)
+from .plots import plot_compression, plot_parallel_profile, plot_per_layer, plot_sweeps
+from .replay import CleanPass
 from .sites import EDIT_SITES, SITES, VALUE_SITES
 from .statistics import DirectionalReport, LayerStatistics
 
@@ -34,9 +44,11 @@ __all__ = [
     "SITES",
     "VALUE_SITES",
     "CompressionReport",
+    "CleanPass",
     "CompressionResult",
     "DirectionalReport",
     "LayerCompressionError",
+    "LayerSweepResult",
     "LayerStatistics",
     "SweepResult",
     "add_analyze_arguments",
@@ -49,6 +61,7 @@ __all__ = [
     "perplexity",
     "plot_compression",
     "plot_parallel_profile",
+    "plot_per_layer",
     "plot_sweeps",
     "prune_weights",
     "quantize_weights",
@@ -56,5 +69,7 @@ __all__ = [
     "scale_components",
     "sweep_all",
     "sweep_components",
+    "sweep_layers",
+    "sweep_per_layer",
     "token_blocks",
 ]

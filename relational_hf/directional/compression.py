@@ -29,9 +29,10 @@ from ..architectures import get_adapter
 from ..modeling import GaugeFixedLinear
 from ..modeling.modeling_relational import parallel_component
 from .decompose import model_device, unpack_batch
-from .evaluation import perplexity
+from .replay import CleanPass
 from .sites import first_input, main_output, replace_first_input
 from .statistics import select_tokens
+from .tables import finite_or_none, format_number, markdown_table
 
 COMPRESSION_SETTINGS: tuple[str, ...] = (
     "int8",
@@ -296,11 +297,15 @@ def compression_error(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     batch_size: int = 8,
+    clean: CleanPass | None = None,
+    progress: bool = False,
 ) -> list[LayerCompressionError]:
     """Per layer, the error of the compressed layer fed the dense layer's input h (layer-local counterfactual):
     e = delta_compressed - delta_dense (= layer~(h) - layer(h)), split along delta_dense; returns the means over
     real tokens of |e_par|/|delta_dense|, |e_perp|/|delta_dense| and |e|/|delta_dense|. input_ids (N, T),
-    attention_mask (N, T) with 0 at padding; both models run in eval mode (training flags restored)."""
+    attention_mask (N, T) with 0 at padding; both models run in eval mode (training flags restored). `clean`: a
+    `CleanPass` of dense_model on the same inputs and batch_size, whose recorded layer inputs and outputs replace the
+    dense pass. Only the decoder stacks run (no output head)."""
     dense_layers, compressed_layers = get_adapter(dense_model).layers(), get_adapter(compressed_model).layers()
     if len(dense_layers) != len(compressed_layers):
         raise ValueError(f"the models have {len(dense_layers)} and {len(compressed_layers)} layers")
@@ -312,31 +317,42 @@ def compression_error(
             "in a rotated, truncated basis (h Q_s) that this measure does not apply; pass a compressed model of the "
             "same width (quantisation, pruning, per-head rank reduction) or compare sliced models by perplexity"
         )
+    if clean is not None:
+        clean.matches(dense_model, input_ids, attention_mask, batch_size)
+        if not clean.keep_layers:
+            raise ValueError("`clean` was recorded with keep_layers=False: it has no layer inputs to compare")
     state = _Counterfactual(roles.index for roles in dense_layers)
     flags = (dense_model.training, compressed_model.training)
     dense_model.eval()
     compressed_model.eval()
+    dense_base, compressed_base = get_adapter(dense_model).base_model(), get_adapter(compressed_model).base_model()
+    starts = range(0, input_ids.shape[0], batch_size)
     try:
-        for start in range(0, input_ids.shape[0], batch_size):
+        for batch, start in enumerate(tqdm(starts, desc="layer errors", disable=not progress, leave=False)):
             mask = None if attention_mask is None else attention_mask[start : start + batch_size]
             ids = input_ids[start : start + batch_size]
             state.valid = None if mask is None else mask.bool()
-            with ExitStack() as stack:  # pass 1: the dense layers' inputs and outputs
+            if clean is not None:
                 for roles in dense_layers:
-                    pre = roles.block.register_forward_pre_hook(state.record_input(roles.index), with_kwargs=True)
-                    stack.callback(pre.remove)
-                    stack.callback(roles.block.register_forward_hook(state.record_output(roles.index)).remove)
-                dense_ids, dense_mask = unpack_batch(
-                    {"input_ids": ids, "attention_mask": mask}, model_device(dense_model)
-                )
-                dense_model(input_ids=dense_ids, attention_mask=dense_mask, use_cache=False)
+                    state.inputs[roles.index] = clean.block_input(batch, roles.index)
+                    state.outputs[roles.index] = clean.block_output(batch, roles.index)
+            else:
+                with ExitStack() as stack:  # pass 1: the dense layers' inputs and outputs
+                    for roles in dense_layers:
+                        pre = roles.block.register_forward_pre_hook(state.record_input(roles.index), with_kwargs=True)
+                        stack.callback(pre.remove)
+                        stack.callback(roles.block.register_forward_hook(state.record_output(roles.index)).remove)
+                    dense_ids, dense_mask = unpack_batch(
+                        {"input_ids": ids, "attention_mask": mask}, model_device(dense_model)
+                    )
+                    dense_base(input_ids=dense_ids, attention_mask=dense_mask, use_cache=False)
             with ExitStack() as stack:  # pass 2: each compressed layer fed the dense input
                 for roles in compressed_layers:
                     pre = roles.block.register_forward_pre_hook(state.feed_dense_input(roles.index), with_kwargs=True)
                     stack.callback(pre.remove)
                     stack.callback(roles.block.register_forward_hook(state.measure(roles.index)).remove)
                 ids, mask = unpack_batch({"input_ids": ids, "attention_mask": mask}, model_device(compressed_model))
-                compressed_model(input_ids=ids, attention_mask=mask, use_cache=False)
+                compressed_base(input_ids=ids, attention_mask=mask, use_cache=False)
     finally:
         dense_model.train(flags[0])
         compressed_model.train(flags[1])
@@ -346,11 +362,6 @@ def compression_error(
 # ----------------------------------------------------------------------------------------------------------------
 # Report: rank settings by error, correlate with perplexity
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _finite_or_none(x: float) -> float | None:
-    """x, or None for nan/inf (JSON has no nan)."""
-    return x if math.isfinite(x) else None
 
 
 @dataclass
@@ -369,7 +380,7 @@ class CompressionResult:
         """Setting, perplexity, the layer-mean errors and the per-layer errors (JSON-ready)."""
         return {
             "setting": self.setting,
-            "perplexity": self.perplexity,
+            "perplexity": finite_or_none(self.perplexity),
             **{kind: self.mean(kind) for kind in ("parallel", "perpendicular", "total")},
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -400,27 +411,30 @@ class CompressionReport:
         for by in ("perpendicular", "total"):
             rho, p = self.spearman(by)
             out[f"ranking_{by}"] = self.ranking(by)
-            out[f"spearman_{by}"] = {"rho": _finite_or_none(rho), "p_value": _finite_or_none(p)}
+            out[f"spearman_{by}"] = {"rho": finite_or_none(rho), "p_value": finite_or_none(p)}
         return out
 
     def to_markdown(self) -> str:
-        """Settings ranked by perpendicular error, then the two Spearman correlations."""
-        lines = [
-            "| setting | mean |e_par|/|delta| | mean |e_perp|/|delta| | mean |e|/|delta| | perplexity |",
-            "|---|---:|---:|---:|---:|",
-        ]
+        """Settings ranked by perpendicular error, then the dense perplexity and the two Spearman correlations."""
+        header = ["setting", "mean |e_par|/|delta|", "mean |e_perp|/|delta|", "mean |e|/|delta|", "perplexity"]
         by_name = {r.setting: r for r in self.results}
-        for name in self.ranking("perpendicular"):
-            r = by_name[name]
-            lines.append(
-                f"| {name} | {r.mean('parallel'):.4f} | {r.mean('perpendicular'):.4f} | {r.mean('total'):.4f} "
-                f"| {r.perplexity:.3f} |"
-            )
-        lines.append(f"\ndense perplexity {self.dense_perplexity:.3f}")
+        rows = [
+            [
+                name,
+                *(format_number(by_name[name].mean(k)) for k in ("parallel", "perpendicular", "total")),
+                format_number(by_name[name].perplexity),
+            ]
+            for name in self.ranking("perpendicular")
+        ]
+        lines = [markdown_table(header, rows), f"\ndense perplexity {format_number(self.dense_perplexity)}"]
         for by in ("perpendicular", "total"):
             rho, p = self.spearman(by)
             lines.append(f"Spearman(mean {by} error, perplexity) = {rho:.3f} (p = {p:.3g})")
         return "\n".join(lines)
+
+
+def _perplexity(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, batch_size: int) -> float:
+    return CleanPass(model, ids, mask, batch_size, keep_layers=False, progress=False).baseline
 
 
 def compression_report(
@@ -433,20 +447,26 @@ def compression_report(
     group_size: int = 128,
     batch_size: int = 8,
     progress: bool = True,
+    clean: CleanPass | None = None,
 ) -> CompressionReport:
     """For each setting: compress (Wanda calibrates on `calibration_ids`, default input_ids), measure
     `compression_error` on input_ids and the compressed perplexity on `eval_ids` (default input_ids, with
-    attention_mask only when eval_ids is not given)."""
+    attention_mask only when eval_ids is not given). `clean`: a `CleanPass` of `model` on input_ids (same
+    attention_mask and batch_size) that replaces the dense passes and gives the dense perplexity."""
     calibration_ids = input_ids if calibration_ids is None else calibration_ids
-    eval_mask = attention_mask if eval_ids is None else None
-    eval_ids = input_ids if eval_ids is None else eval_ids
+    same_eval = eval_ids is None
+    eval_mask = attention_mask if same_eval else None
+    eval_ids = input_ids if same_eval else eval_ids
+    if clean is not None:
+        clean.matches(model, input_ids, attention_mask, batch_size)
     results = []
     for setting in tqdm(list(settings), desc="compression", disable=not progress, leave=False):
         compressed = compress(model, setting, calibration_ids, group_size)
-        errors = compression_error(model, compressed, input_ids, attention_mask, batch_size)
-        results.append(CompressionResult(setting, errors, perplexity(compressed, eval_ids, eval_mask, batch_size)))
+        errors = compression_error(model, compressed, input_ids, attention_mask, batch_size, clean)
+        results.append(CompressionResult(setting, errors, _perplexity(compressed, eval_ids, eval_mask, batch_size)))
         del compressed
-    return CompressionReport(perplexity(model, eval_ids, eval_mask, batch_size), results)
+    dense = clean.baseline if clean is not None and same_eval else _perplexity(model, eval_ids, eval_mask, batch_size)
+    return CompressionReport(dense, results)
 
 
 def settings_from(names: Iterable[str]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -9,7 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from .compression import CompressionReport
-from .evaluation import SweepResult
+from .evaluation import LayerSweepResult, SweepResult
 from .statistics import DirectionalReport
 
 
@@ -39,7 +40,9 @@ def plot_sweeps(sweeps: Sequence[SweepResult], path: str | os.PathLike, title: s
     axes = fig.subplots(1, len(components), squeeze=False)[0]
     for ax, component in zip(axes, components):
         for sweep in (s for s in sweeps if s.component == component):
-            ax.plot(sweep.values, sweep.deltas, marker="o", label=sweep.site)
+            points = [(v, d) for v, d in zip(sweep.values, sweep.deltas) if math.isfinite(d)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=sweep.site)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_yscale("symlog", linthresh=0.1)
         ax.set_xlabel(f"s_{'par' if component == 'parallel' else 'perp'} ({component} scale, other = 1)")
@@ -47,6 +50,36 @@ def plot_sweeps(sweeps: Sequence[SweepResult], path: str | os.PathLike, title: s
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title or "perplexity change when one component is scaled")
+    fig.savefig(path, dpi=120)
+
+
+def plot_per_layer(sweeps: Sequence[LayerSweepResult], path: str | os.PathLike, title: str | None = None) -> None:
+    """PNG of the per-layer edits: one panel per site, Delta PPL (symmetric-log y) against the edited layer, one line
+    per edit (component and scale s); non-finite values are left out of the lines."""
+    sites = list(dict.fromkeys(s.site for s in sweeps))
+    columns = min(len(sites), 3)
+    grid_rows = -(-len(sites) // columns)
+    fig = Figure(figsize=(5.0 * columns, 4.0 * grid_rows), layout="constrained")
+    axes = fig.subplots(grid_rows, columns, squeeze=False).ravel()
+    for ax, site in zip(axes, sites):
+        for sweep in (s for s in sweeps if s.site == site):
+            for j, value in enumerate(sweep.values):
+                points = [(layer, row[j]) for layer, row in zip(sweep.layers, sweep.deltas) if math.isfinite(row[j])]
+                symbol = "par" if sweep.component == "parallel" else "perp"
+                if points:
+                    ax.plot(*zip(*points), marker="o", markersize=3, label=f"s_{symbol} = {value:g}")
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.set_xlabel("edited layer (all others unedited)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("Delta PPL")
+        ax.set_title(site)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes[len(sites) :]:
+        ax.set_visible(False)
+    tokens = sweeps[0].tokens if sweeps else 0
+    fig.suptitle(title or f"perplexity change when one layer is edited ({tokens} tokens)")
     fig.savefig(path, dpi=120)
 
 
