@@ -1,4 +1,4 @@
-"""The `relational-hf` command: train | convert | redundancy | analyze | push | bench."""
+"""The `relational-hf` command: train | convert | compress | redundancy | analyze | push | bench."""
 
 from __future__ import annotations
 
@@ -80,6 +80,18 @@ def _convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_convert, log_level=logging.INFO)
 
 
+def _compress(sub: argparse._SubParsersAction) -> None:
+    from .compress import cli as compress_cli
+
+    p = sub.add_parser(
+        "compress",
+        help="compress a checkpoint in relational coordinates (--remove share of stored parameters)",
+        description=compress_cli.__doc__,
+    )
+    compress_cli.add_compress_arguments(p)
+    p.set_defaults(func=compress_cli.run_compress, log_level=logging.INFO)
+
+
 def _redundancy(sub: argparse._SubParsersAction) -> None:
     from .symmetry import add_redundancy_arguments, run_redundancy
 
@@ -128,7 +140,7 @@ def _dynamics(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_dynamics)
 
 
-COMMANDS = [_train, _finetune, _convert, _redundancy, _analyze, _dynamics, _push, _bench]
+COMMANDS = [_train, _finetune, _convert, _compress, _redundancy, _analyze, _dynamics, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
