@@ -331,12 +331,15 @@ def _attention_output(
     return (result, out) if return_values else result
 
 
-def _mixed_grams(values: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From mixed values O (B, T, H, r_v): per query head E_j = O_j^T O_j (H, r_v, r_v) and their sums over each
-    key/value head's group (H_kv, r_v, r_v)."""
+def _mixed_grams(
+    values: torch.Tensor, num_kv_heads: int, token_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From mixed values O (B, T, H, r_v): per query head E_j = O_j^T diag(w) O_j (H, r_v, r_v) and their sums over
+    each key/value head's group (H_kv, r_v, r_v); w: optional token weights (B, T)."""
     h, rv = values.shape[2], values.shape[3]
     o = values.reshape(-1, h, rv).double().transpose(0, 1)  # (H, n, r_v)
-    per_head = o.transpose(1, 2) @ o
+    ow = o if token_weights is None else o * token_weights.reshape(1, -1, 1).double()
+    per_head = ow.transpose(1, 2) @ o
     return per_head, per_head.view(num_kv_heads, h // num_kv_heads, rv, rv).sum(1)
 
 
@@ -355,6 +358,20 @@ def _vo_errors(per_head: torch.Tensor, wo: torch.Tensor, factors: list[tuple], r
     return total
 
 
+def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
+    """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' (errors relative to each token's residual
+    energy, as the next RMS norm sees them), None otherwise."""
+    if sensitivity != "token":
+        return None
+    return h.shape[-1] / h.double().pow(2).sum(-1).clamp_min(1e-12)
+
+
+def _weighted_energy(e: torch.Tensor, token_weights: torch.Tensor | None) -> float:
+    """sum_t w_t |e_t|^2 over (B, T, d) errors (w = 1 without weights)."""
+    per_token = e.double().pow(2).sum(-1)
+    return float(per_token.sum() if token_weights is None else (per_token * token_weights).sum())
+
+
 @dataclass
 class LowRankOptions:
     """Settings of `compress_relational` (see its docstring)."""
@@ -371,7 +388,9 @@ class LowRankOptions:
     ridge: float = 1e-3
     vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
     kinds: tuple[str, ...] = KINDS
-    sensitivity: str = "relative"  # "relative" (error / residual energy) or "uniform" (plain error energy)
+    # error currency: "token" (each token's error relative to its residual energy, what the next norm sees),
+    # "relative" (error / total residual energy of the layer output) or "uniform" (plain error energy)
+    sensitivity: str = "token"
     layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
 
 
@@ -430,6 +449,8 @@ def compress_relational(
     the output of the already-compressed ones (memory: the hidden states of the calibration set, twice with
     correction='dense', plus one layer). Returns (new model, LowRankResult)."""
     opts = options or LowRankOptions()
+    if opts.sensitivity not in ("token", "relative", "uniform"):
+        raise ValueError(f"`sensitivity` must be 'token', 'relative' or 'uniform', got {opts.sensitivity!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
     config: RelationalConfig = model.config
@@ -478,6 +499,7 @@ def compress_relational(
         z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
         y = F.linear(z, m["down"])
         h_out = h_mid + y
+        tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
         scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0
         scale = scale / weights[li]
         flat_x = x.reshape(-1, x.shape[-1]).double()
@@ -500,12 +522,12 @@ def compress_relational(
                 if bq is not None:
                     w2.update(q_bias=bq, k_bias=bk)
                 out = _attention_output(x, w2, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
-                err = float((out - base).double().pow(2).sum()) / scale
+                err = _weighted_energy(out - base, tw) / scale
                 qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err))
         options[(li, "qk")] = qk_opts
         vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
         if "vo" in opts.kinds:
-            per_head, grams = _mixed_grams(mixed, nkv)
+            per_head, grams = _mixed_grams(mixed, nkv, tw)
             if opts.vo_weighting == "input":
                 grams = value_grams(w["v"], cov, num_kv_heads=nkv)
             factors = _vo_factors(w["o"], grams, nkv)
@@ -517,8 +539,9 @@ def compress_relational(
         if "mlp" in opts.kinds:
             zf = z.reshape(-1, f).double()
             yf = y.reshape(-1, y.shape[-1]).double()
-            gram, cross = zf.T @ zf, zf.T @ yf
-            y_energy = float(yf.pow(2).sum())
+            zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
+            gram, cross = zw.T @ zf, zw.T @ yf
+            y_energy = _weighted_energy(y, tw)
             order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
             curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
             full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
@@ -577,7 +600,7 @@ def compress_relational(
                     _, mixed = _attention_output(
                         xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
                     )
-                    grams += _mixed_grams(mixed, nkv)[1]
+                    grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
             w["v"], w["o"], bv, _ = vo_truncate(w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new)
             if bv is not None:
                 w["v_bias"] = bv
@@ -593,18 +616,22 @@ def compress_relational(
             h_mid[s] = h[s] + target.self_attn(
                 target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
             )[0]
+        dense_out = torch.empty_like(h) if h_dense is not None else None
         if f_new < f or opts.correction == "dense":
             gram = torch.zeros(f, f, dtype=torch.float64)
             cross = torch.zeros(f, d, dtype=torch.float64)
             for s in _batches(n, opts.batch_size):
                 xm = layer.post_attention_layernorm(h_mid[s])
                 z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).double()
-                gram += z.T @ z
+                tw = _token_weights(h_mid[s], opts.sensitivity)
+                zw = z if tw is None else z * tw.reshape(-1, 1).double()
+                gram += zw.T @ z
                 if opts.correction == "dense":
-                    y_t = (run_layer(layer, h_dense[s]) - h_mid[s]).reshape(-1, d).double()
+                    dense_out[s] = run_layer(layer, h_dense[s])
+                    y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).double()
                 else:
                     y_t = F.linear(z, m["down"].double())
-                cross += z.T @ y_t
+                cross += zw.T @ y_t
             order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
             keep = torch.sort(order[:f_new]).values
             down = m["down"][:, keep]
@@ -612,9 +639,9 @@ def compress_relational(
                 down = mlp_refit(gram, cross, keep, opts.ridge).to(down.dtype)
             m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
         target.mlp.set_full_weights(m)
+        if h_dense is not None:
+            h_dense = dense_out
         for s in _batches(n, opts.batch_size):
-            if h_dense is not None:
-                h_dense[s] = run_layer(layer, h_dense[s])
             h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
         bar.update()
     bar.close()
