@@ -358,6 +358,14 @@ def _vo_errors(per_head: torch.Tensor, wo: torch.Tensor, factors: list[tuple], r
     return total
 
 
+def _grid(width: int, step: int, smallest: int) -> range:
+    """Candidate widths below `width`: steps of `step` down to `smallest`, both shrunk for narrow maps (at least
+    8 candidates when the width allows)."""
+    step = max(1, min(step, width // 8))
+    smallest = max(1, min(smallest, width // 4))
+    return range(width - step, smallest - 1, -step)
+
+
 def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
     """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' (errors relative to each token's residual
     energy, as the next RMS norm sees them), None otherwise."""
@@ -513,7 +521,7 @@ def compress_relational(
                 num_kv_heads=nkv,
             )
             order = scores.argsort(dim=1, descending=True)
-            for kp in range(r // 2 - opts.qk_step, opts.min_qk_pairs - 1, -opts.qk_step):
+            for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
                 keep = order[:, :kp]
                 wq, wk, bq, bk, new_pairs = qk_truncate(
                     w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
@@ -531,7 +539,7 @@ def compress_relational(
             if opts.vo_weighting == "input":
                 grams = value_grams(w["v"], cov, num_kv_heads=nkv)
             factors = _vo_factors(w["o"], grams, nkv)
-            for rank in range(rv - opts.vo_step, opts.min_vo_rank - 1, -opts.vo_step):
+            for rank in _grid(rv, opts.vo_step, opts.min_vo_rank):
                 err = _vo_errors(per_head, w["o"], factors, rank) / scale
                 vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err))
         options[(li, "vo")] = vo_opts
@@ -545,7 +553,7 @@ def compress_relational(
             order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
             curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
             full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
-            for units in range(f - opts.mlp_step, opts.min_mlp_units - 1, -opts.mlp_step):
+            for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
                 err = max(float(curve[units - 1]) - full, 0.0) / scale
                 mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
         options[(li, "mlp")] = mlp_opts
