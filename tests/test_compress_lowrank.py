@@ -204,3 +204,13 @@ def test_healing_keeps_shapes_and_lowers_calibration_loss():
     assert _stored(healed) == _stored(compressed) == report["parameters_after"]
     assert report["heal"]["steps"] == 15
     assert report["calibration_perplexity_healed"] < 0.9 * report["calibration_perplexity_after"]
+
+
+def test_slice_method_meets_the_size():
+    """method='slice' (one global rotation) picks the widest residual width that meets the requested size."""
+    llama = _llama(layers=2)
+    ids = torch.randint(0, 64, (4, 16))
+    model, report = compress_model(llama, remove=0.3, method="slice", calibration=ids, progress=False)
+    assert report["parameters_after"] == _stored(model) <= int(0.7 * _stored(llama))
+    assert model.config.hidden_size == report["slice"]["hidden_size"] < 48
+    assert torch.isfinite(model(ids).logits).all()

@@ -86,18 +86,28 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
 
 
 def _slice_to_budget(model: RelationalForCausalLM, calibration: torch.Tensor, budget: int):
-    """Global-rotation slice keeping the largest width d' whose stored size is <= budget."""
+    """Global-rotation slice keeping the largest width d' whose stored size (closed form, with the head untied when
+    the slicing must fold a non-constant final gain into it) is <= budget."""
     from ..convert.slicing import slice_relational
+    from ..params import relational_parameter_count
 
-    d = model.config.hidden_size
-    per_width = (_stored(model)["total"]) / d  # stored parameters are (almost) linear in d
-    d_new = min(d - 1, int(math.floor(budget / per_width)))
-    while d_new >= 1:
-        sliced, rep = slice_relational(model, (d - d_new) / d, calibration)
-        if _stored(sliced)["total"] <= budget:
-            return sliced, {"hidden_size": d_new, "variance_kept": rep.variance_kept}
-        d_new -= max(1, d // 100)
-    raise ValueError("no slice width meets the requested size")
+    config = model.config
+    d = config.hidden_size
+    gain = model.model.norm.weight
+    keep_gain = gain is not None and bool((gain == gain[0]).all())
+    tied = config.tie_word_embeddings and (gain is None or keep_gain)
+
+    def size(width: int) -> int:
+        c = copy.deepcopy(config)
+        c.hidden_size, c.tie_word_embeddings, c.final_norm_gain = width, tied, keep_gain
+        return relational_parameter_count(c)
+
+    low = max(config.head_dim, config.qk_rank)
+    d_new = next((w for w in range(d - 1, low - 1, -1) if size(w) <= budget), None)
+    if d_new is None:
+        raise ValueError(f"no slice width >= {low} stores at most {budget:,} parameters; choose a smaller `remove`")
+    sliced, rep = slice_relational(model, (d - d_new) / d, calibration)
+    return sliced, {"hidden_size": d_new, "variance_kept": rep.variance_kept, "head_tied": tied}
 
 
 def compress_model(
