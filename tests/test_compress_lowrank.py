@@ -214,3 +214,30 @@ def test_slice_method_meets_the_size():
     assert report["parameters_after"] == _stored(model) <= int(0.7 * _stored(llama))
     assert model.config.hidden_size == report["slice"]["hidden_size"] < 48
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_cli_compresses_a_checkpoint(tmp_path, capsys):
+    """`relational-hf compress SRC OUT --remove` writes a loadable smaller model, its tokenizer and a JSON report
+    whose stored count matches the saved model; no temporary folder is left beside OUT."""
+    from relational_hf.training.data import byte_level_tokenizer
+
+    src = tmp_path / "src"
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(src)
+    byte_level_tokenizer().save_pretrained(src)
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "out"
+    code = main([
+        "compress", str(src), str(out), "--remove", "0.1", "--calibration", str(text), "--eval", str(text),
+        "--window", "32", "--calibration-windows", "4", "--eval-windows", "2",
+    ])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "compression_report.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert report["parameters_after"] == _stored(model) < report["parameters_before"]
+    assert "eval_perplexity_after" in report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "out", "src"]
