@@ -1,4 +1,4 @@
-"""The `relational-hf` command: train | finetune | convert | export | redundancy | analyze | dynamics | push | bench.
+"""The `relational-hf` command: train | finetune | convert | compress | export | redundancy | analyze | dynamics | push | bench.
 
 A mistake the user can fix (a flag out of range, a missing, binary or non-UTF-8 file, an output directory that would
 be overwritten, a model path that does not exist) ends with one line, ``relational-hf <command>: error: <message>``,
@@ -116,6 +116,18 @@ def _export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=export.run_export, log_level=logging.INFO)
 
 
+def _compress(sub: argparse._SubParsersAction) -> None:
+    from .compress import cli as compress_cli
+
+    p = sub.add_parser(
+        "compress",
+        help="compress a checkpoint in relational coordinates (--remove share of stored parameters)",
+        description=compress_cli.__doc__,
+    )
+    compress_cli.add_compress_arguments(p)
+    p.set_defaults(func=compress_cli.run_compress, log_level=logging.INFO)
+
+
 def _redundancy(sub: argparse._SubParsersAction) -> None:
     from .symmetry import add_redundancy_arguments, run_redundancy
 
@@ -164,7 +176,7 @@ def _dynamics(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_dynamics)
 
 
-COMMANDS = [_train, _finetune, _convert, _export, _redundancy, _analyze, _dynamics, _push, _bench]
+COMMANDS = [_train, _finetune, _convert, _compress, _export, _redundancy, _analyze, _dynamics, _push, _bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

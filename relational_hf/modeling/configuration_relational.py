@@ -153,6 +153,13 @@ class RelationalConfig(PreTrainedConfig):
         attention_dropout: dropout on attention probabilities during training.
         use_cache: return a key/value cache.
         pad_token_id, bos_token_id, eos_token_id: special token ids (None or in [0, vocab_size)).
+        layer_qk_ranks: optional per-layer QK widths r_l (one int per layer, each <= qk_rank, even with rotary
+            positions), as produced by compression; with rotary positions each key head of a layer keeps r_l / 2 of
+            the model's qk_rank / 2 frequency pairs (which ones: the layer's `rope_pair_index` buffer). None: every
+            layer has width qk_rank.
+        layer_value_ranks: optional per-layer value widths r_v (VO rank per key/value head; W_V is d x r_v and each
+            query head's W_O is r_v x d), each <= head_dim. None: head_dim everywhere.
+        layer_intermediate_sizes: optional per-layer SwiGLU widths, each >= 1. None: intermediate_size everywhere.
     """
 
     model_type = "relational-transformer"
@@ -184,6 +191,9 @@ class RelationalConfig(PreTrainedConfig):
     pad_token_id: int | None = _integer(0, optional=True)(default=None)
     bos_token_id: int | None = _integer(0, optional=True)(default=None)
     eos_token_id: int | list[int] | None = None
+    layer_qk_ranks: list[int] | None = None
+    layer_value_ranks: list[int] | None = None
+    layer_intermediate_sizes: list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -225,6 +235,42 @@ class RelationalConfig(PreTrainedConfig):
                 raise ValueError(
                     f"`head_dim` must be <= hidden_size ({self.hidden_size}) in the pivot gauge, got {self.head_dim}"
                 )
+
+    def validate_layer_widths(self) -> None:
+        """Per-layer widths (compressed models): one integer per layer, in range, even QK widths with rotary."""
+        bounds = {
+            "layer_qk_ranks": (2 if self.position_encoding == "rope" else 1, self.qk_rank),
+            "layer_value_ranks": (1, self.head_dim),
+            "layer_intermediate_sizes": (1, None),
+        }
+        for name, (low, high) in bounds.items():
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not isinstance(values, list) or len(values) != self.num_hidden_layers:
+                raise ValueError(
+                    f"`{name}` must be a list of {self.num_hidden_layers} integers (one per layer), got {values!r}"
+                )
+            for i, v in enumerate(values):
+                if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+                    allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+                    raise ValueError(f"`{name}[{i}]` must be an integer in {allowed}, got {v!r}")
+                if name == "layer_qk_ranks" and self.position_encoding == "rope" and v % 2 != 0:
+                    raise ValueError(f"`{name}[{i}]` must be even with position_encoding='rope', got {v}")
+
+    def layer_qk_rank(self, layer_idx: int) -> int:
+        """QK width r_l of layer `layer_idx` (`layer_qk_ranks`, default qk_rank)."""
+        return self.qk_rank if self.layer_qk_ranks is None else self.layer_qk_ranks[layer_idx]
+
+    def layer_value_rank(self, layer_idx: int) -> int:
+        """Value width r_v of layer `layer_idx` (`layer_value_ranks`, default head_dim)."""
+        return self.head_dim if self.layer_value_ranks is None else self.layer_value_ranks[layer_idx]
+
+    def layer_intermediate_size(self, layer_idx: int) -> int:
+        """SwiGLU width of layer `layer_idx` (`layer_intermediate_sizes`, default intermediate_size)."""
+        if self.layer_intermediate_sizes is None:
+            return self.intermediate_size
+        return self.layer_intermediate_sizes[layer_idx]
 
     def validate_token_ids(self) -> None:
         """Special token ids must index the vocabulary (the pad id is the embedding's padding index)."""

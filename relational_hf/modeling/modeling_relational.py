@@ -143,7 +143,8 @@ def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor,
 # Buffers that record a gauge layout. Only `pivots` (the pivot positions, a small integer tensor) is saved with the
 # weights; the index and value tensors the forward map uses are derived from it. Checkpoints written before the
 # compact layout stored the derived tensors themselves (LEGACY_LAYOUT_BUFFERS, int64); they still load.
-GAUGE_LAYOUT_BUFFERS = ("pivots", "fixed_index", "free_index", "fixed_value")
+# A compressed layer also saves which rotary pairs each key head keeps (`rope_pair_index`).
+GAUGE_LAYOUT_BUFFERS = ("pivots", "fixed_index", "free_index", "fixed_value", "rope_pair_index")
 LEGACY_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
 
 
@@ -608,6 +609,22 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def apply_rotary_pair_subset(q, k, cos, sin, pairs):
+    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) when key head h keeps only the rotary frequency pairs
+    pairs[h] (H_kv, r/2) of the model's table cos/sin (B, T, R): coordinate j and j + r/2 of head h turn with the
+    frequency of pair pairs[h, j]; each query head uses its key head's pairs."""
+    half = cos.shape[-1] // 2
+
+    def per_head(table: torch.Tensor) -> torch.Tensor:
+        t = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
+        return torch.cat((t, t), dim=-1).transpose(1, 2)  # (B, H_kv, T, r)
+
+    cos_k, sin_k = per_head(cos), per_head(sin)
+    g = q.shape[1] // k.shape[1]
+    cos_q, sin_q = repeat_kv(cos_k, g), repeat_kv(sin_k, g)
+    return q * cos_q + rotate_half(q) * sin_q, k * cos_k + rotate_half(k) * sin_k
+
+
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(B, H_kv, T, e) -> (B, H_kv * n_rep, T, e), each key/value head repeated for the query heads of its group."""
     if n_rep == 1:
@@ -638,7 +655,8 @@ class RelationalAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_key_value_groups = config.num_key_value_groups
-        self.head_dim, self.qk_rank = config.head_dim, config.qk_rank
+        # per-layer widths (compression): value width r_v and QK width r_l; default head_dim and qk_rank
+        self.head_dim, self.qk_rank = config.layer_value_rank(layer_idx), config.layer_qk_rank(layer_idx)
         self.scaling = self.qk_rank**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
@@ -666,6 +684,10 @@ class RelationalAttention(nn.Module):
         else:
             self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_output_bias)
+        if self.rope and config.layer_qk_ranks is not None:
+            # which of the model's qk_rank / 2 rotary frequency pairs each key head of this layer keeps
+            pairs = torch.arange(r // 2).expand(self.num_kv_heads, r // 2).contiguous()
+            self.register_buffer("rope_pair_index", pairs)
 
     @torch.no_grad()
     def set_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -725,7 +747,10 @@ class RelationalAttention(nn.Module):
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_h)
         if self.rope:
             cos, sin = position_embeddings
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            if getattr(self, "rope_pair_index", None) is not None:
+                query, key = apply_rotary_pair_subset(query, key, cos, sin, self.rope_pair_index)
+            else:
+                query, key = apply_rotary_pos_emb(query, key, cos, sin)
         own_value = value
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
@@ -752,10 +777,11 @@ class RelationalAttention(nn.Module):
 class RelationalMLP(nn.Module):
     """SwiGLU: (act(x W_gate) * (x W_up)) W_down, W_up in the pivot gauge when configured (d_ff scales fixed)."""
 
-    def __init__(self, config: RelationalConfig) -> None:
+    def __init__(self, config: RelationalConfig, layer_idx: int | None = None) -> None:
         super().__init__()
         self.config = config
-        d, f = config.hidden_size, config.intermediate_size
+        d = config.hidden_size
+        f = config.intermediate_size if layer_idx is None else config.layer_intermediate_size(layer_idx)
         self.gate_proj = nn.Linear(d, f, bias=False)
         if config.gauge == "pivot":
             self.up_proj = GaugeFixedLinear(d, f, 1, scale=config.pivot_scale)
@@ -792,7 +818,7 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = RelationalAttention(config, layer_idx)
-        self.mlp = RelationalMLP(config)
+        self.mlp = RelationalMLP(config, layer_idx)
         self.input_layernorm = RelationalRMSNorm(config.rms_norm_eps)
         self.post_attention_layernorm = RelationalRMSNorm(config.rms_norm_eps)
 
@@ -919,7 +945,7 @@ class RelationalPreTrainedModel(PreTrainedModel):
             if _all_initialized(module) or module.o_proj.weight.device.type == "meta":
                 return
             c = self.config
-            d, r, dh = c.hidden_size, c.qk_rank, c.head_dim
+            d, r, dh = c.hidden_size, module.qk_rank, module.head_dim
             weights = {
                 "q": torch.randn(c.num_attention_heads * r, d) * std,
                 "k": torch.randn(c.num_key_value_heads * r, d) * std,
@@ -931,10 +957,11 @@ class RelationalPreTrainedModel(PreTrainedModel):
             if _all_initialized(module) or module.down_proj.weight.device.type == "meta":
                 return
             c = self.config
+            f = module.down_proj.in_features
             weights = {
-                "gate": torch.randn(c.intermediate_size, c.hidden_size) * std,
-                "up": torch.randn(c.intermediate_size, c.hidden_size) * std,
-                "down": torch.randn(c.hidden_size, c.intermediate_size) * std,
+                "gate": torch.randn(f, c.hidden_size) * std,
+                "up": torch.randn(f, c.hidden_size) * std,
+                "down": torch.randn(c.hidden_size, f) * std,
             }
             module.set_full_weights({k: w.to(module.down_proj.weight.device) for k, w in weights.items()})
         elif isinstance(module, RelationalRotaryEmbedding):

@@ -1,0 +1,198 @@
+"""`compress_model`: one entry point for the project's compression methods (DESIGN.md 2.2a).
+
+Methods:
+- "relational": exact conversion to the relational pivot gauge (`convert.to_relational`), then activation-aware
+  truncation of the invariants with a sensitivity-planned budget (`compress.lowrank.compress_relational`);
+  optionally composed with a global-rotation slice of the residual stream first (option `slice_fraction`).
+- "slice": exact conversion, then principal-gauge slicing with one rotation for the whole stream
+  (`convert.slicing.slice_relational`), its width chosen to meet the requested size.
+`remove` is the share of the SOURCE model's stored parameters (every stored tensor once, embeddings and head
+included) to remove; the result stores at most (1 - remove) times as many.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import resource
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling import RelationalForCausalLM
+from ..training.metrics import perplexity
+from .lowrank import KINDS, LowRankOptions, compress_relational
+
+logger = logging.getLogger(__name__)
+
+METHODS: tuple[str, ...] = ("relational", "slice")
+
+
+def _stored(model: nn.Module) -> dict:
+    """Stored parameters (total, by kind, by layer): `compress.eval.stored_parameters` when present, otherwise every
+    parameter tensor once (tied tensors once) with the same keys."""
+    try:
+        from .eval import stored_parameters
+    except ImportError:  # the evaluation module lands on another branch
+        stored_parameters = None
+    if stored_parameters is not None:
+        return stored_parameters(model)
+    import re
+
+    by_layer: dict[int, int] = {}
+    by_kind: dict[str, int] = {}
+    total = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m:
+            by_layer[int(m.group(1))] = by_layer.get(int(m.group(1)), 0) + p.numel()
+        kind = (
+            "embedding" if "embed" in name else "head" if "lm_head" in name
+            else "attention_qk" if ("q_proj" in name or "k_proj" in name)
+            else "attention_vo" if ("v_proj" in name or "o_proj" in name)
+            else "mlp" if "mlp" in name else "norms" if "norm" in name else "other"
+        )
+        by_kind[kind] = by_kind.get(kind, 0) + p.numel()
+    layers = [by_layer.get(i, 0) for i in range(max(by_layer) + 1)] if by_layer else []
+    return {"total": total, "by_kind": by_kind, "by_layer": layers}
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _as_relational(model: nn.Module) -> RelationalForCausalLM:
+    if isinstance(model, RelationalForCausalLM):
+        return model
+    from ..convert.relational import to_relational
+
+    return to_relational(model)
+
+
+def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: int) -> None:
+    if isinstance(remove, bool) or not isinstance(remove, (int, float)) or not 0.0 < remove < 1.0:
+        raise ValueError(f"`remove` must be a share of stored parameters in (0, 1), got {remove!r}")
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}")
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
+        shape = tuple(calibration.shape) if isinstance(calibration, torch.Tensor) else type(calibration).__name__
+        raise ValueError(f"`calibration` must be token ids of shape (N, T) with T >= 2, got {shape}")
+    if isinstance(heal_steps, bool) or not isinstance(heal_steps, int) or heal_steps < 0:
+        raise ValueError(f"`heal_steps` must be an integer >= 0, got {heal_steps!r}")
+
+
+def _slice_to_budget(model: RelationalForCausalLM, calibration: torch.Tensor, budget: int):
+    """Global-rotation slice keeping the largest width d' whose stored size (closed form, with the head untied when
+    the slicing must fold a non-constant final gain into it) is <= budget."""
+    from ..convert.slicing import slice_relational
+    from ..params import relational_parameter_count
+
+    config = model.config
+    d = config.hidden_size
+    gain = model.model.norm.weight
+    keep_gain = gain is not None and bool((gain == gain[0]).all())
+    tied = config.tie_word_embeddings and (gain is None or keep_gain)
+
+    def size(width: int) -> int:
+        c = copy.deepcopy(config)
+        c.hidden_size, c.tie_word_embeddings, c.final_norm_gain = width, tied, keep_gain
+        return relational_parameter_count(c)
+
+    low = max(config.head_dim, config.qk_rank)
+    d_new = next((w for w in range(d - 1, low - 1, -1) if size(w) <= budget), None)
+    if d_new is None:
+        raise ValueError(f"no slice width >= {low} stores at most {budget:,} parameters; choose a smaller `remove`")
+    sliced, rep = slice_relational(model, (d - d_new) / d, calibration)
+    return sliced, {"hidden_size": d_new, "variance_kept": rep.variance_kept, "head_tied": tied}
+
+
+def compress_model(
+    model: nn.Module,
+    tokenizer=None,
+    *,
+    remove: float,
+    method: str = "relational",
+    calibration: torch.Tensor,
+    heal_steps: int = 0,
+    progress: bool = True,
+    eval_windows: int = 8,
+    **options: Any,
+) -> tuple[nn.Module, dict]:
+    """Compress a causal LM (a Llama-family Transformers model or a `RelationalForCausalLM`) so that it stores at
+    most (1 - remove) x its stored parameters, and report what was done.
+
+    calibration: token ids (N, T) (e.g. `compress.eval.text_windows`). method: "relational" or "slice" (module
+    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps on the calibration windows through
+    `RelationalTrainer`, merged back (`compress.heal.heal`). Options for "relational": the fields of
+    `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
+    heal options: heal_lr, heal_rank, heal_batch_size. Returns (compressed RelationalForCausalLM, report) with
+    report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
+    calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib.
+    """
+    _check_arguments(remove, method, calibration, heal_steps)
+    start = time.perf_counter()
+    source_stored = _stored(model)["total"]
+    budget = int(math.floor((1.0 - remove) * source_stored))
+    rel = _as_relational(model).float().eval()
+    probe = calibration[:eval_windows]
+    ppl_before = perplexity(rel, probe)
+    report: dict[str, Any] = {
+        "method": method,
+        "remove": remove,
+        "parameters_before": source_stored,
+        "parameters_budget": budget,
+        "calibration_windows": list(calibration.shape),
+    }
+    heal_keys = {k: options.pop(k) for k in list(options) if k.startswith("heal_")}
+    if method == "slice":
+        out, info = _slice_to_budget(rel, calibration, budget)
+        report["slice"] = info
+    else:
+        slice_fraction = float(options.pop("slice_fraction", 0.0))
+        if not 0.0 <= slice_fraction < 1.0:
+            raise ValueError(f"`slice_fraction` must be in [0, 1), got {slice_fraction}")
+        unknown = set(options) - set(LowRankOptions.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(LowRankOptions.__dataclass_fields__)}")
+        opts = LowRankOptions(**options)
+        if isinstance(opts.kinds, str):
+            opts.kinds = tuple(k for k in opts.kinds.split(",") if k)
+        if not set(opts.kinds) <= set(KINDS):
+            raise ValueError(f"`kinds` must be a subset of {KINDS}, got {opts.kinds}")
+        if slice_fraction > 0:
+            from ..convert.slicing import slice_relational
+
+            rel, slice_report = slice_relational(rel, slice_fraction, calibration)
+            report["slice"] = {"hidden_size": slice_report.hidden_size_after, "variance_kept": slice_report.variance_kept}
+        out, result = compress_relational(
+            rel, calibration, budget, opts, count=lambda m: _stored(m)["total"], progress=progress
+        )
+        report["widths"] = result.widths
+        report["plan_seconds"] = round(result.plan_seconds, 2)
+        report["compress_seconds"] = round(result.compress_seconds, 2)
+        report["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()}
+    report["calibration_perplexity_before"] = ppl_before
+    report["calibration_perplexity_after"] = perplexity(out, probe)
+    if heal_steps > 0:
+        from .heal import heal
+
+        out, heal_report = heal(out, calibration, steps=heal_steps, progress=progress, **heal_keys)
+        report["heal"] = heal_report
+        report["calibration_perplexity_healed"] = perplexity(out, probe)
+    stored = _stored(out)
+    if stored["total"] > source_stored:
+        raise RuntimeError(f"compression grew the model: {stored['total']:,} > {source_stored:,} stored parameters")
+    report["parameters_after"] = stored["total"]
+    report["removed_share"] = 1.0 - stored["total"] / source_stored
+    report["stored"] = {"by_kind": stored["by_kind"], "by_layer": stored["by_layer"]}
+    report["seconds"] = round(time.perf_counter() - start, 2)
+    report["peak_rss_mib"] = round(_peak_rss_mib(), 1)
+    out.compression_report = copy.deepcopy(report)
+    return out, report
+
+
+__all__ = ["METHODS", "compress_model"]

@@ -1,0 +1,160 @@
+"""`relational-hf compress SRC OUT --remove 0.25`: compress a causal LM in relational coordinates and save it.
+
+SRC is a local checkpoint folder or a Hub id of a Llama-family causal LM (or a relational checkpoint). The
+calibration text (--calibration, default: the WikiText-2-style built-in corpus of the training module) is cut into
+--calibration-windows windows of --window tokens. OUT must not exist or be empty: the model, its tokenizer and
+`compression_report.json` are staged in a sibling temporary folder and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .api import METHODS
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "compression_report.json"
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1) (the share of stored parameters to remove), got {value}")
+    return value
+
+
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def add_compress_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `compress` command's arguments to `parser`."""
+    parser.add_argument("src", metavar="SRC", help="local checkpoint folder or Hub id of a Llama-family causal LM")
+    parser.add_argument("out", metavar="OUT", type=Path, help="output folder (must not exist or be empty)")
+    parser.add_argument("--remove", type=_share, required=True, help="share of stored parameters to remove, in (0, 1)")
+    parser.add_argument("--method", choices=METHODS, default="relational", help="compression method (default: %(default)s)")
+    parser.add_argument("--calibration", type=Path, default=None, help="calibration text file (default: built-in corpus)")
+    parser.add_argument("--eval", type=Path, default=None, dest="eval_file", help="text file to report perplexity on")
+    parser.add_argument("--calibration-windows", type=_count(1), default=32, help="calibration windows (default: 32)")
+    parser.add_argument("--eval-windows", type=_count(1), default=20, help="evaluation windows (default: 20)")
+    parser.add_argument("--window", type=_count(2), default=512, help="tokens per window (default: 512)")
+    parser.add_argument("--heal-steps", type=_count(0), default=0, help="LoRA recovery steps after compression")
+    parser.add_argument(
+        "--correction", choices=("dense", "local", "none"), default="dense", help="MLP down-projection refit target"
+    )
+    parser.add_argument("--slice-fraction", type=float, default=0.0, help="global-rotation slice before truncation")
+    parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    return parser
+
+
+def _windows(source: Path | str, tokenizer, window: int, n: int) -> torch.Tensor:
+    """Consecutive windows (n', window) of token ids of a text (n' <= n); `compress.eval.text_windows` when present."""
+    try:
+        from .eval import text_windows
+    except ImportError:
+        text_windows = None
+    if text_windows is not None:
+        return text_windows(str(source), tokenizer, window=window, n=n)
+    text = Path(source).read_text(encoding="utf-8") if isinstance(source, Path) else source
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    count = min(n, ids.numel() // window)
+    if count < 1:
+        raise ValueError(f"text of {ids.numel()} tokens is shorter than one window of {window}")
+    return ids[: count * window].reshape(count, window)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for flag, path in (("--calibration", args.calibration), ("--eval", args.eval_file)):
+        if path is not None and not path.is_file():
+            raise FileNotFoundError(f"{flag}: file not found: {path}")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        raise ValueError(f"OUT {args.out} exists and is not an empty folder; refusing to overwrite it")
+    if not 0.0 <= args.slice_fraction < 1.0:
+        raise ValueError(f"--slice-fraction must be in [0, 1), got {args.slice_fraction}")
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    """Load SRC, compress it (`compress_model`), evaluate, and write OUT atomically; prints a short summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..training.metrics import perplexity
+    from .api import compress_model
+
+    _check_paths(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    if args.calibration is not None:
+        calibration_text: Path | str = args.calibration
+    else:
+        from ..training.data import load_texts
+
+        train_text, _, _ = load_texts(None, None, None, "text")
+        calibration_text = train_text
+    calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.src, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    ).eval()
+    evaluation = None
+    eval_before = None
+    if args.eval_file is not None:
+        evaluation = _windows(args.eval_file, tokenizer, args.window, args.eval_windows)
+        eval_before = perplexity(model, evaluation, progress=True)
+    compressed, report = compress_model(
+        model,
+        tokenizer,
+        remove=args.remove,
+        method=args.method,
+        calibration=calibration,
+        heal_steps=args.heal_steps,
+        progress=True,
+        **({"correction": args.correction, "slice_fraction": args.slice_fraction} if args.method == "relational" else {}),
+    )
+    report["source"] = str(args.src)
+    if evaluation is not None:
+        report["eval_file"] = args.eval_file.name
+        report["eval_windows"] = list(evaluation.shape)
+        report["eval_perplexity_before"] = eval_before
+        report["eval_perplexity_after"] = perplexity(compressed, evaluation, progress=True)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        compressed.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        (stage / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            out.rmdir()  # empty (checked above); rmdir refuses anything else
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    summary = (
+        f"compressed {args.src} with {args.method}: {report['parameters_before']:,} -> {report['parameters_after']:,} "
+        f"stored parameters ({report['removed_share']:.1%} fewer); calibration perplexity "
+        f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
+    )
+    if evaluation is not None:
+        summary += f"; {args.eval_file.name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
+    print(summary + f"\nsaved to {out} (report: {out / REPORT_NAME})")
+    return 0
+
+
+__all__ = ["REPORT_NAME", "add_compress_arguments", "run_compress"]

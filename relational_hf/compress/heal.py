@@ -1,0 +1,90 @@
+"""Healing a compressed model: a short LoRA recovery fine-tune on the calibration text, merged back.
+
+The adapters (PEFT LoRA, `training.peft_support.relational_lora_config`, on every linear map of the decoder layers)
+train through `RelationalTrainer` on random blocks of the calibration tokens for `steps` steps; they are then merged
+and every merged module is put back into its pivot gauge (`training.peft_support.merge_and_unload`), so the result
+has exactly the compressed model's shapes and stored size.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def heal(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    *,
+    steps: int,
+    heal_lr: float = 5e-4,
+    heal_rank: int = 8,
+    heal_batch_size: int = 4,
+    heal_block_size: int = 256,
+    heal_seed: int = 0,
+    progress: bool = True,
+) -> tuple[nn.Module, dict]:
+    """LoRA recovery fine-tune of `steps` optimiser steps (rank `heal_rank`, learning rate `heal_lr`, cosine schedule,
+    batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the calibration ids (N, T)), merged
+    back. Returns (merged model in eval mode, report with steps, trainable parameters, final training loss, seconds)."""
+    from peft import get_peft_model
+
+    from ..training.arguments import RelationalTrainingArguments
+    from ..training.data import RandomBlockDataset
+    from ..training.peft_support import RELATIONAL_LORA_TARGETS, merge_and_unload, relational_lora_config
+    from ..training.trainer import RelationalTrainer
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
+    if not 0.0 < heal_lr < 1.0:
+        raise ValueError(f"`heal_lr` must be in (0, 1), got {heal_lr}")
+    start = time.perf_counter()
+    ids = calibration.reshape(-1)
+    block = min(heal_block_size, ids.numel() - 1)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in RELATIONAL_LORA_TARGETS if t in present]
+    config = relational_lora_config(target_modules=targets, r=heal_rank, lora_alpha=2 * heal_rank, lora_dropout=0.0)
+    model.train()
+    peft_model = get_peft_model(model, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = RelationalTrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=heal_batch_size,
+            max_steps=steps,
+            learning_rate=heal_lr,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, steps // 10),
+            logging_steps=max(1, steps // 5),
+            save_strategy="no",
+            report_to=[],
+            seed=heal_seed,
+            dataloader_num_workers=0,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=not progress,
+        )
+        dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
+        trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset)
+        output = trainer.train()
+    merged = merge_and_unload(peft_model).eval()
+    report = {
+        "steps": steps,
+        "lora_rank": heal_rank,
+        "learning_rate": heal_lr,
+        "batch_size": heal_batch_size,
+        "block_size": block,
+        "trainable_parameters": trainable,
+        "train_loss": float(output.training_loss),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    logger.info("healed with %d LoRA steps in %.1f s (train loss %.3f)", steps, report["seconds"], report["train_loss"])
+    return merged, report
+
+
+__all__ = ["heal"]

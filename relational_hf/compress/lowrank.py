@@ -1,0 +1,675 @@
+"""Compression in relational coordinates (DESIGN.md 2.2a): activation-aware truncation of the invariants.
+
+Notation: row vectors, X (n x d) the normalised input of a map (what it reads), per key/value head h with g query
+heads: W_V (d x d_h) shared, W_O^j (d_h x d) per query head j, so the head's invariants are G_VO^j = W_V W_O^j;
+per key head the QK forms G_QK^j = W_Q^j W_K^T split into rotary frequency pairs (the RoPE commutant); a SwiGLU
+hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
+
+- VO: with C = X^T X = L L^T, the best rank-r_v maps minimising sum_j ||X (G_VO^j - A B_j)||^2 with a SHARED A
+  come from the SVD of M = L^T W_V [W_O^1 ... W_O^g] (the g output blocks side by side): M = U S V^T, keep r_v.
+  With P = L^T W_V (d x d_h): A = W_V T, B_j = T' W_O^j, T = P^+ U_r, T' = U_r^T P (T' T = I), so the new maps
+  stay in the span of the old value space and no inverse of C is needed (`vo_truncate`).
+- QK: the logit of head j is sum over pairs p of Re(q_p conj(k_p) e^{i theta_p (t - s)}); the commutant scales q_p
+  by 1/conj(z) and k_p by z, so the gauge-invariant size of pair p is sqrt(E|q_p|^2 E|k_p|^2), summed over the g
+  query heads of the key head. Whole pairs are removed (`qk_pair_scores`, `qk_truncate`).
+- MLP: the scale gauge (w_up,i c, w_down,i / c) leaves a_i = sqrt(E z_i^2) ||w_down,i|| invariant: units with the
+  smallest a_i go; W_down of the kept units S is refitted by least squares, W_down' = argmin ||Z_S W - Y||^2 with Y
+  the dense MLP output (`local`) or the dense trajectory's residual target (`dense`, which also absorbs the error
+  of everything compressed before it) (`mlp_truncate`).
+- Budget: a first pass over the dense model measures, per layer and kind, the error added to the residual stream
+  (relative to its energy) at a grid of widths; a Lagrangian choice then minimises the summed (optionally
+  loss-sensitivity weighted) error at the requested stored size (`plan_widths`). A second pass compresses layer by
+  layer, collecting the calibration activations through the already-compressed layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+from transformers.initialization import no_init_weights
+
+from ..modeling import RelationalConfig, RelationalForCausalLM
+from ..modeling.modeling_relational import rotate_half
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("qk", "vo", "mlp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The three truncations (pure functions on full, Linear-layout weights)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _sqrt_psd(cov: torch.Tensor) -> torch.Tensor:
+    """A square root L (d x d) of a PSD matrix with L L^T = C (symmetric eigen square root, negative parts cut)."""
+    evals, evecs = torch.linalg.eigh(cov.double())
+    return (evecs * evals.clamp_min(0).sqrt()) @ evecs.T
+
+
+def value_grams(wv: torch.Tensor, cov: torch.Tensor, *, num_kv_heads: int) -> torch.Tensor:
+    """E = W_V^T C W_V per key/value head (H_kv, d_h, d_h): the value-space Gram of inputs with covariance C."""
+    dh = wv.shape[0] // num_kv_heads
+    v = wv.double().view(num_kv_heads, dh, -1)
+    return v @ cov.double() @ v.transpose(1, 2)
+
+
+def _vo_factors(wo: torch.Tensor, grams: torch.Tensor, num_kv_heads: int) -> list[tuple]:
+    """Per key/value head: (P = E^1/2, the SVD of M = P [W_O^1 ... W_O^g]): (p, u, s, blocks)."""
+    dh = grams.shape[-1]
+    g = wo.shape[1] // (dh * num_kv_heads)
+    out = []
+    for kv in range(num_kv_heads):
+        blocks = [wo[:, (kv * g + j) * dh : (kv * g + j + 1) * dh].double().T for j in range(g)]  # (d_h, d) each
+        p = _sqrt_psd(grams[kv])  # (d_h, d_h), symmetric
+        _, r_o = torch.linalg.qr(torch.cat(blocks, dim=1).T)  # [W_O^j]^T = Q_o R_o
+        u, s, _ = torch.linalg.svd(p @ r_o.T)  # M = P R_o^T Q_o^T
+        out.append((p, u, s, blocks))
+    return out
+
+
+@torch.no_grad()
+def vo_truncate(
+    wv: torch.Tensor,
+    wo: torch.Tensor,
+    bv: torch.Tensor | None,
+    grams: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    rank: int,
+    factors: list[tuple] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Activation-aware rank-`rank` VO maps per key/value head, the value factor shared by its g query heads.
+
+    wv: (H_kv d_h, d), wo: (d, H d_h) in Linear layout, bv: (H_kv d_h,) or None; grams: (H_kv, d_h, d_h) value-space
+    Grams E of what the output maps read: E = W_V^T C W_V for inputs with C = X^T X (`value_grams`; then this is the
+    DESIGN.md 2.2a solution with C = L L^T, M = L^T W_V [W_O^1 ... W_O^g]), or sum_j O_j^T O_j of the attention-mixed
+    values O_j = A_j X W_V of the group's query heads (the input the maps actually see). Minimises
+    sum_j ||E^1/2 (W_O^j - T T' W_O^j)||^2 over rank-r projections T T' of value space through the SVD of
+    M = E^1/2 [W_O^1 ... W_O^g] = U S V^T: T = E^-1/2 U_r, T' = U_r^T E^1/2; W_V <- W_V T, W_O^j <- T' W_O^j,
+    b_V <- b_V T. Returns (wv (H_kv r, d), wo (d, H r), bv (H_kv r,) or None, the singular values S (H_kv, d_h))."""
+    dh = wv.shape[0] // num_kv_heads
+    if not 1 <= rank <= dh:
+        raise ValueError(f"`rank` must be in [1, {dh}], got {rank}")
+    factors = factors or _vo_factors(wo, grams, num_kv_heads)
+    new_v, new_o, new_b, spectra = [], [], [], []
+    for kv, (p, u, s, blocks) in enumerate(factors):
+        w_v = wv[kv * dh : (kv + 1) * dh].double().T  # (d, d_h)
+        spectra.append(s)
+        u_r = u[:, :rank]
+        t = torch.linalg.pinv(p, hermitian=True) @ u_r  # (d_h, r)
+        t_left = u_r.T @ p  # (r, d_h)
+        new_v.append((w_v @ t).T)  # (r, d)
+        new_o.append(torch.cat([(t_left @ b).T for b in blocks], dim=1))  # (d, g r)
+        if bv is not None:
+            new_b.append(bv[kv * dh : (kv + 1) * dh].double() @ t)
+    wv_new = torch.cat(new_v, 0).to(wv.dtype)
+    wo_new = torch.cat(new_o, 1).to(wo.dtype)
+    bv_new = torch.cat(new_b).to(bv.dtype) if bv is not None else None
+    return wv_new, wo_new, bv_new, torch.stack(spectra)
+
+
+@torch.no_grad()
+def qk_pair_scores(
+    wq: torch.Tensor, wk: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None, cov: torch.Tensor,
+    mean: torch.Tensor | None = None, n: int = 1, *, num_kv_heads: int,
+) -> torch.Tensor:
+    """Gauge-invariant size of each rotary pair p of each key head: sum over its g query heads of
+    sqrt(E|q_p|^2 E|k_p|^2), from C = X^T X (and the input mean, for biases). Shape (H_kv, r/2)."""
+    r = wk.shape[0] // num_kv_heads
+    h = wq.shape[0] // r
+    g = h // num_kv_heads
+    cov = cov.double() / max(n, 1)
+
+    def energy(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        e = ((w.double() @ cov) * w.double()).sum(-1)  # E (x w)^2 per output coordinate
+        if b is not None:
+            mu = torch.zeros(w.shape[1], dtype=torch.float64) if mean is None else mean.double()
+            e = e + 2 * b.double() * (w.double() @ mu) + b.double() ** 2
+        e = e.view(-1, r)
+        return e[:, : r // 2] + e[:, r // 2 :]  # (heads, r/2) pair energies
+
+    eq = energy(wq, bq).view(num_kv_heads, g, r // 2)
+    ek = energy(wk, bk).view(num_kv_heads, 1, r // 2)
+    return (eq * ek).clamp_min(0).sqrt().sum(1)
+
+
+def _pair_coordinates(keep: torch.Tensor, r: int) -> torch.Tensor:
+    """Head coordinates of the kept pairs `keep` (k,) of a width-r head: [keep, keep + r/2] (the new layout)."""
+    return torch.cat([keep, keep + r // 2])
+
+
+@torch.no_grad()
+def qk_truncate(
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    bq: torch.Tensor | None,
+    bk: torch.Tensor | None,
+    pair_index: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Keep the rotary pairs keep[h] (H_kv, k) of each key head (and of its query heads), dropping the others.
+
+    pair_index (H_kv, r/2): the model frequency pair of each head pair. The query rows are scaled by sqrt(2k / r) so
+    that the attention scaling 1/sqrt(width) of the narrower layer gives the same logits. Returns
+    (wq (H 2k, d), wk (H_kv 2k, d), bq, bk, new pair_index (H_kv, k))."""
+    r = wk.shape[0] // num_kv_heads
+    g = wq.shape[0] // (r * num_kv_heads)
+    k = keep.shape[1]
+    factor = math.sqrt(2 * k / r)
+    q_rows, k_rows, pairs = [], [], []
+    for kv in range(num_kv_heads):
+        order = torch.sort(keep[kv]).values
+        coords = _pair_coordinates(order, r)
+        k_rows.append(kv * r + coords)
+        for j in range(g):
+            q_rows.append((kv * g + j) * r + coords)
+        pairs.append(pair_index[kv][order])
+    qi, ki = torch.cat(q_rows), torch.cat(k_rows)
+    return (
+        wq[qi] * factor,
+        wk[ki],
+        None if bq is None else bq[qi] * factor,
+        None if bk is None else bk[ki],
+        torch.stack(pairs),
+    )
+
+
+@torch.no_grad()
+def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor) -> torch.Tensor:
+    """Balanced importance a_i = sqrt(E z_i^2) ||w_down,i|| of each SwiGLU unit (invariant under the scale gauge).
+    down: (d, d_ff) Linear layout; gram_diag: sum over tokens of z_i^2 (d_ff,)."""
+    return gram_diag.double().clamp_min(0).sqrt() * down.double().norm(dim=0)
+
+
+@torch.no_grad()
+def mlp_refit(
+    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, ridge: float = 1e-4
+) -> torch.Tensor:
+    """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
+    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d)."""
+    g_ss = gram[keep][:, keep].double()
+    lam = ridge * float(torch.diagonal(g_ss).mean().clamp_min(1e-12))
+    eye = torch.eye(len(keep), dtype=torch.float64)
+    sol = torch.linalg.solve(g_ss + lam * eye, cross[keep].double())  # (k, d)
+    return sol.T
+
+
+def mlp_error_curve(gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+    """Least-squares residual ||Z_S W* - Y||^2 after the refit for every prefix S = order[:k], k = 1..d_ff, at once:
+    with the Cholesky factor G_oo + ridge = L L^T of the Gram in that order, the energy explained by the first k units
+    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units)."""
+    g = gram[order][:, order].double()
+    lam = ridge * float(torch.diagonal(g).mean().clamp_min(1e-12))
+    chol = torch.linalg.cholesky(g + lam * torch.eye(len(order), dtype=torch.float64))
+    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
+    explained = proj.pow(2).sum(1).cumsum(0)
+    return (y_energy - explained).clamp_min(0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter counts of one layer at given widths (relational pivot gauge; checked against the model in the tests)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> int:
+    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge."""
+    d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    pivot = config.gauge == "pivot"
+    rope = config.position_encoding == "rope"
+    if kind == "qk":
+        n = (h + hkv) * width * d - (hkv * (width if rope else width * width) if pivot else 0)
+        return n + ((h + hkv) * width if config.attention_bias else 0)
+    if kind == "vo":
+        n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
+        return n + (hkv * width if config.attention_bias else 0)
+    if kind == "mlp":
+        return 3 * d * width - (width if pivot else 0)
+    raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Budget: a Lagrangian choice of widths from measured error curves
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WidthOption:
+    """One candidate width of one (layer, kind): its stored parameters and its measured (weighted) error."""
+
+    width: int
+    parameters: int
+    error: float
+
+
+def plan_widths(options: dict[tuple[int, str], list[WidthOption]], budget: int) -> dict[tuple[int, str], WidthOption]:
+    """Choose one option per (layer, kind) minimising the summed error with summed parameters <= budget:
+    for a multiplier lam, each slot takes argmin error + lam parameters; lam is bisected to the smallest value that
+    meets the budget. Raises ValueError when even the narrowest widths exceed the budget."""
+    slots = list(options)
+
+    def choose(lam: float) -> dict:
+        return {s: min(options[s], key=lambda o: (o.error + lam * o.parameters, o.parameters)) for s in slots}
+
+    def total(choice: dict) -> int:
+        return sum(o.parameters for o in choice.values())
+
+    smallest = sum(min(o.parameters for o in options[s]) for s in slots)
+    if smallest > budget:
+        raise ValueError(f"the narrowest widths store {smallest:,} parameters, more than the budget {budget:,}")
+    choice = choose(0.0)
+    if total(choice) <= budget:
+        return choice
+    lo, hi = 0.0, 1e-12
+    while total(choose(hi)) > budget:
+        hi *= 4.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if total(choose(mid)) > budget:
+            lo = mid
+        else:
+            hi = mid
+    return choose(hi)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layer-by-layer machinery
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _causal_mask(t: int, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    return mask[None, None]
+
+
+def _pair_index_of(attn: nn.Module) -> torch.Tensor:
+    pairs = getattr(attn, "rope_pair_index", None)
+    if pairs is not None:
+        return pairs.detach().cpu().clone()
+    return torch.arange(attn.qk_rank // 2).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
+
+
+def _attention_output(
+    x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+    *, num_heads: int, num_kv_heads: int, return_values: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of full Linear-layout weights w (q, k, v, o, biases) on normalised inputs x (B, T, d); the
+    rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
+    `return_values` also the mixed values O before W_O (B, T, H, r_v)."""
+    b, t, _ = x.shape
+    r = w["k"].shape[0] // num_kv_heads
+    rv = w["v"].shape[0] // num_kv_heads
+    q = F.linear(x, w["q"], w.get("q_bias")).view(b, t, num_heads, r).transpose(1, 2)
+    k = F.linear(x, w["k"], w.get("k_bias")).view(b, t, num_kv_heads, r).transpose(1, 2)
+    v = F.linear(x, w["v"], w.get("v_bias")).view(b, t, num_kv_heads, rv).transpose(1, 2)
+    if cos is not None:
+        half = cos.shape[-1] // 2
+
+        def per_head(table):
+            tt = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
+            return torch.cat((tt, tt), -1).transpose(1, 2)
+
+        ck, sk = per_head(cos), per_head(sin)
+        g = num_heads // num_kv_heads
+        cq, sq = ck.repeat_interleave(g, 1), sk.repeat_interleave(g, 1)
+        q, k = q * cq + rotate_half(q) * sq, k * ck + rotate_half(k) * sk
+    g = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)  # (B, T, H, r_v)
+    result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
+    return (result, out) if return_values else result
+
+
+def _mixed_grams(
+    values: torch.Tensor, num_kv_heads: int, token_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From mixed values O (B, T, H, r_v): per query head E_j = O_j^T diag(w) O_j (H, r_v, r_v) and their sums over
+    each key/value head's group (H_kv, r_v, r_v); w: optional token weights (B, T)."""
+    h, rv = values.shape[2], values.shape[3]
+    o = values.reshape(-1, h, rv).double().transpose(0, 1)  # (H, n, r_v)
+    ow = o if token_weights is None else o * token_weights.reshape(1, -1, 1).double()
+    per_head = ow.transpose(1, 2) @ o
+    return per_head, per_head.view(num_kv_heads, h // num_kv_heads, rv, rv).sum(1)
+
+
+def _vo_errors(per_head: torch.Tensor, wo: torch.Tensor, factors: list[tuple], rank: int) -> float:
+    """sum_j ||O_j (I - T T') W_O^j||^2 for the rank-r projection of `vo_truncate`, from the Grams E_j."""
+    rv = per_head.shape[-1]
+    g = per_head.shape[0] // len(factors)
+    total = 0.0
+    for kv, (p, u, _, blocks) in enumerate(factors):
+        u_r = u[:, :rank]
+        proj = torch.linalg.pinv(p, hermitian=True) @ u_r @ u_r.T @ p  # T T'
+        rest = torch.eye(rv, dtype=torch.float64) - proj
+        for j, b in enumerate(blocks):
+            a = rest @ b  # (r_v, d)
+            total += float(((per_head[kv * g + j] @ a) * a).sum())
+    return total
+
+
+def _grid(width: int, step: int, smallest: int) -> range:
+    """Candidate widths below `width`: steps of `step` down to `smallest`, both shrunk for narrow maps (at least
+    8 candidates when the width allows)."""
+    step = max(1, min(step, width // 8))
+    smallest = max(1, min(smallest, width // 4))
+    return range(width - step, smallest - 1, -step)
+
+
+def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
+    """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' (errors relative to each token's residual
+    energy, as the next RMS norm sees them), None otherwise."""
+    if sensitivity != "token":
+        return None
+    return h.shape[-1] / h.double().pow(2).sum(-1).clamp_min(1e-12)
+
+
+def _weighted_energy(e: torch.Tensor, token_weights: torch.Tensor | None) -> float:
+    """sum_t w_t |e_t|^2 over (B, T, d) errors (w = 1 without weights)."""
+    per_token = e.double().pow(2).sum(-1)
+    return float(per_token.sum() if token_weights is None else (per_token * token_weights).sum())
+
+
+@dataclass
+class LowRankOptions:
+    """Settings of `compress_relational` (see its docstring)."""
+
+    qk_step: int = 2  # pairs per grid step (rank step 2 * qk_step)
+    vo_step: int = 4
+    mlp_step: int = 64
+    min_qk_pairs: int = 2
+    min_vo_rank: int = 4
+    min_mlp_units: int = 64
+    plan_windows: int = 8  # calibration windows used to measure the error curves
+    batch_size: int = 4
+    correction: str = "dense"  # MLP down-projection refit target: "dense", "local" or "none"
+    ridge: float = 1e-3
+    vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
+    kinds: tuple[str, ...] = KINDS
+    # error currency: "token" (each token's error relative to its residual energy, what the next norm sees),
+    # "relative" (error / total residual energy of the layer output) or "uniform" (plain error energy)
+    sensitivity: str = "token"
+    layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
+
+
+@dataclass
+class LowRankResult:
+    """What `compress_relational` chose and measured."""
+
+    widths: dict[str, list[int]] = field(default_factory=dict)
+    planned_parameters: int = 0
+    budget: int = 0
+    plan_seconds: float = 0.0
+    compress_seconds: float = 0.0
+    layer_errors: list[dict[str, float]] = field(default_factory=list)
+
+
+def _batches(n: int, size: int):
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))
+
+
+@torch.no_grad()
+def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> RelationalForCausalLM:
+    config = copy.deepcopy(model.config)
+    config.layer_qk_ranks = list(widths["qk"])
+    config.layer_value_ranks = list(widths["vo"])
+    config.layer_intermediate_sizes = list(widths["mlp"])
+    config.validate()
+    with no_init_weights():
+        new = type(model)(config)
+    if config.tie_word_embeddings and new.lm_head.weight is not new.model.embed_tokens.weight:
+        new.lm_head.weight = new.model.embed_tokens.weight
+    new.to(dtype=next(model.parameters()).dtype).eval()
+    new.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    if model.model.norm.weight is not None:
+        new.model.norm.weight.copy_(model.model.norm.weight)
+    if not config.tie_word_embeddings:
+        new.lm_head.weight.copy_(model.lm_head.weight)
+    return new
+
+
+@torch.no_grad()
+def compress_relational(
+    model: RelationalForCausalLM,
+    calibration: torch.Tensor,
+    budget: int,
+    options: LowRankOptions | None = None,
+    *,
+    count: Callable[[nn.Module], int] | None = None,
+    progress: bool = True,
+) -> tuple[RelationalForCausalLM, LowRankResult]:
+    """Compress a relational causal LM (any per-layer widths, CPU, fp32) to at most `budget` stored parameters by
+    truncating its invariants: per layer the QK rotary pairs, the VO rank and the SwiGLU units (module docstring).
+
+    calibration: token ids (N, T). Pass 1 measures error curves on the first `plan_windows` windows of the dense
+    model and plans the widths (`plan_widths`); pass 2 walks the layers once with all N windows, feeding each layer
+    the output of the already-compressed ones (memory: the hidden states of the calibration set, twice with
+    correction='dense', plus one layer). Returns (new model, LowRankResult)."""
+    opts = options or LowRankOptions()
+    if opts.sensitivity not in ("token", "relative", "uniform"):
+        raise ValueError(f"`sensitivity` must be 'token', 'relative' or 'uniform', got {opts.sensitivity!r}")
+    if opts.correction not in ("dense", "local", "none"):
+        raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
+    config: RelationalConfig = model.config
+    if config.value_parallel_removal:
+        raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
+    if calibration.dim() != 2 or calibration.shape[1] < 2:
+        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got shape {tuple(calibration.shape)}")
+    model = model.eval()
+    layers = model.model.layers
+    n_layers = len(layers)
+    rope = config.position_encoding == "rope"
+    count = count or (lambda m: sum(p.numel() for p in m.parameters()))
+    fixed = count(model) - sum(
+        layer_kind_parameters(config, "qk", layer.self_attn.qk_rank)
+        + layer_kind_parameters(config, "vo", layer.self_attn.head_dim)
+        + layer_kind_parameters(config, "mlp", layer.mlp.down_proj.in_features)
+        for layer in layers
+    )
+    result = LowRankResult(budget=budget)
+    t0 = time.perf_counter()
+    t = calibration.shape[1]
+    pos = torch.arange(t)[None]
+    dummy = model.model.embed_tokens.weight[:1, None, :].expand(1, t, -1)
+    cos, sin = model.model.rotary_emb(dummy, pos) if rope else (None, None)
+    mask = _causal_mask(t, next(model.parameters()).dtype)
+
+    def run_layer(layer, h):
+        return layer(h, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
+
+    # ---------------- pass 1: error curves on the dense model ----------------
+    plan_ids = calibration[: opts.plan_windows]
+    h = model.model.embed_tokens(plan_ids)
+    options: dict[tuple[int, str], list[WidthOption]] = {}
+    bar = tqdm(total=n_layers, desc="measuring error curves", disable=not progress)
+    weights = opts.layer_weights or [1.0] * n_layers
+    for li, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm(h)
+        w = {k: v.detach() for k, v in attn.full_weights().items()}
+        pairs = _pair_index_of(attn)
+        nh, nkv = attn.num_heads, attn.num_kv_heads
+        base, mixed = _attention_output(x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True)
+        h_mid = h + base
+        xm = layer.post_attention_layernorm(h_mid)
+        m = {k: v.detach() for k, v in mlp.full_weights().items()}
+        z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
+        y = F.linear(z, m["down"])
+        h_out = h_mid + y
+        tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
+        scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0
+        scale = scale / weights[li]
+        flat_x = x.reshape(-1, x.shape[-1]).double()
+        cov = flat_x.T @ flat_x
+        r, rv, f = attn.qk_rank, attn.head_dim, m["down"].shape[1]
+        # QK: drop the least important pairs, measure the attention output change
+        qk_opts = [WidthOption(r, layer_kind_parameters(config, "qk", r), 0.0)]
+        if "qk" in opts.kinds and rope:
+            scores = qk_pair_scores(
+                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, flat_x.sum(0), flat_x.shape[0],
+                num_kv_heads=nkv,
+            )
+            order = scores.argsort(dim=1, descending=True)
+            for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
+                keep = order[:, :kp]
+                wq, wk, bq, bk, new_pairs = qk_truncate(
+                    w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
+                )
+                w2 = dict(w, q=wq, k=wk)
+                if bq is not None:
+                    w2.update(q_bias=bq, k_bias=bk)
+                out = _attention_output(x, w2, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
+                err = _weighted_energy(out - base, tw) / scale
+                qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err))
+        options[(li, "qk")] = qk_opts
+        vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
+        if "vo" in opts.kinds:
+            per_head, grams = _mixed_grams(mixed, nkv, tw)
+            if opts.vo_weighting == "input":
+                grams = value_grams(w["v"], cov, num_kv_heads=nkv)
+            factors = _vo_factors(w["o"], grams, nkv)
+            for rank in _grid(rv, opts.vo_step, opts.min_vo_rank):
+                err = _vo_errors(per_head, w["o"], factors, rank) / scale
+                vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err))
+        options[(li, "vo")] = vo_opts
+        mlp_opts = [WidthOption(f, layer_kind_parameters(config, "mlp", f), 0.0)]
+        if "mlp" in opts.kinds:
+            zf = z.reshape(-1, f).double()
+            yf = y.reshape(-1, y.shape[-1]).double()
+            zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
+            gram, cross = zw.T @ zf, zw.T @ yf
+            y_energy = _weighted_energy(y, tw)
+            order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
+            curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
+            full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
+            for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
+                err = max(float(curve[units - 1]) - full, 0.0) / scale
+                mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
+        options[(li, "mlp")] = mlp_opts
+        h = h_out
+        bar.update()
+    bar.close()
+    choice = plan_widths(options, budget - fixed)
+    widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
+    result.widths = widths
+    result.planned_parameters = fixed + sum(o.parameters for o in choice.values())
+    result.plan_seconds = time.perf_counter() - t0
+    logger.info("planned widths: %s", widths)
+
+    # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------
+    t1 = time.perf_counter()
+    new = _new_model(model, widths)
+    n = calibration.shape[0]
+    h = torch.cat([model.model.embed_tokens(calibration[s]) for s in _batches(n, opts.batch_size)])
+    h_dense = h.clone() if opts.correction == "dense" else None
+    bar = tqdm(total=n_layers, desc="compressing layers", disable=not progress)
+    for li, (layer, target) in enumerate(zip(layers, new.model.layers, strict=True)):
+        attn, mlp = layer.self_attn, layer.mlp
+        d = h.shape[-1]
+        cov = torch.zeros(d, d, dtype=torch.float64)
+        mean = torch.zeros(d, dtype=torch.float64)
+        for s in _batches(n, opts.batch_size):
+            xb = layer.input_layernorm(h[s]).reshape(-1, d).double()
+            cov += xb.T @ xb
+            mean += xb.sum(0)
+        tokens = n * t
+        w = {k: v.detach().clone() for k, v in attn.full_weights().items()}
+        pairs = _pair_index_of(attn)
+        nkv = attn.num_kv_heads
+        r_new, rv_new = widths["qk"][li], widths["vo"][li]
+        if r_new < attn.qk_rank:
+            scores = qk_pair_scores(
+                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, mean, tokens, num_kv_heads=nkv
+            )
+            keep = scores.argsort(dim=1, descending=True)[:, : r_new // 2]
+            w["q"], w["k"], bq, bk, pairs = qk_truncate(
+                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
+            )
+            if bq is not None:
+                w["q_bias"], w["k_bias"] = bq, bk
+        if rv_new < attn.head_dim:
+            if opts.vo_weighting == "input":
+                grams = value_grams(w["v"], cov, num_kv_heads=nkv)
+            else:  # the attention-mixed values the output maps read, through the truncated QK forms
+                grams = torch.zeros(nkv, attn.head_dim, attn.head_dim, dtype=torch.float64)
+                for s in _batches(n, opts.batch_size):
+                    xb = layer.input_layernorm(h[s])
+                    _, mixed = _attention_output(
+                        xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
+                    )
+                    grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
+            w["v"], w["o"], bv, _ = vo_truncate(w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new)
+            if bv is not None:
+                w["v_bias"] = bv
+        target.self_attn.set_full_weights(w)
+        if getattr(target.self_attn, "rope_pair_index", None) is not None:
+            target.self_attn.rope_pair_index.copy_(pairs)
+        # MLP: statistics at the compressed attention's output
+        m = {k: v.detach() for k, v in mlp.full_weights().items()}
+        f = m["down"].shape[1]
+        f_new = widths["mlp"][li]
+        h_mid = torch.empty_like(h)
+        for s in _batches(n, opts.batch_size):
+            h_mid[s] = h[s] + target.self_attn(
+                target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
+            )[0]
+        dense_out = torch.empty_like(h) if h_dense is not None else None
+        if f_new < f or opts.correction == "dense":
+            gram = torch.zeros(f, f, dtype=torch.float64)
+            cross = torch.zeros(f, d, dtype=torch.float64)
+            for s in _batches(n, opts.batch_size):
+                xm = layer.post_attention_layernorm(h_mid[s])
+                z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).double()
+                tw = _token_weights(h_mid[s], opts.sensitivity)
+                zw = z if tw is None else z * tw.reshape(-1, 1).double()
+                gram += zw.T @ z
+                if opts.correction == "dense":
+                    dense_out[s] = run_layer(layer, h_dense[s])
+                    y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).double()
+                else:
+                    y_t = F.linear(z, m["down"].double())
+                cross += zw.T @ y_t
+            order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
+            keep = torch.sort(order[:f_new]).values
+            down = m["down"][:, keep]
+            if opts.correction != "none":
+                down = mlp_refit(gram, cross, keep, opts.ridge).to(down.dtype)
+            m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
+        target.mlp.set_full_weights(m)
+        if h_dense is not None:
+            h_dense = dense_out
+        for s in _batches(n, opts.batch_size):
+            h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
+        bar.update()
+    bar.close()
+    result.compress_seconds = time.perf_counter() - t1
+    return new, result
+
+
+__all__ = [
+    "KINDS",
+    "LowRankOptions",
+    "LowRankResult",
+    "WidthOption",
+    "compress_relational",
+    "layer_kind_parameters",
+    "mlp_error_curve",
+    "mlp_refit",
+    "mlp_unit_scores",
+    "plan_widths",
+    "qk_pair_scores",
+    "qk_truncate",
+    "value_grams",
+    "vo_truncate",
+]

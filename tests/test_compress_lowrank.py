@@ -1,0 +1,241 @@
+"""Compression in relational coordinates: per-layer widths, the truncations, the budget, the API and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.cli import main
+from relational_hf.compress import LowRankOptions, compress_model, compress_relational, qk_truncate, vo_truncate
+from relational_hf.compress.lowrank import layer_kind_parameters, value_grams
+from relational_hf.convert import to_relational
+from relational_hf.params import relational_parameter_count
+
+VARIED = dict(
+    vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, layer_qk_ranks=[8, 4, 2], layer_value_ranks=[8, 3, 5],
+    layer_intermediate_sizes=[48, 10, 30],
+)
+
+
+def _stored(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _llama(layers: int = 2) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norm gains, so folding them is exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("gauge", ["pivot", "free"])
+def test_per_layer_widths_save_load_generate(tmp_path, gauge):
+    """A model with different widths in every layer stores exactly the closed-form count, round-trips through
+    save/from_pretrained with identical logits, and generates with its cache like without."""
+    model = RelationalForCausalLM(RelationalConfig(gauge=gauge, **VARIED)).eval()
+    assert _stored(model) == relational_parameter_count(model.config)
+    ids = torch.randint(0, 50, (2, 9))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.layer_value_ranks == [8, 3, 5]
+    torch.testing.assert_close(loaded(ids).logits, logits)
+    out = loaded.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    step = loaded(out[:, :-1]).logits[0, -1].argmax()
+    assert int(out[0, -1]) == int(step)  # cached decoding agrees with a full forward
+
+
+def test_per_layer_widths_are_validated():
+    """A width list of the wrong length, an odd rotary width or a width above the model's raises, naming the field."""
+    for bad, field in (
+        (dict(layer_qk_ranks=[8, 4]), "layer_qk_ranks"),
+        (dict(layer_qk_ranks=[8, 3, 2]), "layer_qk_ranks[1]"),
+        (dict(layer_value_ranks=[8, 9, 5]), "layer_value_ranks[1]"),
+        (dict(layer_intermediate_sizes=[48, 0, 30]), "layer_intermediate_sizes[1]"),
+    ):
+        with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+            RelationalConfig(**(VARIED | bad))
+
+
+def test_full_rank_truncations_preserve_the_function():
+    """Keeping every rotary pair (in any order) and the full VO rank leaves the logits unchanged (float tolerance)."""
+    rel = to_relational(_llama())
+    ids = torch.randint(0, 64, (2, 12))
+    before = rel(ids).logits
+    cov = torch.randn(48, 48, dtype=torch.float64)
+    cov = cov @ cov.T
+    for layer in rel.model.layers:
+        attn = layer.self_attn
+        w = {k: v.detach().clone() for k, v in attn.full_weights().items()}
+        pairs = torch.arange(4).expand(2, 4)
+        keep = torch.stack([torch.randperm(4) for _ in range(2)])
+        w["q"], w["k"], _, _, new_pairs = qk_truncate(w["q"], w["k"], None, None, pairs, keep, num_kv_heads=2)
+        assert torch.equal(new_pairs, pairs)  # kept pairs come back in their original order
+        grams = value_grams(w["v"], cov, num_kv_heads=2)
+        w["v"], w["o"], _, _ = vo_truncate(w["v"], w["o"], None, grams, num_kv_heads=2, rank=8)
+        attn.set_full_weights(w)
+    torch.testing.assert_close(rel(ids).logits, before, atol=1e-4, rtol=1e-4)
+
+
+def test_no_truncation_budget_is_exact():
+    """compress_relational with a budget equal to the model's size (no refit) returns the same function."""
+    rel = to_relational(_llama())
+    ids = torch.randint(0, 64, (4, 16))
+    new, result = compress_relational(
+        rel, ids, _stored(rel), LowRankOptions(correction="none", plan_windows=2), progress=False
+    )
+    assert result.widths == {"qk": [8, 8], "vo": [8, 8], "mlp": [96, 96]}
+    torch.testing.assert_close(new(ids).logits, rel(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_vo_truncation_beats_plain_svd_in_the_activation_norm():
+    """On anisotropic inputs the activation-aware rank-r VO maps (shared value factor, g = 3 output blocks) have a
+    smaller E||X (G - G_r)||^2 than the plain SVD of [G^1 G^2 G^3] truncated to rank r."""
+    d, dh, g, r = 24, 6, 3, 2
+    x = torch.randn(400, d, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64)
+    wv = torch.randn(dh, d, dtype=torch.float64)
+    wo = torch.randn(d, g * dh, dtype=torch.float64)
+    blocks = [wo[:, j * dh : (j + 1) * dh].T for j in range(g)]
+    dense = torch.cat([wv.T @ b for b in blocks], dim=1)  # (d, g d)
+    v2, o2, _, _ = vo_truncate(wv, wo, None, value_grams(wv, x.T @ x, num_kv_heads=1), num_kv_heads=1, rank=r)
+    ours = torch.cat([v2.T @ o2[:, j * r : (j + 1) * r].T for j in range(g)], dim=1)
+    u, s, vh = torch.linalg.svd(dense, full_matrices=False)
+    plain = (u[:, :r] * s[:r]) @ vh[:r]
+    err_ours = (x @ (dense - ours)).pow(2).sum()
+    err_plain = (x @ (dense - plain)).pow(2).sum()
+    assert err_ours < 0.9 * err_plain
+    assert torch.linalg.matrix_rank(ours) <= r
+
+
+def test_compress_model_counts_and_report(tmp_path):
+    """compress_model meets the budget, never grows, reports exactly what it stores (= the closed-form count of its
+    config), and the result saves, reloads with AutoModelForCausalLM and generates."""
+    llama = _llama(layers=3)
+    ids = torch.randint(0, 64, (6, 24))
+    source = _stored(llama)
+    model, report = compress_model(llama, remove=0.15, method="relational", calibration=ids, progress=False,
+                                   plan_windows=3)
+    assert report["parameters_after"] == _stored(model) == relational_parameter_count(model.config)
+    assert report["parameters_after"] <= int(0.85 * source) < source
+    assert sum(report["stored"]["by_layer"]) + report["stored"]["by_kind"]["embedding"] < report["parameters_after"] + 1
+    for i, layer in enumerate(model.model.layers):
+        c = model.config
+        expected = sum(
+            layer_kind_parameters(c, kind, w)
+            for kind, w in (("qk", c.layer_qk_rank(i)), ("vo", c.layer_value_rank(i)), ("mlp", c.layer_intermediate_size(i)))
+        )
+        assert sum(p.numel() for p in layer.parameters()) == expected
+    json.dumps(report)  # JSON-able
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(ids[:1]).logits, model(ids[:1]).logits)
+    assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_compress_model_rejects_bad_arguments():
+    """remove outside (0, 1), an unknown method or option, and malformed calibration ids raise ValueError naming them."""
+    llama = _llama(layers=1)
+    ids = torch.randint(0, 64, (2, 8))
+    for kwargs, word in (
+        (dict(remove=0.0), "remove"),
+        (dict(remove=1.2), "remove"),
+        (dict(remove=0.2, method="magic"), "method"),
+        (dict(remove=0.2, calibration=torch.randint(0, 64, (8,))), "calibration"),
+        (dict(remove=0.2, nonsense=1), "nonsense"),
+        (dict(remove=0.2, heal_steps=-1), "heal_steps"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            compress_model(llama, **({"calibration": ids, "progress": False} | kwargs))
+
+
+def test_cli_refuses_bad_arguments(tmp_path, capsys):
+    """The compress command names the offending flag: --remove out of range, a missing --calibration file, a
+    non-empty OUT (left untouched)."""
+    assert main(["compress", "src", str(tmp_path / "o"), "--remove", "1.5"]) == 2
+    assert "--remove" in capsys.readouterr().err
+    assert main(["compress", "src", str(tmp_path / "o"), "--remove", "0.2", "--heal-steps", "-3"]) == 2
+    assert "--heal-steps" in capsys.readouterr().err
+    assert main(["compress", "src", str(tmp_path / "o"), "--remove", "0.2", "--calibration", str(tmp_path / "no.txt")]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("data")
+    assert main(["compress", "src", str(full), "--remove", "0.2"]) == 2
+    assert "OUT" in capsys.readouterr().err and (full / "keep.txt").read_text() == "data"
+
+
+def test_smollm2_first_two_layers(smollm2_dir):
+    """The real model cut to its first 2 layers compresses (relational method) below its size and still runs."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    before = _stored(model)
+    out, report = compress_model(model, remove=0.02, calibration=ids, progress=False, plan_windows=2, eval_windows=1)
+    assert report["parameters_after"] == _stored(out) <= int(0.98 * before)
+    assert torch.isfinite(out(ids).logits).all()
+
+
+def test_healing_keeps_shapes_and_lowers_calibration_loss():
+    """LoRA healing merges back into exactly the compressed shapes (same stored count) and lowers the calibration
+    perplexity of a learnable sequence set."""
+    torch.manual_seed(1)
+    llama = _llama(layers=2)
+    base = torch.arange(24) % 7 + 3
+    ids = torch.stack([base.roll(i) for i in range(8)])
+    compressed, _ = compress_model(llama, remove=0.2, calibration=ids, progress=False, plan_windows=2)
+    healed, report = compress_model(
+        llama, remove=0.2, calibration=ids, progress=False, plan_windows=2, heal_steps=15, heal_lr=5e-3,
+        heal_batch_size=4, heal_block_size=16,
+    )
+    assert _stored(healed) == _stored(compressed) == report["parameters_after"]
+    assert report["heal"]["steps"] == 15
+    assert report["calibration_perplexity_healed"] < 0.9 * report["calibration_perplexity_after"]
+
+
+def test_slice_method_meets_the_size():
+    """method='slice' (one global rotation) picks the widest residual width that meets the requested size."""
+    llama = _llama(layers=2)
+    ids = torch.randint(0, 64, (4, 16))
+    model, report = compress_model(llama, remove=0.3, method="slice", calibration=ids, progress=False)
+    assert report["parameters_after"] == _stored(model) <= int(0.7 * _stored(llama))
+    assert model.config.hidden_size == report["slice"]["hidden_size"] < 48
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_cli_compresses_a_checkpoint(tmp_path, capsys):
+    """`relational-hf compress SRC OUT --remove` writes a loadable smaller model, its tokenizer and a JSON report
+    whose stored count matches the saved model; no temporary folder is left beside OUT."""
+    from relational_hf.training.data import byte_level_tokenizer
+
+    src = tmp_path / "src"
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(src)
+    byte_level_tokenizer().save_pretrained(src)
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "out"
+    code = main([
+        "compress", str(src), str(out), "--remove", "0.1", "--calibration", str(text), "--eval", str(text),
+        "--window", "32", "--calibration-windows", "4", "--eval-windows", "2",
+    ])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "compression_report.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert report["parameters_after"] == _stored(model) < report["parameters_before"]
+    assert "eval_perplexity_after" in report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "out", "src"]
