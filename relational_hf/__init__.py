@@ -18,7 +18,7 @@ register()
 __version__ = "0.1.0"
 
 
-_SUBPACKAGES = ("symmetry", "directional", "convert", "training", "hub", "dynamics", "architectures", "lm")
+_SUBPACKAGES = ("symmetry", "directional", "convert", "compress", "training", "hub", "dynamics", "architectures", "lm")
 
 
 def __getattr__(name: str):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,183 +38,24 @@ from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import rotate_half
+from .truncation import (  # noqa: F401  (public here too)
+    _pair_coordinates,
+    _sqrt_psd,
+    _vo_factors,
+    mlp_error_curve,
+    mlp_refit,
+    mlp_unit_scores,
+    qk_pair_scores,
+    qk_truncate,
+    value_grams,
+    vo_truncate,
+)
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("qk", "vo", "mlp")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The three truncations (pure functions on full, Linear-layout weights)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _sqrt_psd(cov: torch.Tensor) -> torch.Tensor:
-    """A square root L (d x d) of a PSD matrix with L L^T = C (symmetric eigen square root, negative parts cut)."""
-    evals, evecs = torch.linalg.eigh(cov.double())
-    return (evecs * evals.clamp_min(0).sqrt()) @ evecs.T
-
-
-def value_grams(wv: torch.Tensor, cov: torch.Tensor, *, num_kv_heads: int) -> torch.Tensor:
-    """E = W_V^T C W_V per key/value head (H_kv, d_h, d_h): the value-space Gram of inputs with covariance C."""
-    dh = wv.shape[0] // num_kv_heads
-    v = wv.double().view(num_kv_heads, dh, -1)
-    return v @ cov.double() @ v.transpose(1, 2)
-
-
-def _vo_factors(wo: torch.Tensor, grams: torch.Tensor, num_kv_heads: int) -> list[tuple]:
-    """Per key/value head: (P = E^1/2, the SVD of M = P [W_O^1 ... W_O^g]): (p, u, s, blocks)."""
-    dh = grams.shape[-1]
-    g = wo.shape[1] // (dh * num_kv_heads)
-    out = []
-    for kv in range(num_kv_heads):
-        blocks = [wo[:, (kv * g + j) * dh : (kv * g + j + 1) * dh].double().T for j in range(g)]  # (d_h, d) each
-        p = _sqrt_psd(grams[kv])  # (d_h, d_h), symmetric
-        _, r_o = torch.linalg.qr(torch.cat(blocks, dim=1).T)  # [W_O^j]^T = Q_o R_o
-        u, s, _ = torch.linalg.svd(p @ r_o.T)  # M = P R_o^T Q_o^T
-        out.append((p, u, s, blocks))
-    return out
-
-
-@torch.no_grad()
-def vo_truncate(
-    wv: torch.Tensor,
-    wo: torch.Tensor,
-    bv: torch.Tensor | None,
-    grams: torch.Tensor,
-    *,
-    num_kv_heads: int,
-    rank: int,
-    factors: list[tuple] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Activation-aware rank-`rank` VO maps per key/value head, the value factor shared by its g query heads.
-
-    wv: (H_kv d_h, d), wo: (d, H d_h) in Linear layout, bv: (H_kv d_h,) or None; grams: (H_kv, d_h, d_h) value-space
-    Grams E of what the output maps read: E = W_V^T C W_V for inputs with C = X^T X (`value_grams`; then this is the
-    DESIGN.md 2.2a solution with C = L L^T, M = L^T W_V [W_O^1 ... W_O^g]), or sum_j O_j^T O_j of the attention-mixed
-    values O_j = A_j X W_V of the group's query heads (the input the maps actually see). Minimises
-    sum_j ||E^1/2 (W_O^j - T T' W_O^j)||^2 over rank-r projections T T' of value space through the SVD of
-    M = E^1/2 [W_O^1 ... W_O^g] = U S V^T: T = E^-1/2 U_r, T' = U_r^T E^1/2; W_V <- W_V T, W_O^j <- T' W_O^j,
-    b_V <- b_V T. Returns (wv (H_kv r, d), wo (d, H r), bv (H_kv r,) or None, the singular values S (H_kv, d_h))."""
-    dh = wv.shape[0] // num_kv_heads
-    if not 1 <= rank <= dh:
-        raise ValueError(f"`rank` must be in [1, {dh}], got {rank}")
-    factors = factors or _vo_factors(wo, grams, num_kv_heads)
-    new_v, new_o, new_b, spectra = [], [], [], []
-    for kv, (p, u, s, blocks) in enumerate(factors):
-        w_v = wv[kv * dh : (kv + 1) * dh].double().T  # (d, d_h)
-        spectra.append(s)
-        u_r = u[:, :rank]
-        t = torch.linalg.pinv(p, hermitian=True) @ u_r  # (d_h, r)
-        t_left = u_r.T @ p  # (r, d_h)
-        new_v.append((w_v @ t).T)  # (r, d)
-        new_o.append(torch.cat([(t_left @ b).T for b in blocks], dim=1))  # (d, g r)
-        if bv is not None:
-            new_b.append(bv[kv * dh : (kv + 1) * dh].double() @ t)
-    wv_new = torch.cat(new_v, 0).to(wv.dtype)
-    wo_new = torch.cat(new_o, 1).to(wo.dtype)
-    bv_new = torch.cat(new_b).to(bv.dtype) if bv is not None else None
-    return wv_new, wo_new, bv_new, torch.stack(spectra)
-
-
-@torch.no_grad()
-def qk_pair_scores(
-    wq: torch.Tensor, wk: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None, cov: torch.Tensor,
-    mean: torch.Tensor | None = None, n: int = 1, *, num_kv_heads: int,
-) -> torch.Tensor:
-    """Gauge-invariant size of each rotary pair p of each key head: sum over its g query heads of
-    sqrt(E|q_p|^2 E|k_p|^2), from C = X^T X (and the input mean, for biases). Shape (H_kv, r/2)."""
-    r = wk.shape[0] // num_kv_heads
-    h = wq.shape[0] // r
-    g = h // num_kv_heads
-    cov = cov.double() / max(n, 1)
-
-    def energy(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        e = ((w.double() @ cov) * w.double()).sum(-1)  # E (x w)^2 per output coordinate
-        if b is not None:
-            mu = torch.zeros(w.shape[1], dtype=torch.float64) if mean is None else mean.double()
-            e = e + 2 * b.double() * (w.double() @ mu) + b.double() ** 2
-        e = e.view(-1, r)
-        return e[:, : r // 2] + e[:, r // 2 :]  # (heads, r/2) pair energies
-
-    eq = energy(wq, bq).view(num_kv_heads, g, r // 2)
-    ek = energy(wk, bk).view(num_kv_heads, 1, r // 2)
-    return (eq * ek).clamp_min(0).sqrt().sum(1)
-
-
-def _pair_coordinates(keep: torch.Tensor, r: int) -> torch.Tensor:
-    """Head coordinates of the kept pairs `keep` (k,) of a width-r head: [keep, keep + r/2] (the new layout)."""
-    return torch.cat([keep, keep + r // 2])
-
-
-@torch.no_grad()
-def qk_truncate(
-    wq: torch.Tensor,
-    wk: torch.Tensor,
-    bq: torch.Tensor | None,
-    bk: torch.Tensor | None,
-    pair_index: torch.Tensor,
-    keep: torch.Tensor,
-    *,
-    num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Keep the rotary pairs keep[h] (H_kv, k) of each key head (and of its query heads), dropping the others.
-
-    pair_index (H_kv, r/2): the model frequency pair of each head pair. The query rows are scaled by sqrt(2k / r) so
-    that the attention scaling 1/sqrt(width) of the narrower layer gives the same logits. Returns
-    (wq (H 2k, d), wk (H_kv 2k, d), bq, bk, new pair_index (H_kv, k))."""
-    r = wk.shape[0] // num_kv_heads
-    g = wq.shape[0] // (r * num_kv_heads)
-    k = keep.shape[1]
-    factor = math.sqrt(2 * k / r)
-    q_rows, k_rows, pairs = [], [], []
-    for kv in range(num_kv_heads):
-        order = torch.sort(keep[kv]).values
-        coords = _pair_coordinates(order, r)
-        k_rows.append(kv * r + coords)
-        for j in range(g):
-            q_rows.append((kv * g + j) * r + coords)
-        pairs.append(pair_index[kv][order])
-    qi, ki = torch.cat(q_rows), torch.cat(k_rows)
-    return (
-        wq[qi] * factor,
-        wk[ki],
-        None if bq is None else bq[qi] * factor,
-        None if bk is None else bk[ki],
-        torch.stack(pairs),
-    )
-
-
-@torch.no_grad()
-def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor) -> torch.Tensor:
-    """Balanced importance a_i = sqrt(E z_i^2) ||w_down,i|| of each SwiGLU unit (invariant under the scale gauge).
-    down: (d, d_ff) Linear layout; gram_diag: sum over tokens of z_i^2 (d_ff,)."""
-    return gram_diag.double().clamp_min(0).sqrt() * down.double().norm(dim=0)
-
-
-@torch.no_grad()
-def mlp_refit(
-    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, ridge: float = 1e-4
-) -> torch.Tensor:
-    """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
-    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d)."""
-    g_ss = gram[keep][:, keep].double()
-    lam = ridge * float(torch.diagonal(g_ss).mean().clamp_min(1e-12))
-    eye = torch.eye(len(keep), dtype=torch.float64)
-    sol = torch.linalg.solve(g_ss + lam * eye, cross[keep].double())  # (k, d)
-    return sol.T
-
-
-def mlp_error_curve(gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
-    """Least-squares residual ||Z_S W* - Y||^2 after the refit for every prefix S = order[:k], k = 1..d_ff, at once:
-    with the Cholesky factor G_oo + ridge = L L^T of the Gram in that order, the energy explained by the first k units
-    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units)."""
-    g = gram[order][:, order].double()
-    lam = ridge * float(torch.diagonal(g).mean().clamp_min(1e-12))
-    chol = torch.linalg.cholesky(g + lam * torch.eye(len(order), dtype=torch.float64))
-    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
-    explained = proj.pow(2).sum(1).cumsum(0)
-    return (y_energy - explained).clamp_min(0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
