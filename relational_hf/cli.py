@@ -42,6 +42,7 @@ def _push(sub: argparse._SubParsersAction) -> None:
 #: The benchmark scripts `relational-hf bench` runs, with the arguments of their quick versions (results in
 #: benchmarks/results/<name>_quick.json). A script of the folder that is not listed here is reported, not run.
 QUICK_BENCHMARKS: dict[str, tuple[str, ...]] = {
+    "compress": ("--quick",),
     "convert": ("--quick",),
     "dynamics": ("--quick",),
     "quality": ("--quick",),

@@ -291,6 +291,24 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench --dir ./no_benchmarks", ["--dir", "no such file or directory"]),
     (f"bench --dir {BENCHMARKS} no_such_benchmark", ["unknown benchmark", "no_such_benchmark"]),
     ("frobnicate", ["invalid choice", "frobnicate"]),
+    # --- compress ---
+    ("compress {model} {root}/c --remove 0", ["--remove", "(0, 1)"]),
+    ("compress {model} {root}/c --remove 1", ["--remove", "(0, 1)"]),
+    ("compress {model} {root}/c --remove nan", ["--remove"]),
+    ("compress {model} {root}/c", ["--remove", "required"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-steps -1", ["--heal-steps", ">= 0"]),
+    ("compress {model} {root}/c --remove 0.2 --window 1", ["--window", ">= 2"]),
+    ("compress {model} {root}/c --remove 0.2 --calibration-windows 0", ["--calibration-windows", ">= 1"]),
+    ("compress {model} {root}/c --remove 0.2 --calibration {binary}", ["--calibration", "weights.bin"]),
+    ("compress {model} {root}/c --remove 0.2 --eval {latin1}", ["--eval", "latin1.txt"]),
+    ("compress {model} {root}/c --remove 0.2 --method slice --slice-fraction 0.1", ["--slice-fraction", "relational"]),
+    ("compress {model} {foreign} --remove 0.2", ["OUT", "not an empty folder"]),
+    ("compress {root}/missing_model {root}/c --remove 0.2", ["missing_model", "no such file or directory"]),
+    ("compress {model} {root}/c --remove 0.2 --method prune", ["--method", "invalid choice"]),
+    # --- export ---
+    ("export {root}/missing_model {root}/e", ["missing_model", "no such file or directory"]),
+    ("export {model} {foreign}", ["foreign", "not empty"]),
+    ("export {model} {root}/e --to gpt2", ["--to", "invalid choice"]),
 ]
 
 

@@ -22,43 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lm.metrics import perplexity
 from ..modeling import RelationalForCausalLM
-from ..training.metrics import perplexity
+from ..params import stored_parameters
 from .lowrank import KINDS, LowRankOptions, compress_relational
 
 logger = logging.getLogger(__name__)
 
 METHODS: tuple[str, ...] = ("relational", "slice")
-
-
-def _stored(model: nn.Module) -> dict:
-    """Stored parameters (total, by kind, by layer): `compress.eval.stored_parameters` when present, otherwise every
-    parameter tensor once (tied tensors once) with the same keys."""
-    try:
-        from .eval import stored_parameters
-    except ImportError:  # the evaluation module lands on another branch
-        stored_parameters = None
-    if stored_parameters is not None:
-        return stored_parameters(model)
-    import re
-
-    by_layer: dict[int, int] = {}
-    by_kind: dict[str, int] = {}
-    total = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        m = re.search(r"layers\.(\d+)\.", name)
-        if m:
-            by_layer[int(m.group(1))] = by_layer.get(int(m.group(1)), 0) + p.numel()
-        kind = (
-            "embedding" if "embed" in name else "head" if "lm_head" in name
-            else "attention_qk" if ("q_proj" in name or "k_proj" in name)
-            else "attention_vo" if ("v_proj" in name or "o_proj" in name)
-            else "mlp" if "mlp" in name else "norms" if "norm" in name else "other"
-        )
-        by_kind[kind] = by_kind.get(kind, 0) + p.numel()
-    layers = [by_layer.get(i, 0) for i in range(max(by_layer) + 1)] if by_layer else []
-    return {"total": total, "by_kind": by_kind, "by_layer": layers}
 
 
 def _peak_rss_mib() -> float:
@@ -135,7 +106,7 @@ def compress_model(
     """
     _check_arguments(remove, method, calibration, heal_steps)
     start = time.perf_counter()
-    source_stored = _stored(model)["total"]
+    source_stored = stored_parameters(model)["total"]
     budget = int(math.floor((1.0 - remove) * source_stored))
     rel = _as_relational(model).float().eval()
     probe = calibration[:eval_windows]
@@ -169,7 +140,7 @@ def compress_model(
             rel, slice_report = slice_relational(rel, slice_fraction, calibration)
             report["slice"] = {"hidden_size": slice_report.hidden_size_after, "variance_kept": slice_report.variance_kept}
         out, result = compress_relational(
-            rel, calibration, budget, opts, count=lambda m: _stored(m)["total"], progress=progress
+            rel, calibration, budget, opts, count=lambda m: stored_parameters(m)["total"], progress=progress
         )
         report["widths"] = result.widths
         report["plan_seconds"] = round(result.plan_seconds, 2)
@@ -183,7 +154,7 @@ def compress_model(
         out, heal_report = heal(out, calibration, steps=heal_steps, progress=progress, **heal_keys)
         report["heal"] = heal_report
         report["calibration_perplexity_healed"] = perplexity(out, probe)
-    stored = _stored(out)
+    stored = stored_parameters(out)
     if stored["total"] > source_stored:
         raise RuntimeError(f"compression grew the model: {stored['total']:,} > {source_stored:,} stored parameters")
     report["parameters_after"] = stored["total"]

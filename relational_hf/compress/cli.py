@@ -17,102 +17,69 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
+from ..lm.data import load_texts
+from ..lm.metrics import perplexity
+from ..loading import add_model_source_arguments, load_model, load_tokenizer, save_tokenizer
+from ..validate import fraction_closed_open, fraction_open, int_at_least, nonnegative_int, positive_int, text_file
 from .api import METHODS
+from .eval import text_windows
 
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "compression_report.json"
 
 
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1) (the share of stored parameters to remove), got {value}")
-    return value
-
-
-def _count(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def add_compress_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `compress` command's arguments to `parser`."""
     parser.add_argument("src", metavar="SRC", help="local checkpoint folder or Hub id of a Llama-family causal LM")
     parser.add_argument("out", metavar="OUT", type=Path, help="output folder (must not exist or be empty)")
-    parser.add_argument("--remove", type=_share, required=True, help="share of stored parameters to remove, in (0, 1)")
+    parser.add_argument("--remove", type=fraction_open, required=True, help="share of stored parameters to remove, in (0, 1)")
     parser.add_argument("--method", choices=METHODS, default="relational", help="compression method (default: %(default)s)")
-    parser.add_argument("--calibration", type=Path, default=None, help="calibration text file (default: built-in corpus)")
-    parser.add_argument("--eval", type=Path, default=None, dest="eval_file", help="text file to report perplexity on")
-    parser.add_argument("--calibration-windows", type=_count(1), default=32, help="calibration windows (default: 32)")
-    parser.add_argument("--eval-windows", type=_count(1), default=20, help="evaluation windows (default: 20)")
-    parser.add_argument("--window", type=_count(2), default=512, help="tokens per window (default: 512)")
-    parser.add_argument("--heal-steps", type=_count(0), default=0, help="LoRA recovery steps after compression")
+    parser.add_argument("--calibration", type=text_file, default=None, help="calibration text file (default: built-in corpus)")
+    parser.add_argument("--eval", type=text_file, default=None, dest="eval_file", help="text file to report perplexity on")
+    parser.add_argument("--calibration-windows", type=positive_int, default=32, help="calibration windows (default: 32)")
+    parser.add_argument("--eval-windows", type=positive_int, default=20, help="evaluation windows (default: 20)")
+    parser.add_argument("--window", type=int_at_least(2), default=512, help="tokens per window (default: 512)")
+    parser.add_argument("--heal-steps", type=nonnegative_int, default=0, help="LoRA recovery steps after compression")
     parser.add_argument(
-        "--correction", choices=("dense", "local", "none"), default="dense", help="MLP down-projection refit target"
+        "--correction", choices=("local", "dense", "none"), default="local", help="MLP down-projection refit target"
     )
-    parser.add_argument("--slice-fraction", type=float, default=0.0, help="global-rotation slice before truncation")
+    parser.add_argument("--slice-fraction", type=fraction_closed_open, default=0.0, help="global-rotation slice before truncation")
     parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
+    add_model_source_arguments(parser, dtype=False)  # compression computes in fp32
     return parser
 
 
 def _windows(source: Path | str, tokenizer, window: int, n: int) -> torch.Tensor:
-    """Consecutive windows (n', window) of token ids of a text (n' <= n); `compress.eval.text_windows` when present."""
-    try:
-        from .eval import text_windows
-    except ImportError:
-        text_windows = None
-    if text_windows is not None:
-        return text_windows(str(source), tokenizer, window=window, n=n)
-    text = Path(source).read_text(encoding="utf-8") if isinstance(source, Path) else source
-    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-    count = min(n, ids.numel() // window)
-    if count < 1:
-        raise ValueError(f"text of {ids.numel()} tokens is shorter than one window of {window}")
-    return ids[: count * window].reshape(count, window)
+    """Consecutive windows (n', window) of token ids of a text file or string (n' <= n)."""
+    windows = text_windows(str(source), tokenizer, window=window, n=n)
+    if windows.shape[0] < 1:
+        raise UsageError(f"{source}: shorter than one window of {window} tokens (--window)")
+    return windows
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    for flag, path in (("--calibration", args.calibration), ("--eval", args.eval_file)):
-        if path is not None and not path.is_file():
-            raise FileNotFoundError(f"{flag}: file not found: {path}")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        raise ValueError(f"OUT {args.out} exists and is not an empty folder; refusing to overwrite it")
-    if not 0.0 <= args.slice_fraction < 1.0:
-        raise ValueError(f"--slice-fraction must be in [0, 1), got {args.slice_fraction}")
+        raise UsageError(f"OUT {args.out} exists and is not an empty folder; refusing to overwrite it")
+    if args.slice_fraction and args.method != "relational":
+        raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
 
 
 def run_compress(args: argparse.Namespace) -> int:
     """Load SRC, compress it (`compress_model`), evaluate, and write OUT atomically; prints a short summary."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..training.metrics import perplexity
     from .api import compress_model
 
     _check_paths(args)
-    tokenizer = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    args.dtype = "float32"
+    tokenizer = load_tokenizer(args)
     if args.calibration is not None:
         calibration_text: Path | str = args.calibration
     else:
-        from ..training.data import load_texts
-
         train_text, _, _ = load_texts(None, None, None, "text")
         calibration_text = train_text
     calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.src, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    ).eval()
+    model = load_model(args).eval()
     evaluation = None
     eval_before = None
     if args.eval_file is not None:
@@ -130,7 +97,7 @@ def run_compress(args: argparse.Namespace) -> int:
     )
     report["source"] = str(args.src)
     if evaluation is not None:
-        report["eval_file"] = args.eval_file.name
+        report["eval_file"] = Path(args.eval_file).name
         report["eval_windows"] = list(evaluation.shape)
         report["eval_perplexity_before"] = eval_before
         report["eval_perplexity_after"] = perplexity(compressed, evaluation, progress=True)
@@ -139,7 +106,7 @@ def run_compress(args: argparse.Namespace) -> int:
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         compressed.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
+        save_tokenizer(tokenizer, stage)
         (stage / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty (checked above); rmdir refuses anything else
@@ -152,7 +119,7 @@ def run_compress(args: argparse.Namespace) -> int:
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
     )
     if evaluation is not None:
-        summary += f"; {args.eval_file.name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
+        summary += f"; {Path(args.eval_file).name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
     print(summary + f"\nsaved to {out} (report: {out / REPORT_NAME})")
     return 0
 
