@@ -61,7 +61,7 @@ def test_saved_model_stores_its_parameters_and_small_pivot_tensors_only(variant,
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     pivots = [m.pivots for m in model.modules() if isinstance(m, GaugeFixedLinear)]
     pivot_bytes = sum(t.numel() * t.element_size() for t in pivots)
-    assert all(t.dtype == torch.int16 for t in pivots)
+    assert all(t.dtype == torch.int32 for t in pivots)  # small, and broadcastable by every DDP backend
     assert data_bytes(file) == param_bytes + pivot_bytes
     with safe_open(file, framework="pt") as st:
         assert not [k for k in st.keys() if k.rsplit(".", 1)[-1] in ("fixed_index", "free_index", "fixed_value")]

@@ -137,7 +137,16 @@ def _given_text(folder: Path, env: dict) -> None:
     (folder / "data.txt").write_text(generate_corpus(300, seed=1), encoding="utf-8")
 
 
-GIVEN_BASH = {"CKPT": _given_checkpoint, "data.txt": _given_text}
+def _given_llama(folder: Path, env: dict) -> None:
+    """LLAMA: a tiny Llama checkpoint saved as bf16 safetensors shards (what the streaming commands read)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    model.to(torch.bfloat16).save_pretrained(folder / "given-llama", max_shard_size="20KB")
+    env["LLAMA"] = str(folder / "given-llama")
+
+
+GIVEN_BASH = {"CKPT": _given_checkpoint, "data.txt": _given_text, "LLAMA": _given_llama}
 
 
 def _names(clause: str) -> list[str]:

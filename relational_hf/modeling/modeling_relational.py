@@ -149,8 +149,11 @@ LEGACY_LAYOUT_BUFFERS = ("fixed_index", "free_index", "fixed_value")
 
 
 def _position_dtype(n: int) -> torch.dtype:
-    """The smallest signed integer dtype that holds the positions 0..n-1 (int16 up to 32,767 columns, else int32)."""
-    return torch.int16 if n <= torch.iinfo(torch.int16).max + 1 else torch.int32
+    """int32 for the pivot positions 0..n-1: small on disk, and a dtype every collective backend broadcasts (DDP
+    syncs buffers at start-up; gloo refuses int16, "Invalid scalar type")."""
+    if n > torch.iinfo(torch.int32).max:
+        raise ValueError(f"in_features {n} does not fit int32 pivot positions")
+    return torch.int32
 
 
 class GaugeFixedLinear(nn.Module):
@@ -165,7 +168,7 @@ class GaugeFixedLinear(nn.Module):
       SwiGLU pivot W_up[k, p_k] = c;
     - ``"rotary"`` (m = 1, heads of `block` = r rows): rows j and j + r/2 of a head (a rotary pair) share one pivot
       column p_j with W[j, p_j] = c and W[j + r/2, p_j] = 0 (the RoPE commutant fixed per frequency pair).
-    The checkpoint stores only the persistent buffer `pivots` (int16 when in_features allows, else int32): (out/m, m)
+    The checkpoint stores only the persistent buffer `pivots` (int32): (out/m, m)
     pivot columns for "block", (out/2, 1) for "rotary"; c is `scale` (the config's pivot_scale). `fixed_index`,
     `free_index` (int64) and `fixed_value` are non-persistent buffers derived from `pivots`, rebuilt whenever `pivots`
     is replaced or written (loading, `load_state_dict`, `to_empty`).
