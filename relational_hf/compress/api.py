@@ -57,20 +57,18 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
 
 
 def _slice_to_budget(model: RelationalForCausalLM, calibration: torch.Tensor, budget: int):
-    """Global-rotation slice keeping the largest width d' whose stored size (closed form, with the head untied when
-    the slicing must fold a non-constant final gain into it) is <= budget."""
+    """Global-rotation slice keeping the largest width d' whose stored size (closed form; slicing keeps a tied head
+    tied and the final gain a vector, so only the width changes) is <= budget."""
     from ..convert.slicing import slice_relational
     from ..params import relational_parameter_count
 
     config = model.config
     d = config.hidden_size
-    gain = model.model.norm.weight
-    keep_gain = gain is not None and bool((gain == gain[0]).all())
-    tied = config.tie_word_embeddings and (gain is None or keep_gain)
+    tied = config.tie_word_embeddings
 
     def size(width: int) -> int:
         c = copy.deepcopy(config)
-        c.hidden_size, c.tie_word_embeddings, c.final_norm_gain = width, tied, keep_gain
+        c.hidden_size = width
         return relational_parameter_count(c)
 
     low = max(config.head_dim, config.qk_rank)
