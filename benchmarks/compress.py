@@ -90,6 +90,30 @@ def load_model(quick: bool):
     return model, tokenizer
 
 
+def protocol_windows(
+    tokenizer, window: int, n_cal: int, n_eval: int, quick: bool, threads: int
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(calibration windows, evaluation windows, protocol description) of the module docstring's protocol."""
+    from relational_hf.compress.eval import text_windows
+
+    text = SHARED_DATA / "wikitext-2" / "valid.txt"
+    calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
+    evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
+    protocol = {
+        "model": "SmolLM2-135M-Instruct" + (" (first 2 layers)" if quick else ""),
+        "text": "WikiText-2 validation split, cut at the ' = Title = ' heading closest to 90% (document_split)",
+        "calibration": f"first {calibration.shape[0]} windows of {window} tokens of the first 90% of the documents",
+        "evaluation": f"first {evaluation.shape[0]} windows of {window} tokens of the last 10% of the documents",
+        "window": window,
+        "calibration_windows": calibration.shape[0],
+        "eval_windows": evaluation.shape[0],
+        "threads": threads,
+        "perplexity": "relational_hf.compress.eval.perplexity_on_windows (exp of mean token NLL, windows independent)",
+        "stored_parameters": "relational_hf.compress.eval.stored_parameters (each stored tensor once)",
+    }
+    return calibration, evaluation, protocol
+
+
 _WANDA_NORMS: list = []  # one calibration pass for every Wanda cell
 
 
@@ -267,24 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     n_cal = args.calibration_windows or (4 if args.quick else 16)
     n_eval = args.eval_windows or (4 if args.quick else 12)
 
-    from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
+    from relational_hf.compress.eval import perplexity_on_windows, stored_parameters
 
     model, tokenizer = load_model(args.quick)
-    text = SHARED_DATA / "wikitext-2" / "valid.txt"
-    calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
-    evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
-    protocol = {
-        "model": "SmolLM2-135M-Instruct" + (" (first 2 layers)" if args.quick else ""),
-        "text": "WikiText-2 validation split, cut at the ' = Title = ' heading closest to 90% (document_split)",
-        "calibration": f"first {calibration.shape[0]} windows of {window} tokens of the first 90% of the documents",
-        "evaluation": f"first {evaluation.shape[0]} windows of {window} tokens of the last 10% of the documents",
-        "window": window,
-        "calibration_windows": calibration.shape[0],
-        "eval_windows": evaluation.shape[0],
-        "threads": args.threads,
-        "perplexity": "relational_hf.compress.eval.perplexity_on_windows (exp of mean token NLL, windows independent)",
-        "stored_parameters": "relational_hf.compress.eval.stored_parameters (each stored tensor once)",
-    }
+    calibration, evaluation, protocol = protocol_windows(tokenizer, window, n_cal, n_eval, args.quick, args.threads)
     payload = {"protocol": protocol, "cells": {}}
     if args.resume and json_path.is_file():
         previous = json.loads(json_path.read_text())

@@ -252,6 +252,8 @@ def run_conversions(
     survive an interrupted run."""
     out = {}
     save = save or (lambda _: None)
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
     for size in sizes:
         base = Path(tempfile.mkdtemp(prefix=f"convert-bench-{size}-", dir=workdir))
         try:

@@ -205,6 +205,52 @@ def test_healing_keeps_shapes_and_lowers_calibration_loss():
     assert report["calibration_perplexity_healed"] < 0.9 * report["calibration_perplexity_after"]
 
 
+def test_healing_on_its_own_text_with_callbacks():
+    """heal_data, not the calibration windows, is what healing trains on: the perplexity of that text falls while
+    the stored size stays; extra Trainer callbacks see every step; malformed healing ids raise ValueError."""
+    from transformers import TrainerCallback
+
+    from relational_hf.compress.heal import heal
+    from relational_hf.lm.metrics import perplexity
+
+    torch.manual_seed(2)
+    llama = _llama(layers=2)
+    calibration = torch.randint(0, 64, (4, 24))  # random tokens: nothing to learn there
+    learnable = torch.stack([(torch.arange(24) % 5 + 7).roll(i) for i in range(8)])
+    compressed, _ = compress_model(llama, remove=0.2, calibration=calibration, progress=False, plan_windows=2)
+
+    class Count(TrainerCallback):
+        steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    before = perplexity(compressed, learnable)
+    stored = _stored(compressed)
+    healed, report = heal(
+        compressed, learnable, steps=12, heal_lr=5e-3, heal_batch_size=4, heal_block_size=16, progress=False,
+        callbacks=[Count()],
+    )  # fmt: skip
+    assert Count.steps == list(range(1, 13))
+    assert _stored(healed) == stored
+    assert perplexity(healed, learnable) < 0.9 * before
+    for bad in (torch.ones(2), [1, 2, 3], torch.ones(2, 2, 2, dtype=torch.long)):
+        with pytest.raises(ValueError, match="healing ids"):
+            heal(healed, bad, steps=1, progress=False)
+
+
+def test_cli_heal_text_needs_heal_steps(tmp_path, capsys):
+    """--heal-text without --heal-steps is refused with a one-line error naming both flags; OUT is not created."""
+    text = tmp_path / "heal.txt"
+    text.write_text("some text " * 50)
+    src = tmp_path / "src"
+    _llama(layers=1).save_pretrained(src)
+    out = tmp_path / "o"
+    assert main(["compress", str(src), str(out), "--remove", "0.2", "--heal-text", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert "--heal-text" in err and "--heal-steps" in err and not out.exists()
+
+
 def test_slice_method_meets_the_size():
     """method='slice' (one global rotation) picks the widest residual width that meets the requested size."""
     llama = _llama(layers=2)

@@ -87,6 +87,7 @@ def compress_model(
     method: str = "relational",
     calibration: torch.Tensor,
     heal_steps: int = 0,
+    heal_data: torch.Tensor | None = None,
     progress: bool = True,
     eval_windows: int = 8,
     **options: Any,
@@ -95,8 +96,9 @@ def compress_model(
     most (1 - remove) x its stored parameters, and report what was done.
 
     calibration: token ids (N, T) (e.g. `compress.eval.text_windows`). method: "relational" or "slice" (module
-    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps on the calibration windows through
-    `RelationalTrainer`, merged back (`compress.heal.heal`). Options for "relational": the fields of
+    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps through `RelationalTrainer`, merged back
+    (`compress.heal.heal`), on `heal_data` (token ids; default: the calibration windows, which a long healing run
+    overfits). Options for "relational": the fields of
     `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
     heal options: heal_lr, heal_rank, heal_batch_size. Returns (compressed RelationalForCausalLM, report) with
     report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
@@ -149,7 +151,9 @@ def compress_model(
     if heal_steps > 0:
         from .heal import heal
 
-        out, heal_report = heal(out, calibration, steps=heal_steps, progress=progress, **heal_keys)
+        data = calibration if heal_data is None else heal_data
+        out, heal_report = heal(out, data, steps=heal_steps, progress=progress, **heal_keys)
+        heal_report["tokens_available"] = int(data.numel())
         report["heal"] = heal_report
         report["calibration_perplexity_healed"] = perplexity(out, probe)
     stored = stored_parameters(out)

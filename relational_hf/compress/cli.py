@@ -43,6 +43,10 @@ def add_compress_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--window", type=int_at_least(2), default=512, help="tokens per window (default: 512)")
     parser.add_argument("--heal-steps", type=nonnegative_int, default=0, help="LoRA recovery steps after compression")
     parser.add_argument(
+        "--heal-text", type=text_file, default=None,
+        help="text to heal on (default: the calibration windows; a longer text avoids overfitting them)",
+    )  # fmt: skip
+    parser.add_argument(
         "--correction", choices=("local", "dense", "none"), default="local", help="MLP down-projection refit target"
     )
     parser.add_argument("--slice-fraction", type=fraction_closed_open, default=0.0, help="global-rotation slice before truncation")
@@ -62,6 +66,8 @@ def _windows(source: Path | str, tokenizer, window: int, n: int) -> torch.Tensor
 def _check_paths(args: argparse.Namespace) -> None:
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise UsageError(f"OUT {args.out} exists and is not an empty folder; refusing to overwrite it")
+    if args.heal_text is not None and not args.heal_steps:
+        raise UsageError("--heal-text needs --heal-steps N (N >= 1)")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
 
@@ -79,6 +85,11 @@ def run_compress(args: argparse.Namespace) -> int:
         train_text, _, _ = load_texts(None, None, None, "text")
         calibration_text = train_text
     calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows)
+    heal_data = None
+    if args.heal_text is not None:
+        heal_data = text_windows(str(args.heal_text), tokenizer, window=args.window, n=1_000_000)
+        if heal_data.shape[0] < 1:
+            raise UsageError(f"--heal-text {args.heal_text}: shorter than one window of {args.window} tokens (--window)")
     model = load_model(args).eval()
     evaluation = None
     eval_before = None
@@ -92,6 +103,7 @@ def run_compress(args: argparse.Namespace) -> int:
         method=args.method,
         calibration=calibration,
         heal_steps=args.heal_steps,
+        heal_data=heal_data,
         progress=True,
         **({"correction": args.correction, "slice_fraction": args.slice_fraction} if args.method == "relational" else {}),
     )

@@ -1,7 +1,8 @@
-"""Healing a compressed model: a short LoRA recovery fine-tune on the calibration text, merged back.
+"""Healing a compressed model: a short LoRA recovery fine-tune, merged back.
 
 The adapters (PEFT LoRA, `training.peft_support.relational_lora_config`, on every linear map of the decoder layers)
-train through `RelationalTrainer` on random blocks of the calibration tokens for `steps` steps; they are then merged
+train through `RelationalTrainer` on random blocks of the given token ids (by default the calibration windows; a
+longer text of the same kind heals without overfitting them) for `steps` steps; they are then merged
 and every merged module is put back into its pivot gauge (`training.peft_support.merge_and_unload`), so the result
 has exactly the compressed model's shapes and stored size.
 """
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def heal(
     model: nn.Module,
-    calibration: torch.Tensor,
+    ids: torch.Tensor,
     *,
     steps: int,
     heal_lr: float = 5e-4,
@@ -29,10 +30,12 @@ def heal(
     heal_block_size: int = 256,
     heal_seed: int = 0,
     progress: bool = True,
+    callbacks: list | None = None,
 ) -> tuple[nn.Module, dict]:
     """LoRA recovery fine-tune of `steps` optimiser steps (rank `heal_rank`, learning rate `heal_lr`, cosine schedule,
-    batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the calibration ids (N, T)), merged
-    back. Returns (merged model in eval mode, report with steps, trainable parameters, final training loss, seconds)."""
+    batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the ids (N, T), read as one stream),
+    merged back. `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they
+    see the unmerged PEFT model, which computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable parameters, final training loss, seconds)."""
     from peft import get_peft_model
 
     from ..training.arguments import RelationalTrainingArguments
@@ -45,7 +48,10 @@ def heal(
     if not 0.0 < heal_lr < 1.0:
         raise ValueError(f"`heal_lr` must be in (0, 1), got {heal_lr}")
     start = time.perf_counter()
-    ids = calibration.reshape(-1)
+    if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or ids.numel() < 3:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"healing ids must be token ids (N, T) or (n,) with at least 3 tokens, got {shape}")
+    ids = ids.reshape(-1)
     block = min(heal_block_size, ids.numel() - 1)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [t for t in RELATIONAL_LORA_TARGETS if t in present]
@@ -70,7 +76,7 @@ def heal(
             disable_tqdm=not progress,
         )
         dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
-        trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset)
+        trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks)
         output = trainer.train()
     merged = merge_and_unload(peft_model).eval()
     report = {

@@ -1,0 +1,227 @@
+"""Healing a compressed real checkpoint: held-out perplexity of SmolLM2-135M-Instruct during a LoRA recovery run.
+
+Protocol (the one of `benchmarks/compress.py`): the model is compressed by the project's relational method
+(`relational_hf.compress.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
+on the first 16 windows of 512 tokens of the first 90% of the WikiText-2 validation documents; perplexity is measured
+on the first 12 windows of 512 tokens of the last 10% of the documents (held out from calibration and healing).
+Healing (`relational_hf.compress.heal.heal`): LoRA of rank `--rank` on every linear map of the decoder layers,
+trained through `RelationalTrainer` for `--steps` steps of `--batch-size` random blocks of `--block` tokens drawn from
+the first 90% of the documents (the calibration side only), AdamW at `--lr` with a cosine schedule, then merged
+back into the compressed shapes (stored size unchanged, checked). The held-out perplexity is measured every
+`--eval-every` steps on the unmerged adapter model (the same function), and once more after the merge.
+
+    python benchmarks/heal.py                 # 25% removed, 300 steps (about 40 minutes on 2 cores)
+    python benchmarks/heal.py --quick         # 2 layers, 128-token windows, 20 steps (about a minute)
+    python benchmarks/heal.py --plot-only     # redraw the PNG from the JSON
+
+Writes results/heal.json and heal.png (`heal_quick.*` with --quick), the JSON after every evaluation, atomically.
+The compressed model is kept in `--workdir` (default: a temporary folder) so that a rerun with the same settings
+skips the compression.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from common import RESULTS, SHARED_DATA, machine
+from compress import load_model, protocol_windows, write_atomically
+
+logger = logging.getLogger("heal")
+
+
+def compressed_model(model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None):
+    """The relational compression of `model` at `remove` (reloaded from `workdir` when it was saved there with the
+    same calibration windows); returns (model, compression report)."""
+    from relational_hf.compress import compress_model
+    from relational_hf.modeling import RelationalForCausalLM
+
+    folder = None if workdir is None else workdir / f"relational-{remove:g}"
+    signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)}
+    if folder is not None and (folder / "signature.json").is_file():
+        if json.loads((folder / "signature.json").read_text()) == signature:
+            logger.info("reusing the compressed model in %s", folder)
+            report = json.loads((folder / "report.json").read_text())
+            return RelationalForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), report
+    compressed, report = compress_model(model, tokenizer, remove=remove, method="relational", calibration=calibration)
+    report = json.loads(json.dumps(report, default=str))
+    if folder is not None:
+        stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=workdir))
+        compressed.save_pretrained(stage)
+        (stage / "report.json").write_text(json.dumps(report))
+        (stage / "signature.json").write_text(json.dumps(signature))
+        if folder.exists():
+            raise SystemExit(f"{folder} exists with other settings; remove it or pass another --workdir")
+        stage.rename(folder)
+    return compressed, report
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = payload.get("curve", [])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if curve:
+        ax.plot([c["step"] for c in curve], [c["perplexity"] for c in curve], marker="o", label="relational + LoRA healing")
+    dense = payload.get("dense_perplexity")
+    if dense:
+        ax.axhline(dense, color="black", linewidth=1, label=f"dense ({dense:.2f})")
+        ax.axhline(1.1 * dense, color="grey", linewidth=1, linestyle="--", label=f"dense + 10% ({1.1 * dense:.2f})")
+    for name, value in payload.get("references", {}).items():
+        ax.axhline(value, linewidth=0.8, linestyle=":", color="tab:red", label=f"{name} ({value:.2f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("LoRA healing steps")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(f"{payload['protocol']['model']}, {payload['remove']:.0%} of stored parameters removed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, 128-token windows, 20 steps")
+    parser.add_argument(
+        "--remove", type=float, default=None, help="share of stored parameters removed (0.25; quick 0.05, as 2 layers "
+        "hold a small part of the model)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="healing steps (300; quick 20)")
+    parser.add_argument("--eval-every", type=int, default=None, help="held-out evaluation period in steps (50; quick 10)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate (1e-3)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
+    parser.add_argument("--batch-size", type=int, default=4, help="blocks per step (4)")
+    parser.add_argument("--block", type=int, default=None, help="tokens per healing block (256; quick 64)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=None, help="where the compressed model is kept between runs")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    args = parser.parse_args(argv)
+    args.remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
+    if not 0.0 < args.remove < 1.0:
+        parser.error("--remove must be in (0, 1)")
+    for flag in ("steps", "eval_every", "rank", "batch_size", "block", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if not 0.0 < args.lr < 1.0:
+        parser.error("--lr must be in (0, 1)")
+    name = "heal_quick" if args.quick else "heal"
+    json_path, png_path = RESULTS / f"{name}.json", RESULTS / f"{name}.png"
+    if args.plot_only:
+        if not json_path.is_file():
+            parser.error(f"{json_path} does not exist: run the benchmark first")
+        plot(json.loads(json_path.read_text()), png_path)
+        return 0
+    steps = args.steps or (20 if args.quick else 300)
+    every = args.eval_every or (10 if args.quick else 50)
+    block = args.block or (64 if args.quick else 256)
+    window = 128 if args.quick else 512
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+
+    from transformers import TrainerCallback
+
+    from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
+    from relational_hf.compress.heal import heal
+
+    started = time.perf_counter()
+    model, tokenizer = load_model(args.quick)
+    calibration, evaluation, protocol = protocol_windows(
+        tokenizer, window, 4 if args.quick else 16, 4 if args.quick else 12, args.quick, args.threads
+    )
+    heal_ids = text_windows(SHARED_DATA / "wikitext-2" / "valid.txt", tokenizer, window=block, n=10**7, split="first")
+    protocol["healing_text"] = (
+        f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
+        "the calibration side, disjoint from the evaluation windows)"
+    )
+    dense_ppl = perplexity_on_windows(model, evaluation, batch_size=2, progress=True)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
+    del model
+    stored_before = stored_parameters(compressed)["total"]
+    payload = {
+        "protocol": protocol,
+        "remove": args.remove,
+        "dense_perplexity": dense_ppl,
+        "dense_stored_parameters": report["parameters_before"],
+        "stored_parameters": stored_before,
+        "healing": {
+            "steps": steps, "eval_every": every, "lora_rank": args.rank, "learning_rate": args.lr,
+            "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
+            "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
+        },  # fmt: skip
+        "curve": [],
+        "machine": machine(),
+        "command": " ".join(["heal.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    compress_json = RESULTS / "compress.json"
+    if compress_json.is_file() and not args.quick:
+        cells = json.loads(compress_json.read_text())["cells"]
+        for key, label in ((f"slicegpt@{args.remove:g}", "SliceGPT (tied), no healing"),):
+            if cells.get(key, {}).get("perplexity"):
+                payload.setdefault("references", {})[label] = cells[key]["perplexity"]
+
+    def record(step: int, net, train_seconds: float) -> None:
+        t0 = time.perf_counter()
+        was_training = net.training
+        net.eval()
+        ppl = perplexity_on_windows(net, evaluation, batch_size=2)
+        net.train(was_training)
+        payload["curve"].append(
+            {"step": step, "perplexity": ppl, "train_seconds": round(train_seconds, 1),
+             "eval_seconds": round(time.perf_counter() - t0, 1)}
+        )  # fmt: skip
+        logger.info("step %d: held-out perplexity %.3f (dense %.3f)", step, ppl, dense_ppl)
+        write_atomically(json_path, payload)
+        plot(payload, png_path)
+
+    class HeldOut(TrainerCallback):
+        """Held-out perplexity every `every` steps; training time excludes the evaluations."""
+
+        def __init__(self):
+            self.clock = time.perf_counter()
+            self.train_seconds = 0.0
+
+        def on_step_end(self, _args, state, control, model=None, **kwargs):
+            if state.global_step % every == 0 or state.global_step == steps:
+                self.train_seconds += time.perf_counter() - self.clock
+                record(state.global_step, model, self.train_seconds)
+                self.clock = time.perf_counter()
+
+    record(0, compressed, 0.0)
+    healed, heal_report = heal(
+        compressed, heal_ids, steps=steps, heal_lr=args.lr, heal_rank=args.rank, heal_batch_size=args.batch_size,
+        heal_block_size=block, callbacks=[HeldOut()],
+    )  # fmt: skip
+    stored_after = stored_parameters(healed)["total"]
+    if stored_after != stored_before:
+        raise SystemExit(f"healing changed the stored size: {stored_before:,} -> {stored_after:,}")
+    payload["merged_perplexity"] = perplexity_on_windows(healed, evaluation, batch_size=2)
+    payload["heal_report"] = heal_report
+    payload["compression"] = {k: report.get(k) for k in ("widths", "parameters_after", "removed_share", "seconds")}
+    payload["wall_seconds"] = time.perf_counter() - started
+    write_atomically(json_path, payload)
+    plot(payload, png_path)
+    first, last = payload["curve"][0]["perplexity"], payload["merged_perplexity"]
+    print(
+        f"{args.remove:.0%} removed: held-out perplexity {first:.2f} -> {last:.2f} after {steps} LoRA steps "
+        f"(dense {dense_ppl:.2f}; {last / dense_ppl - 1:+.1%}); wrote {json_path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
