@@ -245,11 +245,16 @@ def _run_child(kind: str, paths: list[str], threads: int, timeout_s: float) -> d
     return result
 
 
+STEPS = ("convert", "redundancy_counts", "redundancy", "check_bf16", "convert_fp32", "check_fp32")
+
+
 def run_conversions(
-    sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None, save=None
+    sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None, save=None,
+    only: list[str] | None = None, previous: dict | None = None,
 ) -> dict:
     """Generate, convert, analyse and check each size; `save(out)` runs after every step, so partial results
-    survive an interrupted run."""
+    survive an interrupted run. `only`: run just these steps and keep the other measured steps of `previous` (the
+    rows of an earlier run of the same sizes); each step records the 1-minute load average before it ran."""
     out = {}
     save = save or (lambda _: None)
     if workdir is not None:
@@ -259,6 +264,8 @@ def run_conversions(
         try:
             src, dst, dst32 = base / "src", base / "relational", base / "relational_fp32"
             row = out[size] = {"size": size, "config": CONVERT_SIZES[size], "threads": threads}
+            if only is not None:
+                row.update({k: v for k, v in (previous or {}).get(size, {}).items() if k not in row})
             row["generate"] = generate_checkpoint(size, src, seed)
             logger.info(
                 "%s: generated %.2f GB in %.0f s", size, row["generate"]["bytes"] / 1e9, row["generate"]["generate_s"]
@@ -276,9 +283,13 @@ def run_conversions(
                     ("check_fp32", "check", [str(src), str(dst32)]),
                 ]
             for key, kind, paths in steps:
+                if only is not None and key not in only:
+                    continue
                 if kind == "check" and "error" in row.get(key.replace("check", "convert").replace("_bf16", ""), {}):
                     continue
+                load = os.getloadavg()[0]
                 row[key] = _run_child(kind, paths, threads, timeout_s)
+                row[key]["load_average_before"] = round(load, 2)
                 logger.info("%s: %s %s", size, key, row[key])
                 save(out)
                 if key == "check_bf16":
@@ -515,7 +526,13 @@ def main() -> None:
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the existing JSON")
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. 7B -> convert_stream_7B.json)")
+    parser.add_argument(
+        "--only", nargs="+", choices=STEPS, default=None,
+        help="rerun just these steps (the checkpoint is generated again) and keep the others from the existing JSON",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.only and any(s.startswith("check") for s in args.only) and not {"convert", "convert_fp32"} & set(args.only):
+        parser.error("--only: a check step needs its convert step (convert / convert_fp32) in the same run")
     name = "convert_quick" if args.quick else ("convert_stream" if args.no_slicing else "convert")
     name = f"{name}_{args.tag}" if args.tag else name
     if args.plot_only:
@@ -537,7 +554,15 @@ def main() -> None:
     def save(partial: dict) -> None:
         write_json(name, {"seed": args.seed, "threads": args.threads, "partial": True, "conversion": partial})
 
-    conversions = run_conversions(sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save)
+    previous = None
+    if args.only:
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            parser.error(f"--only: {path} does not exist; run every step first")
+        previous = json.loads(path.read_text())["conversion"]
+    conversions = run_conversions(
+        sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save, args.only, previous
+    )
     slicing = None if args.no_slicing else slicing_vs_pruning(args.quick, steps, args.seed)
     result = {
         "seed": args.seed,

@@ -49,10 +49,18 @@ def _core_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Cosine similarity matrix of the forms G^h = A^h B^h^T (A (H, m, k), B (H, n, k)):
-    <G^x, G^y>_F = sum_ij (A^x^T A^y)_ij (B^x^T B^y)_ij."""
-    ca = torch.einsum("xmi,ymj->xyij", a, a)
-    cb = torch.einsum("xni,ynj->xyij", b, b)
-    inner = (ca * cb).sum((-1, -2))
+    <G^x, G^y>_F = sum_ij (A^x^T A^y)_ij (B^x^T B^y)_ij. Row x of the head Gram blocks A^x^T A^y (y >= x) is one
+    matrix product A^x^T [A^x ... A^H]; the lower triangle is its mirror image, so each form costs m (H k)^2 flops."""
+    h, k = a.shape[0], a.shape[-1]
+    flat_a = a.transpose(0, 1).reshape(a.shape[1], h * k)  # (m, H k), head-major columns
+    flat_b = b.transpose(0, 1).reshape(b.shape[1], h * k)
+    inner = torch.empty(h, h, dtype=a.dtype, device=a.device)
+    for x in range(h):
+        cols = slice(x * k, (x + 1) * k)
+        row_a = flat_a[:, cols].T @ flat_a[:, x * k :]  # (k, (H - x) k): A^x^T A^y for y >= x
+        row_b = flat_b[:, cols].T @ flat_b[:, x * k :]
+        inner[x, x:] = (row_a * row_b).view(k, h - x, k).sum((0, 2))
+        inner[x + 1 :, x] = inner[x, x + 1 :]
     norms = inner.diagonal().clamp_min(0).sqrt()
     return inner / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(inner.dtype).tiny)
 
