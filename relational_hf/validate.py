@@ -5,8 +5,9 @@ Two kinds of helpers live here:
 - argparse ``type=`` functions (`positive_int`, `nonnegative_int`, `finite_float`, `positive_float`,
   `nonnegative_float`, `fraction_open`, `probability`, `existing_file`, `text_file`, ...): argparse reports their
   message as ``argument --flag: <message>``, so every message states the allowed range and the value given;
-- checks run at the top of a command, before any model is loaded or trained (`resolve_model_source`,
-  `check_text_file`, `require`): they raise `relational_hf.errors.UsageError` naming the flag or file.
+- checks run at the top of a command, before any model is loaded or trained (`check_text_file`, `require`, and
+  `relational_hf.loading.check_model_argument` for model arguments): they raise `relational_hf.errors.UsageError`
+  naming the flag or file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from .errors import UsageError
 
 _TEXT_CHUNK = 1 << 20
+#: a Hub repository id: `name` or `namespace/name`
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -203,41 +205,19 @@ def check_text_file(path: str | os.PathLike, flag: str | None = None) -> Path:
     return path
 
 
-def looks_like_local_path(source: str) -> bool:
-    """True when `source` can only be meant as a local path: it exists, is absolute, starts with ./, ../ or ~, names a
-    .gguf/.safetensors file, is not a valid Hub id (`name` or `namespace/name`), or its first component is an existing
-    local folder (e.g. checkpoints/run)."""
-    if os.path.exists(source) or source.startswith(("/", "./", "../", "~", ".\\")) or source in (".", ".."):
+def looks_like_local_path(text: str) -> bool:
+    """True when `text` can only be meant as a local path, not a Hub id (`name` or `namespace/name`): it exists, is
+    absolute, starts with ".", "/" or "~", holds a backslash or "..", names a weights/config file (.gguf,
+    .safetensors, .json, .bin, .pt), is no valid Hub id, or its first component is an existing local folder
+    ("checkpoints/run1" where ./checkpoints exists)."""
+    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "/", "~")) or "\\" in text:
         return True
-    if source.endswith((".gguf", ".safetensors", ".bin", ".pt")) or not _HUB_ID.match(source) or ".." in source:
+    if ".." in text or not _HUB_ID.match(text):
         return True
-    head = source.split("/", 1)[0]
-    return "/" in source and os.path.isdir(head)
-
-
-def resolve_model_source(source: str, what: str = "MODEL", *, model: bool = True) -> str:
-    """Check a model argument before anything is loaded: a local path must exist (a clear "no such file or
-    directory" instead of a failed Hub connection); with `model` a local folder must hold a config.json (or an
-    adapter_config.json, or a GGUF file) and a local file must be a .gguf file. Anything else is taken as a Hub id.
-    Returns `source` (a local path with ~ expanded). Loaders (e.g. a Hub-id/folder/GGUF loader) call it first."""
-    if not source or not source.strip():
-        raise UsageError(f"{what}: empty model name")
-    expanded = os.path.expanduser(source)
-    if looks_like_local_path(source):
-        if not os.path.exists(expanded):
-            raise UsageError(f"{what} {source}: no such file or directory (and not a Hub id)")
-        if not model:
-            return expanded
-        if os.path.isfile(expanded) and not expanded.endswith(".gguf"):
-            raise UsageError(f"{what} {source}: a file, not a model folder (config.json + weights) or a .gguf file")
-        if os.path.isdir(expanded) and not (
-            os.path.isfile(os.path.join(expanded, "config.json"))
-            or os.path.isfile(os.path.join(expanded, "adapter_config.json"))
-            or any(name.endswith(".gguf") for name in os.listdir(expanded))
-        ):
-            raise UsageError(f"{what} {source}: the folder holds no config.json (not a saved model)")
-        return expanded
-    return source
+    if text.lower().endswith((".gguf", ".safetensors", ".json", ".bin", ".pt")):
+        return True
+    head = text.split("/", 1)[0]
+    return "/" in text and os.path.isdir(head)
 
 
 def check_dataset_source(name: str | None, flag: str = "--dataset") -> None:
@@ -271,7 +251,9 @@ def _output_file(path: str | os.PathLike | None, flag: str) -> None:
 def check_convert_args(args: argparse.Namespace) -> None:
     """`relational-hf convert`: SRC exists (or is a Hub id); OUT is new, empty, or an earlier conversion output
     (holding conversion_report.json), never SRC itself; --slice needs --calibration."""
-    args.src = resolve_model_source(args.src, "SRC")
+    from .loading import check_model_argument
+
+    args.src = check_model_argument(args.src, "SRC", gguf_file=getattr(args, "gguf_file", None))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"OUT {out}: exists and is not a directory")
@@ -291,7 +273,9 @@ def check_convert_args(args: argparse.Namespace) -> None:
 
 def check_redundancy_args(args: argparse.Namespace) -> None:
     """`relational-hf redundancy`: MODEL_OR_DIR exists (or is a Hub id); output paths are usable."""
-    args.model = resolve_model_source(args.model, "MODEL_OR_DIR")
+    from .loading import check_model_argument
+
+    args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=getattr(args, "gguf_file", None))
     _output_file(args.png, "--png")
     _output_file(args.json, "--json")
     _output_folder(args.heatmap_dir, "--heatmap-dir")
@@ -301,7 +285,9 @@ def check_redundancy_args(args: argparse.Namespace) -> None:
 
 def check_analyze_args(args: argparse.Namespace) -> None:
     """`relational-hf analyze`: MODEL_OR_DIR exists (or is a Hub id); --text is UTF-8 text; sizes agree."""
-    args.model = resolve_model_source(args.model, "MODEL_OR_DIR")
+    from .loading import check_model_argument
+
+    args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=getattr(args, "gguf_file", None))
     check_text_file(args.text, "--text")
     _output_folder(args.out, "--out")
     if args.max_tokens < args.seq_len:
@@ -349,7 +335,6 @@ __all__ = [
     "positive_float",
     "positive_int",
     "require",
-    "resolve_model_source",
     "text_file",
     "text_or_ids_file",
 ]

@@ -23,7 +23,14 @@ from transformers import AutoTokenizer, set_seed
 from ..errors import UsageError
 from ..lm.data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
 from ..lm.metrics import perplexity
-from ..loading import add_model_source_arguments, load_config, load_model, load_tokenizer, save_tokenizer
+from ..loading import (
+    add_model_source_arguments,
+    check_model_argument,
+    load_config,
+    load_model,
+    load_tokenizer,
+    save_tokenizer,
+)
 from ..outputs import (
     TRAINER_DIR,
     complete_checkpoint,
@@ -40,7 +47,6 @@ from ..validate import (
     nonnegative_int,
     positive_float,
     positive_int,
-    resolve_model_source,
     text_file,
 )
 from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
@@ -261,9 +267,9 @@ def lora_targets(model: torch.nn.Module, requested: str | None) -> list[str] | s
 def validate_finetune_args(args: argparse.Namespace) -> None:
     """Check the flags of `finetune` before any model is loaded: `UsageError` naming the flag. Resolves the model
     and tokenizer sources (a missing local path is named as such) and fills the LoRA defaults."""
-    args.model = resolve_model_source(args.model, "MODEL")
+    args.model = check_model_argument(args.model, "MODEL", gguf_file=args.gguf_file)
     if args.tokenizer not in (None, "byte"):
-        args.tokenizer = resolve_model_source(args.tokenizer, "--tokenizer", model=False)
+        args.tokenizer = check_model_argument(args.tokenizer, "--tokenizer", model=False)
     if args.train_file and args.dataset:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
