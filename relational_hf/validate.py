@@ -2,9 +2,11 @@
 
 Two kinds of helpers live here:
 
-- argparse ``type=`` functions (`positive_int`, `nonnegative_int`, `finite_float`, `positive_float`,
-  `nonnegative_float`, `fraction_open`, `probability`, `existing_file`, `text_file`, ...): argparse reports their
-  message as ``argument --flag: <message>``, so every message states the allowed range and the value given;
+- rules for option values (`Interval` with `positive_int`, `nonnegative_int`, `finite_float`, `positive_float`,
+  `nonnegative_float`, `fraction_open`, ...; `nonempty_str`; `existing_file`, `text_file`, ...): as argparse
+  ``type=`` functions argparse reports their message as ``argument --flag: <message>``; as ``Annotated`` metadata of
+  a dataclass option `check_fields` raises `UsageError` with ``--flag: <message>``. Either way every message states
+  the allowed range and the value given;
 - checks run at the top of a command, before any model is loaded or trained (`check_text_file`, `require`, and
   `relational_hf.loading.check_model_argument` for model arguments): they raise `relational_hf.errors.UsageError`
   naming the flag or file.
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
+import types
+import typing
 from pathlib import Path
 
 from .errors import UsageError
@@ -28,89 +32,153 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# argparse type= helpers
+# rules for option values: argparse type= helpers and dataclass option checks
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+class Interval:
+    """An allowed range of numbers, one rule used two ways with one message ("must be an integer >= 1, got 0"):
 
+    - as an argparse ``type=``: ``Interval(...)(text)`` parses the text and raises `argparse.ArgumentTypeError`
+      (argparse reports ``argument --flag: <message>``);
+    - as metadata of a dataclass option, ``Annotated[int, Interval(1, integer=True)]``: `check_fields` calls
+      ``check(value, flag)``, which raises `UsageError` naming the flag.
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    `low` / `high`: the bounds (None = unbounded on that side), open where `low_open` / `high_open`; `integer`:
+    whole numbers only. A float must also be finite."""
 
+    def __init__(
+        self,
+        low: float | None = None,
+        high: float | None = None,
+        *,
+        low_open: bool = False,
+        high_open: bool = False,
+        integer: bool = False,
+    ) -> None:
+        self.low, self.high, self.low_open, self.high_open, self.integer = low, high, low_open, high_open, integer
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`."""
+    def describe(self) -> str:
+        """The allowed range in words: "an integer >= 2", "a finite number in (0, inf)"."""
+        if self.integer and self.high is None and self.low is not None and not self.low_open:
+            return f"an integer >= {self.low}"
+        left = "(-inf" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
+        right = "inf)" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
+        return f"{'an integer' if self.integer else 'a finite number'} in {left}, {right}"
 
-    def parse(text: str) -> int:
-        value = _int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+    def contains(self, value: object) -> bool:
+        """True when `value` is a number of the right kind (int for `integer`), finite, and inside the range."""
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` "<flag>: must be <range>, got <value>" unless `contains(value)`."""
+        if not self.contains(value):
+            raise UsageError(f"{flag}: must be {self.describe()}, got {value!r}")
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = int(text) if self.integer else float(text)
+        except (TypeError, ValueError):
+            kind = "an integer" if self.integer else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        if not self.contains(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}")
         return value
 
-    parse.__name__ = f"int_at_least_{low}"
-    return parse
+    def __repr__(self) -> str:
+        return f"Interval({self.describe()})"
 
 
-positive_int = int_at_least(1)
-positive_int.__name__ = "positive_int"
-nonnegative_int = int_at_least(0)
-nonnegative_int.__name__ = "nonnegative_int"
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a finite number (no nan, no inf)."""
-    value = _float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+def int_at_least(low: int) -> Interval:
+    """An integer >= `low` (an argparse type, or `Annotated` metadata of a dataclass option)."""
+    return Interval(low, integer=True)
 
 
 def float_in(
     low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False
-) -> Callable[[str], float]:
-    """An argparse type: a finite number in the interval given (None = unbounded on that side)."""
-    left = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
-    right = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
-    interval = f"{left}, {right}"
-
-    def parse(text: str) -> float:
-        value = _float(text)
-        ok = math.isfinite(value)
-        if ok and low is not None:
-            ok = value > low if low_open else value >= low
-        if ok and high is not None:
-            ok = value < high if high_open else value <= high
-        if not ok:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text!r}")
-        return value
-
-    parse.__name__ = f"float_in_{interval}"
-    return parse
+) -> Interval:
+    """A finite number in the interval given (None = unbounded on that side)."""
+    return Interval(low, high, low_open=low_open, high_open=high_open)
 
 
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+finite_float = float_in()
 positive_float = float_in(0.0, low_open=True)
-positive_float.__name__ = "positive_float"
 nonnegative_float = float_in(0.0)
-nonnegative_float.__name__ = "nonnegative_float"
 fraction_open = float_in(0.0, 1.0, low_open=True, high_open=True)  # (0, 1)
-fraction_open.__name__ = "fraction_open"
 fraction_closed_open = float_in(0.0, 1.0, high_open=True)  # [0, 1)
-fraction_closed_open.__name__ = "fraction_closed_open"
 
 
-def nonempty_str(text: str) -> str:
-    """An argparse type: a string with at least one non-blank character."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
+class NonEmpty:
+    """A string with at least one non-blank character (an argparse type, or `Annotated` metadata)."""
+
+    def __call__(self, text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("must not be empty")
+        return text
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` naming `flag` unless `value` is a string with a non-blank character."""
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{flag}: must not be empty, got {value!r}")
+
+
+nonempty_str = NonEmpty()
+
+
+class TextFile:
+    """An existing, non-empty UTF-8 text file (`Annotated` metadata of a path option): `check_text_file`."""
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` naming `flag` and the file unless it is readable UTF-8 text."""
+        check_text_file(value, flag)
+
+
+def option_flag(name: str) -> str:
+    """The command-line spelling of a dataclass option: `batch_size` -> "--batch-size"."""
+    return "--" + name.replace("_", "-")
+
+
+def _rules(hint: object) -> tuple[list[object], tuple | None]:
+    """The checks (`Annotated` metadata with a `check` method) and the Literal choices inside a type hint, looking
+    through `X | None`."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        base, *extras = typing.get_args(hint)
+        rules, choices = _rules(base)
+        return [*rules, *(extra for extra in extras if hasattr(extra, "check"))], choices
+    if origin is typing.Literal:
+        return [], typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        rules, choices = [], None
+        for arg in typing.get_args(hint):
+            more, found = _rules(arg)
+            rules, choices = rules + more, choices or found
+        return rules, choices
+    return [], None
+
+
+def check_fields(options: object) -> None:
+    """Check every field of the dataclass instance `options` against its type hint: the rules in its `Annotated`
+    metadata (`Interval`, `NonEmpty`, `TextFile`) and its `Literal` choices. None passes (an unset optional).
+    Raises `UsageError` naming the option's flag (`option_flag`), what is allowed and the value given."""
+    hints = typing.get_type_hints(type(options), include_extras=True)
+    for item in dataclasses.fields(options):
+        value = getattr(options, item.name)
+        if value is None or item.name not in hints:
+            continue
+        rules, choices = _rules(hints[item.name])
+        if choices is not None and value not in choices:
+            raise UsageError(f"{option_flag(item.name)}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        for rule in rules:
+            rule.check(value, option_flag(item.name))
 
 
 def existing_file(text: str) -> Path:
@@ -314,6 +382,11 @@ def check_dynamics_args(args: argparse.Namespace) -> None:
 
 
 __all__ = [
+    "Interval",
+    "NonEmpty",
+    "TextFile",
+    "check_fields",
+    "option_flag",
     "check_analyze_args",
     "check_convert_args",
     "check_dataset_source",

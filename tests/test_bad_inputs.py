@@ -104,10 +104,10 @@ T, FT, CV, AN, RD, PU, DY = "train", "finetune", "convert", "analyze", "redundan
 # (command line with {name} placeholders for the fixture files, words the error message must contain)
 CASES: list[tuple[str, list[str]]] = [
     # --- train: numbers ---
-    (f"{T} --block-size 0", ["--block-size", ">= 2", "'0'"]),
+    (f"{T} --block-size 0", ["--block-size", ">= 2", "got 0"]),
     (f"{T} --block-size 1", ["--block-size", ">= 2"]),
-    (f"{T} --block-size abc", ["--block-size", "integer"]),
-    (f"{T} --block-size 2.5", ["--block-size", "integer"]),
+    (f"{T} --block-size abc", ["--block-size", "invalid int value", "'abc'"]),
+    (f"{T} --block-size 2.5", ["--block-size", "invalid int value", "'2.5'"]),
     (f"{T} --batch-size 0", ["--batch-size", ">= 1"]),
     (f"{T} --batch-size -3", ["--batch-size", ">= 1"]),
     (f"{T} --max-steps 0", ["--max-steps", ">= 1"]),
@@ -119,7 +119,7 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{T} --learning-rate 0", ["--learning-rate", "(0, inf)"]),
     (f"{T} --learning-rate=-1e-3", ["--learning-rate", "(0, inf)"]),
     (f"{T} --learning-rate nan", ["--learning-rate", "finite"]),
-    (f"{T} --learning-rate fast", ["--learning-rate", "must be a number"]),
+    (f"{T} --learning-rate fast", ["--learning-rate", "invalid float value", "'fast'"]),
     (f"{T} --weight-decay -1", ["--weight-decay", "[0, inf)"]),
     (f"{T} --weight-decay nan", ["--weight-decay", "finite"]),
     (f"{T} --save-steps 0", ["--save-steps", ">= 1"]),
