@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from relational_hf import cli
 from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
@@ -88,15 +87,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return f
 
 
-@pytest.fixture(autouse=True)
-def _no_training(monkeypatch, tmp_path):
-    """Bad input must be refused before training: any Trainer.train call fails the test. Runs in a fresh cwd."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("training started although the input is invalid")
-
-    monkeypatch.setattr(transformers.Trainer, "train", forbidden)
-    monkeypatch.chdir(tmp_path)
+# bad input must be refused before training: any Trainer.train call fails the test (conftest); runs in a fresh cwd
+pytestmark = pytest.mark.usefixtures("no_training")
 
 
 T, FT, CV, AN, RD, PU, DY = "train", "finetune", "convert", "analyze", "redundancy", "push", "dynamics"

@@ -8,7 +8,6 @@ import dataclasses
 import typing
 
 import pytest
-import transformers
 
 from relational_hf import cli
 from relational_hf.errors import UsageError
@@ -54,15 +53,8 @@ def _checked_options() -> list[tuple[str, str, object]]:
 CHECKED = _checked_options()
 
 
-@pytest.fixture(autouse=True)
-def _no_training(monkeypatch, tmp_path):
-    """A refused option must stop the command before any training (a Trainer.train call fails the test)."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("training started although an option is out of range")
-
-    monkeypatch.setattr(transformers.Trainer, "train", forbidden)
-    monkeypatch.chdir(tmp_path)
+# bad input must be refused before training: any Trainer.train call fails the test (conftest); runs in a fresh cwd
+pytestmark = pytest.mark.usefixtures("no_training")
 
 
 def test_every_numeric_option_has_a_range():
