@@ -317,8 +317,8 @@ def _output_file(path: str | os.PathLike | None, flag: str) -> None:
 
 
 def check_convert_args(args: argparse.Namespace) -> None:
-    """`relational-hf convert`: SRC exists (or is a Hub id); OUT is new, empty, or an earlier conversion output
-    (holding conversion_report.json), never SRC itself; --slice needs --calibration."""
+    """`relational-hf convert`: SRC exists (or is a Hub id); OUT is new or empty (never replaced: the conversion is
+    written with `relational_hf.outputs.write_new_output`), never SRC itself; --slice needs --calibration."""
     from .loading import check_model_argument
 
     args.src = check_model_argument(args.src, "SRC", gguf_file=getattr(args, "gguf_file", None))
@@ -327,14 +327,8 @@ def check_convert_args(args: argparse.Namespace) -> None:
         raise UsageError(f"OUT {out}: exists and is not a directory")
     if os.path.isdir(args.src) and out.exists() and os.path.samefile(args.src, out):
         raise UsageError(f"OUT {out} is SRC's own folder; choose another folder (nothing was changed)")
-    from .outputs import is_project_output
-
-    earlier = (out / "conversion_report.json").is_file() or is_project_output(out)
-    if out.is_dir() and any(out.iterdir()) and not earlier:
-        raise UsageError(
-            f"OUT {out} is not empty and holds no earlier conversion (conversion_report.json); choose a new or empty "
-            "folder (nothing was changed)"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        raise UsageError(f"OUT {out} is not empty; choose a new or empty folder (nothing was changed)")
     if args.slice_fraction > 0 and args.calibration is None:
         raise UsageError("--slice needs --calibration FILE")
 
