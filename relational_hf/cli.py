@@ -21,8 +21,9 @@ def _train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a relational LM (no arguments: built-in corpus, about 3 minutes on CPU)",
         description=pretrain.__doc__,
+        parents=[pretrain.train_argument_parser(add_help=False)],  # HfArgumentParser over the option dataclasses
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    pretrain.add_train_arguments(p)
 
     def run(args):
         result = pretrain.run_train(args)
@@ -156,8 +157,9 @@ def _finetune(sub: argparse._SubParsersAction) -> None:
         "finetune",
         help="fine-tune a checkpoint (full or LoRA) with projection / parallel suppression",
         description=finetune.__doc__,
+        parents=[finetune.finetune_argument_parser(add_help=False)],  # HfArgumentParser over the option dataclasses
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    finetune.add_finetune_arguments(p)
 
     def run(args):
         result = finetune.run_finetune(args)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+from .validate import looks_like_local_path
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +90,6 @@ def add_model_source_arguments(parser: argparse.ArgumentParser, *, dtype: bool =
     return parser
 
 
-def _looks_like_path(text: str) -> bool:
-    """True when `text` can only be meant as a local path (a Hub id is `name` or `namespace/name`)."""
-    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1 or os.path.isabs(text):
-        return True
-    if text.lower().endswith((".gguf", ".safetensors", ".json", ".bin", ".pt")):
-        return True
-    head = text.split("/", 1)[0]
-    return "/" in text and os.path.isdir(head)  # "checkpoints/run1" where ./checkpoints exists
-
-
 def _gguf_names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.gguf"))
 
@@ -113,8 +104,8 @@ def resolve_model_source(source: str | os.PathLike, gguf_file: str | None = None
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelSourceError(
-                f"{text} is a file, not a model: pass its checkpoint folder (with config.json), a Hub id, "
-                "or a .gguf file"
+                f"{text} is a file, not a model folder (config.json + weights) or a .gguf file: pass its checkpoint "
+                "folder, a Hub id, or a .gguf file"
             )
         if gguf_file is not None and gguf_file != path.name:
             raise ModelSourceError(f"{text} is a GGUF file already; --gguf-file {gguf_file} names a different one")
@@ -136,7 +127,7 @@ def resolve_model_source(source: str | os.PathLike, gguf_file: str | None = None
                 f"{text} is not a model checkpoint: it has no config.json (a save_pretrained() folder is expected)"
             )
         return ModelSource(str(path), None, local=True)
-    if _looks_like_path(text):
+    if looks_like_local_path(text):
         raise ModelSourceNotFound(f"{text}: no such file or directory (looked in {Path.cwd()})")
     return _hub_source(text, gguf_file)
 
@@ -160,6 +151,28 @@ def _hub_source(repo_id: str, gguf_file: str | None) -> ModelSource:
             "model first with network access"
         )
     return ModelSource(repo_id, gguf_file, local=False)
+
+
+def check_model_argument(
+    source: str | os.PathLike, what: str = "MODEL", *, gguf_file: str | None = None, model: bool = True
+) -> str:
+    """The pre-check of a command's model argument, before anything is loaded: `resolve_model_source` with its
+    error prefixed by the argument's name `what` (e.g. "SRC", "--tokenizer"). With `model=False` (a tokenizer or
+    another side input) a local path need only exist. Returns `source` with ~ expanded where it is local (the Hub id
+    unchanged otherwise)."""
+    text = os.fspath(source)
+    if not text.strip():
+        raise ModelSourceError(f"{what}: empty name; pass a Hub id, a checkpoint folder or a .gguf file")
+    expanded = os.path.expanduser(text)
+    if not model:
+        if looks_like_local_path(text) and not os.path.exists(expanded):
+            raise ModelSourceNotFound(f"{what} {text}: no such file or directory (and not a Hub id)")
+        return expanded if os.path.exists(expanded) else text
+    try:
+        resolved = resolve_model_source(text, gguf_file)
+    except ModelSourceError as err:
+        raise type(err)(f"{what}: {err}") from None
+    return expanded if resolved.local else text
 
 
 def _hub_errors(source: ModelSource, err: Exception) -> Exception:
@@ -334,6 +347,7 @@ __all__ = [
     "ModelSourceNotFound",
     "ModelSourceOffline",
     "add_model_source_arguments",
+    "check_model_argument",
     "load_config",
     "load_model",
     "load_model_and_tokenizer",

@@ -351,6 +351,28 @@ def stage_and_swap(
     return out
 
 
+def write_new_output(
+    output_dir: str | os.PathLike,
+    write: Callable[[Path], None],
+    *,
+    command: str,
+    kind: str,
+    flag: str = "OUT",
+) -> Path:
+    """Write the output folder of a command that never replaces anything (`convert`, `compress`): under the
+    `OutputLock`, refuse an `output_dir` that exists and is not an empty folder (`UsageError`, nothing changed),
+    then `stage_and_swap` what `write(staging_folder)` writes, with the marker. A crash leaves either no output or
+    a complete one. Returns the absolute output path."""
+    out = normalise_output_dir(output_dir, flag)
+    with OutputLock(out):
+        recover_output_dir(out)
+        if out.is_dir() and any(out.iterdir()):
+            raise UsageError(
+                f"{flag} {output_dir} exists and is not an empty folder; refusing to overwrite it (nothing was changed)"
+            )
+        return stage_and_swap(out, write, command=command, kind=kind)
+
+
 def recover_output_dir(output_dir: str | os.PathLike) -> None:
     """Finish or undo a swap that a crash interrupted: when NAME is missing, the complete staging folder (marker
     written) or else `.NAME.old` becomes NAME again; leftovers beside a present NAME are removed (they are
@@ -450,4 +472,5 @@ __all__ = [
     "recover_output_dir",
     "set_aside_incomplete_checkpoints",
     "stage_and_swap",
+    "write_new_output",
 ]

@@ -2,113 +2,183 @@
 
 Two kinds of helpers live here:
 
-- argparse ``type=`` functions (`positive_int`, `nonnegative_int`, `finite_float`, `positive_float`,
-  `nonnegative_float`, `fraction_open`, `probability`, `existing_file`, `text_file`, ...): argparse reports their
-  message as ``argument --flag: <message>``, so every message states the allowed range and the value given;
-- checks run at the top of a command, before any model is loaded or trained (`resolve_model_source`,
-  `check_text_file`, `require`): they raise `relational_hf.errors.UsageError` naming the flag or file.
+- rules for option values (`Interval` with `positive_int`, `nonnegative_int`, `finite_float`, `positive_float`,
+  `nonnegative_float`, `fraction_open`, ...; `nonempty_str`; `existing_file`, `text_file`, ...): as argparse
+  ``type=`` functions argparse reports their message as ``argument --flag: <message>``; as ``Annotated`` metadata of
+  a dataclass option `check_fields` raises `UsageError` with ``--flag: <message>``. Either way every message states
+  the allowed range and the value given;
+- checks run at the top of a command, before any model is loaded or trained (`check_text_file`, `require`, and
+  `relational_hf.loading.check_model_argument` for model arguments): they raise `relational_hf.errors.UsageError`
+  naming the flag or file.
 """
 
 from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
+import types
+import typing
 from pathlib import Path
 
 from .errors import UsageError
 
 _TEXT_CHUNK = 1 << 20
+#: a Hub repository id: `name` or `namespace/name`
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# argparse type= helpers
+# rules for option values: argparse type= helpers and dataclass option checks
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+class Interval:
+    """An allowed range of numbers, one rule used two ways with one message ("must be an integer >= 1, got 0"):
 
+    - as an argparse ``type=``: ``Interval(...)(text)`` parses the text and raises `argparse.ArgumentTypeError`
+      (argparse reports ``argument --flag: <message>``);
+    - as metadata of a dataclass option, ``Annotated[int, Interval(1, integer=True)]``: `check_fields` calls
+      ``check(value, flag)``, which raises `UsageError` naming the flag.
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    `low` / `high`: the bounds (None = unbounded on that side), open where `low_open` / `high_open`; `integer`:
+    whole numbers only. A float must also be finite."""
 
+    def __init__(
+        self,
+        low: float | None = None,
+        high: float | None = None,
+        *,
+        low_open: bool = False,
+        high_open: bool = False,
+        integer: bool = False,
+    ) -> None:
+        self.low, self.high, self.low_open, self.high_open, self.integer = low, high, low_open, high_open, integer
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`."""
+    def describe(self) -> str:
+        """The allowed range in words: "an integer >= 2", "a finite number in (0, inf)"."""
+        if self.integer and self.high is None and self.low is not None and not self.low_open:
+            return f"an integer >= {self.low}"
+        left = "(-inf" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
+        right = "inf)" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
+        return f"{'an integer' if self.integer else 'a finite number'} in {left}, {right}"
 
-    def parse(text: str) -> int:
-        value = _int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+    def contains(self, value: object) -> bool:
+        """True when `value` is a number of the right kind (int for `integer`), finite, and inside the range."""
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` "<flag>: must be <range>, got <value>" unless `contains(value)`."""
+        if not self.contains(value):
+            raise UsageError(f"{flag}: must be {self.describe()}, got {value!r}")
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = int(text) if self.integer else float(text)
+        except (TypeError, ValueError):
+            kind = "an integer" if self.integer else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        if not self.contains(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}")
         return value
 
-    parse.__name__ = f"int_at_least_{low}"
-    return parse
+    def __repr__(self) -> str:
+        return f"Interval({self.describe()})"
 
 
-positive_int = int_at_least(1)
-positive_int.__name__ = "positive_int"
-nonnegative_int = int_at_least(0)
-nonnegative_int.__name__ = "nonnegative_int"
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a finite number (no nan, no inf)."""
-    value = _float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+def int_at_least(low: int) -> Interval:
+    """An integer >= `low` (an argparse type, or `Annotated` metadata of a dataclass option)."""
+    return Interval(low, integer=True)
 
 
 def float_in(
     low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False
-) -> Callable[[str], float]:
-    """An argparse type: a finite number in the interval given (None = unbounded on that side)."""
-    left = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
-    right = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
-    interval = f"{left}, {right}"
-
-    def parse(text: str) -> float:
-        value = _float(text)
-        ok = math.isfinite(value)
-        if ok and low is not None:
-            ok = value > low if low_open else value >= low
-        if ok and high is not None:
-            ok = value < high if high_open else value <= high
-        if not ok:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text!r}")
-        return value
-
-    parse.__name__ = f"float_in_{interval}"
-    return parse
+) -> Interval:
+    """A finite number in the interval given (None = unbounded on that side)."""
+    return Interval(low, high, low_open=low_open, high_open=high_open)
 
 
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+finite_float = float_in()
 positive_float = float_in(0.0, low_open=True)
-positive_float.__name__ = "positive_float"
 nonnegative_float = float_in(0.0)
-nonnegative_float.__name__ = "nonnegative_float"
 fraction_open = float_in(0.0, 1.0, low_open=True, high_open=True)  # (0, 1)
-fraction_open.__name__ = "fraction_open"
 fraction_closed_open = float_in(0.0, 1.0, high_open=True)  # [0, 1)
-fraction_closed_open.__name__ = "fraction_closed_open"
 
 
-def nonempty_str(text: str) -> str:
-    """An argparse type: a string with at least one non-blank character."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
+class NonEmpty:
+    """A string with at least one non-blank character (an argparse type, or `Annotated` metadata)."""
+
+    def __call__(self, text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("must not be empty")
+        return text
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` naming `flag` unless `value` is a string with a non-blank character."""
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{flag}: must not be empty, got {value!r}")
+
+
+nonempty_str = NonEmpty()
+
+
+class TextFile:
+    """An existing, non-empty UTF-8 text file (`Annotated` metadata of a path option): `check_text_file`."""
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` naming `flag` and the file unless it is readable UTF-8 text."""
+        check_text_file(value, flag)
+
+
+def option_flag(name: str) -> str:
+    """The command-line spelling of a dataclass option: `batch_size` -> "--batch-size"."""
+    return "--" + name.replace("_", "-")
+
+
+def _rules(hint: object) -> tuple[list[object], tuple | None]:
+    """The checks (`Annotated` metadata with a `check` method) and the Literal choices inside a type hint, looking
+    through `X | None`."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        base, *extras = typing.get_args(hint)
+        rules, choices = _rules(base)
+        return [*rules, *(extra for extra in extras if hasattr(extra, "check"))], choices
+    if origin is typing.Literal:
+        return [], typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        rules, choices = [], None
+        for arg in typing.get_args(hint):
+            more, found = _rules(arg)
+            rules, choices = rules + more, choices or found
+        return rules, choices
+    return [], None
+
+
+def check_fields(options: object) -> None:
+    """Check every field of the dataclass instance `options` against its type hint: the rules in its `Annotated`
+    metadata (`Interval`, `NonEmpty`, `TextFile`) and its `Literal` choices. None passes (an unset optional).
+    Raises `UsageError` naming the option's flag (`option_flag`), what is allowed and the value given."""
+    hints = typing.get_type_hints(type(options), include_extras=True)
+    for item in dataclasses.fields(options):
+        value = getattr(options, item.name)
+        if value is None or item.name not in hints:
+            continue
+        rules, choices = _rules(hints[item.name])
+        if choices is not None and value not in choices:
+            raise UsageError(f"{option_flag(item.name)}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        for rule in rules:
+            rule.check(value, option_flag(item.name))
 
 
 def existing_file(text: str) -> Path:
@@ -203,41 +273,19 @@ def check_text_file(path: str | os.PathLike, flag: str | None = None) -> Path:
     return path
 
 
-def looks_like_local_path(source: str) -> bool:
-    """True when `source` can only be meant as a local path: it exists, is absolute, starts with ./, ../ or ~, names a
-    .gguf/.safetensors file, is not a valid Hub id (`name` or `namespace/name`), or its first component is an existing
-    local folder (e.g. checkpoints/run)."""
-    if os.path.exists(source) or source.startswith(("/", "./", "../", "~", ".\\")) or source in (".", ".."):
+def looks_like_local_path(text: str) -> bool:
+    """True when `text` can only be meant as a local path, not a Hub id (`name` or `namespace/name`): it exists, is
+    absolute, starts with ".", "/" or "~", holds a backslash or "..", names a weights/config file (.gguf,
+    .safetensors, .json, .bin, .pt), is no valid Hub id, or its first component is an existing local folder
+    ("checkpoints/run1" where ./checkpoints exists)."""
+    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "/", "~")) or "\\" in text:
         return True
-    if source.endswith((".gguf", ".safetensors", ".bin", ".pt")) or not _HUB_ID.match(source) or ".." in source:
+    if ".." in text or not _HUB_ID.match(text):
         return True
-    head = source.split("/", 1)[0]
-    return "/" in source and os.path.isdir(head)
-
-
-def resolve_model_source(source: str, what: str = "MODEL", *, model: bool = True) -> str:
-    """Check a model argument before anything is loaded: a local path must exist (a clear "no such file or
-    directory" instead of a failed Hub connection); with `model` a local folder must hold a config.json (or an
-    adapter_config.json, or a GGUF file) and a local file must be a .gguf file. Anything else is taken as a Hub id.
-    Returns `source` (a local path with ~ expanded). Loaders (e.g. a Hub-id/folder/GGUF loader) call it first."""
-    if not source or not source.strip():
-        raise UsageError(f"{what}: empty model name")
-    expanded = os.path.expanduser(source)
-    if looks_like_local_path(source):
-        if not os.path.exists(expanded):
-            raise UsageError(f"{what} {source}: no such file or directory (and not a Hub id)")
-        if not model:
-            return expanded
-        if os.path.isfile(expanded) and not expanded.endswith(".gguf"):
-            raise UsageError(f"{what} {source}: a file, not a model folder (config.json + weights) or a .gguf file")
-        if os.path.isdir(expanded) and not (
-            os.path.isfile(os.path.join(expanded, "config.json"))
-            or os.path.isfile(os.path.join(expanded, "adapter_config.json"))
-            or any(name.endswith(".gguf") for name in os.listdir(expanded))
-        ):
-            raise UsageError(f"{what} {source}: the folder holds no config.json (not a saved model)")
-        return expanded
-    return source
+    if text.lower().endswith((".gguf", ".safetensors", ".json", ".bin", ".pt")):
+        return True
+    head = text.split("/", 1)[0]
+    return "/" in text and os.path.isdir(head)
 
 
 def check_dataset_source(name: str | None, flag: str = "--dataset") -> None:
@@ -269,29 +317,27 @@ def _output_file(path: str | os.PathLike | None, flag: str) -> None:
 
 
 def check_convert_args(args: argparse.Namespace) -> None:
-    """`relational-hf convert`: SRC exists (or is a Hub id); OUT is new, empty, or an earlier conversion output
-    (holding conversion_report.json), never SRC itself; --slice needs --calibration."""
-    args.src = resolve_model_source(args.src, "SRC")
+    """`relational-hf convert`: SRC exists (or is a Hub id); OUT is new or empty (never replaced: the conversion is
+    written with `relational_hf.outputs.write_new_output`), never SRC itself; --slice needs --calibration."""
+    from .loading import check_model_argument
+
+    args.src = check_model_argument(args.src, "SRC", gguf_file=getattr(args, "gguf_file", None))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"OUT {out}: exists and is not a directory")
     if os.path.isdir(args.src) and out.exists() and os.path.samefile(args.src, out):
         raise UsageError(f"OUT {out} is SRC's own folder; choose another folder (nothing was changed)")
-    from .outputs import is_project_output
-
-    earlier = (out / "conversion_report.json").is_file() or is_project_output(out)
-    if out.is_dir() and any(out.iterdir()) and not earlier:
-        raise UsageError(
-            f"OUT {out} is not empty and holds no earlier conversion (conversion_report.json); choose a new or empty "
-            "folder (nothing was changed)"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        raise UsageError(f"OUT {out} is not empty; choose a new or empty folder (nothing was changed)")
     if args.slice_fraction > 0 and args.calibration is None:
         raise UsageError("--slice needs --calibration FILE")
 
 
 def check_redundancy_args(args: argparse.Namespace) -> None:
     """`relational-hf redundancy`: MODEL_OR_DIR exists (or is a Hub id); output paths are usable."""
-    args.model = resolve_model_source(args.model, "MODEL_OR_DIR")
+    from .loading import check_model_argument
+
+    args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=getattr(args, "gguf_file", None))
     _output_file(args.png, "--png")
     _output_file(args.json, "--json")
     _output_folder(args.heatmap_dir, "--heatmap-dir")
@@ -301,7 +347,9 @@ def check_redundancy_args(args: argparse.Namespace) -> None:
 
 def check_analyze_args(args: argparse.Namespace) -> None:
     """`relational-hf analyze`: MODEL_OR_DIR exists (or is a Hub id); --text is UTF-8 text; sizes agree."""
-    args.model = resolve_model_source(args.model, "MODEL_OR_DIR")
+    from .loading import check_model_argument
+
+    args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=getattr(args, "gguf_file", None))
     check_text_file(args.text, "--text")
     _output_folder(args.out, "--out")
     if args.max_tokens < args.seq_len:
@@ -328,6 +376,11 @@ def check_dynamics_args(args: argparse.Namespace) -> None:
 
 
 __all__ = [
+    "Interval",
+    "NonEmpty",
+    "TextFile",
+    "check_fields",
+    "option_flag",
     "check_analyze_args",
     "check_convert_args",
     "check_dataset_source",
@@ -349,7 +402,6 @@ __all__ = [
     "positive_float",
     "positive_int",
     "require",
-    "resolve_model_source",
     "text_file",
     "text_or_ids_file",
 ]

@@ -1,5 +1,6 @@
 """Session setup and shared fixtures: the local Hub server for every Hub request, one torch thread, a fixed seed
-per test, the shared data folder and the offline SmolLM2 checkpoint (the tiny models are in tiny_models.py)."""
+per test, a guard against training in tests of refused input, the shared data folder and the offline SmolLM2
+checkpoint (the tiny models are in tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def no_training(monkeypatch, tmp_path):
+    """For tests of input that must be refused before any work: any Trainer.train call fails the test; the test
+    runs in a fresh current directory."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("training started although the input is invalid")
+
+    monkeypatch.setattr(transformers.Trainer, "train", forbidden)
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture

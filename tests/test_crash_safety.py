@@ -366,3 +366,31 @@ def test_a_symlinked_output_directory_stays_a_link_to_the_new_checkpoint(tmp_pat
     new = tiny(2)
     save(new, outputs.normalise_output_dir(link))
     assert link.is_symlink() and loads(link) == fingerprint(new) == loads(real)
+
+
+def test_new_only_outputs_refuse_a_non_empty_folder_and_leave_nothing_on_failure(tmp_path):
+    """`write_new_output` (convert, compress): a non-empty OUT is refused byte for byte unchanged, an empty OUT
+    and a new one receive the complete output with the marker, a failed write leaves no OUT, no staging folder and
+    no lock file, and a locked OUT is refused."""
+    model = tiny(3)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(UsageError, match="OUT .* not an empty folder"):
+        outputs.write_new_output(foreign, model.save_pretrained, command="convert", kind="relational")
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"] and (foreign / "thesis.tex").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    for name in ("empty", "new"):
+        out = outputs.write_new_output(tmp_path / name, model.save_pretrained, command="compress", kind="relational")
+        assert loads(out) == fingerprint(model)
+        assert outputs.read_marker(out) == {"command": "compress", "kind": "relational"}
+
+    def crash(folder):
+        model.save_pretrained(folder)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        outputs.write_new_output(tmp_path / "failed", crash, command="convert", kind="relational")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "foreign", "new"]
+    with OutputLock(tmp_path / "locked"), pytest.raises(UsageError, match="in use by another relational-hf run"):
+        outputs.write_new_output(tmp_path / "locked", model.save_pretrained, command="convert", kind="relational")

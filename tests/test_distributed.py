@@ -62,10 +62,10 @@ def _train(output_dir: str, per_device_batch: int) -> torch.nn.Module:
         symmetry_projection="update",
         parallel_suppression_coef=2.0,
         parallel_suppression_site="residual",
+        # no shuffling: each process takes its slice of the same 8 sequences, as one process takes all 8
+        train_sampling_strategy="sequential",
     )
-    # no shuffling: each process takes its slice of the same 8 sequences, as one process takes all 8
     trainer = RelationalTrainer(model=model, args=args, train_dataset=_dataset())
-    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
     return model
 

@@ -46,6 +46,9 @@ LAZY_UPWARD = {
     # validate holds every command's argument checks; the `dynamics` command's check reads the trajectory files
     # with the dynamics reader, loaded only when that command runs
     ("relational_hf/validate.py", "dynamics"),
+    # the model-argument pre-checks of validate's per-command checks use loading's resolver (one home for what a
+    # model source is), loaded only when such a check runs
+    ("relational_hf/validate.py", "loading"),
     # the SmolLM2 checkpoint is built once from its GGUF file and its tokenizer saved with loading's writer
     # (loading reads GGUF sources through pretrained in turn)
     ("relational_hf/pretrained.py", "loading"),

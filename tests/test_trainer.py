@@ -119,10 +119,9 @@ def test_gradient_accumulation_2x4_equals_batch_8_with_suppression(tmp_path, sit
         args = arguments(
             tmp_path / f"{batch}", per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
             max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant",
-            parallel_suppression_coef=5.0, parallel_suppression_site=site,
+            parallel_suppression_coef=5.0, parallel_suppression_site=site, train_sampling_strategy="sequential",
         )  # fmt: skip
         trainer = RelationalTrainer(model=model, args=args, train_dataset=padded_data())
-        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(padded_data())
         trainer.train()
         results.append((flat(model) - flat(start), trainer.state.log_history[0]))
     (full, full_log), (accumulated, accumulated_log) = results

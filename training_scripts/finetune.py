@@ -1,6 +1,6 @@
 """Fine-tune a causal LM checkpoint, fully or with LoRA, with optional projected updates and parallel suppression.
 
-A thin front over `relational_hf.training.finetune` (`add_finetune_arguments`, `run_finetune`).
+A thin front over `relational_hf.training.finetune` (`finetune_argument_parser`, `run_finetune`).
 Examples:
     python training_scripts/finetune.py checkpoints/relational-default --tokenizer byte \\
         --train-file ../shared/data/tinyshakespeare/input.txt --method lora --merge

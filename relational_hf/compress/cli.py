@@ -3,7 +3,8 @@
 SRC is a local checkpoint folder or a Hub id of a Llama-family causal LM (or a relational checkpoint). The
 calibration text (--calibration, default: the WikiText-2-style built-in corpus of the training module) is cut into
 --calibration-windows windows of --window tokens. OUT must not exist or be empty: the model, its tokenizer and
-`compression_report.json` are staged in a sibling temporary folder and renamed into place at the end.
+`compression_report.json` are staged in a sibling folder and swapped into place at the end
+(`relational_hf.outputs.write_new_output`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from ..errors import UsageError
 from ..lm.data import load_texts
 from ..lm.metrics import perplexity
 from ..loading import add_model_source_arguments, load_model, load_tokenizer, save_tokenizer
+from ..outputs import write_new_output
 from ..validate import fraction_closed_open, fraction_open, int_at_least, nonnegative_int, positive_int, text_file
 from .api import METHODS
 from .eval import text_windows
@@ -113,18 +113,14 @@ def run_compress(args: argparse.Namespace) -> int:
         report["eval_windows"] = list(evaluation.shape)
         report["eval_perplexity_before"] = eval_before
         report["eval_perplexity_after"] = perplexity(compressed, evaluation, progress=True)
+
+    def write(folder: Path) -> None:
+        compressed.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
+        (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
     out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        compressed.save_pretrained(stage)
-        save_tokenizer(tokenizer, stage)
-        (stage / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            out.rmdir()  # empty (checked above); rmdir refuses anything else
-        stage.rename(out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    write_new_output(out, write, command="compress", kind=args.method)
     summary = (
         f"compressed {args.src} with {args.method}: {report['parameters_before']:,} -> {report['parameters_after']:,} "
         f"stored parameters ({report['removed_share']:.1%} fewer); calibration perplexity "

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from ..loading import add_model_source_arguments, load_model_from, load_tokenizer, resolve_model_source, save_tokenizer
+from ..outputs import write_new_output
 from ..validate import (
     check_convert_args,
     fraction_closed_open,
@@ -25,8 +25,6 @@ from .streaming import (
     check_output_dir,
     is_safetensors_checkpoint,
     parse_dtype,
-    publish,
-    staging_dir,
     stream_to_relational,
 )
 
@@ -124,7 +122,7 @@ def run_convert(args: argparse.Namespace) -> int:
     one layer at a time. Otherwise load SRC in fp32, convert with `to_relational` (verified on the held-out
     calibration text when given), save OUT (safetensors, config, code files for trust_remote_code, SRC's tokenizer
     when it has one, conversion_report.json) and print the report. OUT is staged beside and renamed when
-    complete; an existing non-empty OUT is refused."""
+    complete (`relational_hf.outputs.write_new_output`); an existing non-empty OUT is refused."""
     check_convert_args(args)
     check_output_dir(args.out)
     streamable = is_safetensors_checkpoint(args.src)
@@ -166,18 +164,16 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     if out_dtype is not None:
         relational.to(out_dtype)
-    stage = staging_dir(args.out)
-    try:
-        relational.save_pretrained(stage)
+
+    def write(folder: Path) -> None:
+        relational.save_pretrained(folder)
         try:
-            save_tokenizer(load_tokenizer(args), stage)
+            save_tokenizer(load_tokenizer(args), folder)
         except (OSError, ValueError):
             sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
-        (stage / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-        publish(stage, args.out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+        (folder / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+
+    write_new_output(args.out, write, command="convert", kind="relational")
     sys.stdout.write(report.to_markdown())
     sys.stdout.write(f"saved {args.out}\n")
     return 0

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from transformers import AutoTokenizer, set_seed
@@ -23,7 +24,14 @@ from transformers import AutoTokenizer, set_seed
 from ..errors import UsageError
 from ..lm.data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
 from ..lm.metrics import perplexity
-from ..loading import add_model_source_arguments, load_config, load_model, load_tokenizer, save_tokenizer
+from ..loading import (
+    add_model_source_arguments,
+    check_model_argument,
+    load_config,
+    load_model,
+    load_tokenizer,
+    save_tokenizer,
+)
 from ..outputs import (
     TRAINER_DIR,
     complete_checkpoint,
@@ -31,19 +39,18 @@ from ..outputs import (
     normalise_output_dir,
     stage_and_swap,
 )
-from ..validate import (
-    check_dataset_source,
-    fraction_closed_open,
-    int_at_least,
-    nonempty_str,
-    nonnegative_float,
-    nonnegative_int,
-    positive_float,
-    positive_int,
-    resolve_model_source,
-    text_file,
+from ..validate import check_dataset_source, fraction_closed_open, nonempty_str
+from .arguments import (
+    CommandArguments,
+    DataArguments,
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    RunArguments,
+    option,
+    with_default,
 )
-from .arguments import PROJECTIONS, SUPPRESSION_SITES, RelationalTrainingArguments
 from .pretrain import TimeLimitCallback, check_blocks, claimed_output
 from .trainer import RelationalTrainer
 
@@ -52,166 +59,84 @@ logger = logging.getLogger(__name__)
 DEFAULT_OUTPUT_DIR = "checkpoints/finetuned"
 
 
-def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `relational-hf finetune` and `training_scripts/finetune.py`."""
+@dataclass
+class ModelSourceArguments(CommandArguments):
+    """The checkpoint to start from and its tokenizer. On the command line MODEL is positional and --gguf-file /
+    --dtype are `relational_hf.loading`'s model-source flags shared with every command that loads a model, so this
+    group is declared to argparse by `finetune_argument_parser`, not by HfArgumentParser."""
+
+    model: str = ""
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    gguf_file: str | None = None
+    dtype: str = "float32"
+
+
+@dataclass
+class MethodArguments(CommandArguments):
+    """Full fine-tuning or PEFT LoRA, and the LoRA settings (defaults filled by `validate_finetune_args`)."""
+
+    _argument_group_name = "method"
+
+    method: Literal["full", "lora"] = option(
+        "full", "full: every weight trains; lora: PEFT LoRA adapters on --lora-targets, base weights frozen"
+    )
+    lora_r: PositiveInt | None = option(None, "LoRA rank r; unset: 8")
+    lora_alpha: PositiveFloat | None = option(None, "LoRA alpha > 0; the update is scaled by alpha / r; unset: 16")
+    lora_dropout: Annotated[float, fraction_closed_open] | None = option(
+        None, "dropout on the LoRA input, in [0, 1); unset: 0"
+    )
+    lora_targets: NonEmptyStr | None = option(
+        None,
+        "comma-separated module names to adapt; unset: q,k,v,o,gate,up,down_proj where the model has them, else all "
+        "linear layers",
+    )
+    merge: bool = option(
+        False, "with --method lora: also save the merged model (back in the pivot gauge) to OUTPUT_DIR/merged"
+    )
+
+
+@dataclass
+class FinetuneRunArguments(RunArguments):
+    """The training run of `finetune`: `RunArguments` with fine-tuning defaults, and the reporting integrations."""
+
+    output_dir: str = with_default(RunArguments, "output_dir", DEFAULT_OUTPUT_DIR)
+    batch_size: PositiveInt = with_default(RunArguments, "batch_size", 8)
+    max_steps: PositiveInt = with_default(RunArguments, "max_steps", 200)
+    max_minutes: PositiveFloat = with_default(RunArguments, "max_minutes", 10.0)
+    learning_rate: PositiveFloat | None = with_default(
+        RunArguments, "learning_rate", None, "peak AdamW learning rate (cosine schedule); unset: 1e-3 LoRA, 3e-4 full"
+    )
+    warmup_steps: NonNegativeInt = with_default(RunArguments, "warmup_steps", 10)
+    logging_steps: PositiveInt = with_default(RunArguments, "logging_steps", 10)
+    save_steps: PositiveInt = with_default(RunArguments, "save_steps", 100)
+    eval_blocks: PositiveInt = with_default(RunArguments, "eval_blocks", 32)
+    report_to: str = option("none", "Trainer logging integrations, comma-separated, e.g. tensorboard; none or all")
+
+
+@dataclass
+class FinetuneArguments(FinetuneRunArguments, MethodArguments, DataArguments, ModelSourceArguments):
+    """Every option of `relational-hf finetune` and `training_scripts/finetune.py` in one checked instance;
+    `validate_finetune_args` checks the combinations."""
+
+    PARSER_GROUPS = (DataArguments, MethodArguments, FinetuneRunArguments)
+
+
+def finetune_argument_parser(**kwargs) -> argparse.ArgumentParser:
+    """The parser of `relational-hf finetune`: `FinetuneArguments.argument_parser` (HfArgumentParser over the
+    option groups) plus MODEL, --tokenizer, --trust-remote-code and loading's --gguf-file / --dtype."""
+    parser = FinetuneArguments.argument_parser(**kwargs)
     parser.add_argument(
         "model", type=nonempty_str, help="checkpoint to start from: a local directory or a Hub id (causal LM)"
     )
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer directory or Hub id (default: the checkpoint's own); 'byte' for the project's byte-level "
-        "tokenizer (checkpoints trained by `relational-hf train` with the default tokenizer)",
+        help="tokenizer directory or Hub id, or 'byte' for the project's byte-level tokenizer (checkpoints trained "
+        "by `relational-hf train` with the default tokenizer); unset: the checkpoint's own",
     )
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow checkpoints whose modeling code lives in the repo"
-    )
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train-file", type=text_file, help="a UTF-8 text file to train on (last 10%% of lines validate)"
-    )
-    data.add_argument(
-        "--dataset", type=nonempty_str, help="a `datasets.load_dataset` name (needs network or a local dataset dir)"
-    )
-    data.add_argument("--dataset-config", help="the dataset configuration name, e.g. wikitext-2-raw-v1")
-    data.add_argument(
-        "--text-column",
-        type=nonempty_str,
-        default="text",
-        help="dataset column holding the text (default: %(default)s)",
-    )
-    method = parser.add_argument_group("method")
-    method.add_argument(
-        "--method",
-        choices=["full", "lora"],
-        default="full",
-        help="full: every weight trains; lora: PEFT LoRA adapters on --lora-targets, base weights frozen",
-    )
-    method.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank r (default: 8)")
-    method.add_argument(
-        "--lora-alpha",
-        type=positive_float,
-        default=None,
-        help="LoRA alpha > 0; the update is scaled by alpha / r (default: 16)",
-    )
-    method.add_argument(
-        "--lora-dropout",
-        type=fraction_closed_open,
-        default=None,
-        help="dropout on the LoRA input, in [0, 1) (default: 0)",
-    )
-    method.add_argument(
-        "--lora-targets",
-        type=nonempty_str,
-        default=None,
-        help="comma-separated module names to adapt (default: q,k,v,o,gate,up,down_proj where the model has them, "
-        "else all linear layers)",
-    )
-    method.add_argument(
-        "--merge",
-        action="store_true",
-        help="with --method lora: also save the merged model (back in the pivot gauge) to OUTPUT_DIR/merged",
-    )
-    method.add_argument(
-        "--projection",
-        choices=list(PROJECTIONS),
-        default="none",
-        help="update: project every optimizer update onto the horizontal space, no motion along symmetry orbits "
-        "(full fine-tuning only; default: %(default)s)",
-    )
-    method.add_argument(
-        "--parallel-suppression",
-        type=nonnegative_float,
-        default=0.0,
-        help="lambda of the soft parallel-suppression term lambda * mean cos^2(y, z) (default: %(default)s = off)",
-    )
-    method.add_argument(
-        "--parallel-suppression-site",
-        choices=list(SUPPRESSION_SITES),
-        default="residual",
-        help="residual: attention/MLP outputs vs the hidden state; value: per-head output vs own value "
-        "(default: %(default)s)",
-    )
-    train = parser.add_argument_group("training")
-    train.add_argument(
-        "--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"where results go (default: {DEFAULT_OUTPUT_DIR})"
-    )
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="allow an --output-dir that is not empty and was not written by relational-hf, or the model's own "
-        "folder (full fine-tuning); its checkpoint files are replaced, other files kept",
-    )
-    train.add_argument(
-        "--block-size", type=int_at_least(2), default=128, help="context length in tokens (default: %(default)s)"
-    )
-    train.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=8,
-        help="sequences per micro-batch and process (default: %(default)s)",
-    )
-    train.add_argument(
-        "--gradient-accumulation-steps",
-        type=positive_int,
-        default=1,
-        help="micro-batches per optimizer step (default: %(default)s)",
-    )
-    train.add_argument(
-        "--max-steps",
-        type=positive_int,
-        default=200,
-        help="optimizer steps; the time limit may stop earlier (default: %(default)s)",
-    )
-    train.add_argument(
-        "--max-minutes",
-        type=positive_float,
-        default=10.0,
-        help="stop training after this many minutes (default: %(default)s)",
-    )
-    train.add_argument(
-        "--learning-rate", type=positive_float, default=None, help="peak LR > 0 (default: 1e-3 LoRA, 3e-4 full)"
-    )
-    train.add_argument(
-        "--warmup-steps",
-        type=nonnegative_int,
-        default=10,
-        help="linear warm-up steps before the cosine decay (default: %(default)s)",
-    )
-    train.add_argument(
-        "--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay (default: %(default)s)"
-    )
-    train.add_argument(
-        "--seed",
-        type=nonnegative_int,
-        default=0,
-        help="seed of LoRA initialisation, data sampling and order (default: %(default)s)",
-    )
-    train.add_argument(
-        "--logging-steps",
-        type=positive_int,
-        default=10,
-        help="log loss and the relational metrics every N steps (default: %(default)s)",
-    )
-    train.add_argument(
-        "--save-steps",
-        type=positive_int,
-        default=100,
-        help="trainer checkpoint interval, for --resume (default: %(default)s)",
-    )
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest complete trainer checkpoint in OUTPUT_DIR/trainer_state",
-    )
-    train.add_argument(
-        "--eval-blocks",
-        type=positive_int,
-        default=32,
-        help="validation blocks used for perplexity (default: %(default)s)",
-    )
-    train.add_argument(
-        "--report-to", default="none", help="Trainer logging integrations, e.g. tensorboard (default: none)"
     )
     add_model_source_arguments(parser)
     return parser
@@ -231,7 +156,7 @@ class FinetuneResult:
     main_process: bool = True
 
 
-def _load_tokenizer(args: argparse.Namespace):
+def _load_tokenizer(args: FinetuneArguments):
     if args.tokenizer == "byte":
         return byte_level_tokenizer()
     source = args.tokenizer or args.model
@@ -258,12 +183,13 @@ def lora_targets(model: torch.nn.Module, requested: str | None) -> list[str] | s
     return found or "all-linear"
 
 
-def validate_finetune_args(args: argparse.Namespace) -> None:
-    """Check the flags of `finetune` before any model is loaded: `UsageError` naming the flag. Resolves the model
-    and tokenizer sources (a missing local path is named as such) and fills the LoRA defaults."""
-    args.model = resolve_model_source(args.model, "MODEL")
+def validate_finetune_args(args: FinetuneArguments) -> None:
+    """Check the flag combinations of `finetune` before any model is loaded (each option's range was checked when
+    `args` was built): `UsageError` naming the flag. Resolves the model and tokenizer sources (a missing local path
+    is named as such) and fills the LoRA and learning-rate defaults."""
+    args.model = check_model_argument(args.model, "MODEL", gguf_file=args.gguf_file)
     if args.tokenizer not in (None, "byte"):
-        args.tokenizer = resolve_model_source(args.tokenizer, "--tokenizer", model=False)
+        args.tokenizer = check_model_argument(args.tokenizer, "--tokenizer", model=False)
     if args.train_file and args.dataset:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
@@ -292,6 +218,7 @@ def validate_finetune_args(args: argparse.Namespace) -> None:
     args.lora_r = args.lora_r or 8
     args.lora_alpha = args.lora_alpha or 16.0
     args.lora_dropout = args.lora_dropout or 0.0
+    args.learning_rate = args.learning_rate or (1e-3 if args.method == "lora" else 3e-4)
     out = normalise_output_dir(args.output_dir)
     if os.path.isdir(args.model) and out == Path(os.path.abspath(args.model)):
         if args.method == "lora":
@@ -325,15 +252,18 @@ def check_weights_for_projection(model: torch.nn.Module, projection: str) -> Non
         )
 
 
-def run_finetune(args: argparse.Namespace) -> FinetuneResult:
-    """Fine-tune as the flags say; returns the measured figures (see the module docstring). Every flag, the output
-    directory and the data are checked before training starts; the save never leaves a half-written directory."""
+def run_finetune(args: FinetuneArguments | argparse.Namespace) -> FinetuneResult:
+    """Fine-tune as the options say (a `FinetuneArguments`, or the parsed command line); returns the measured
+    figures (see the module docstring). Every option, the output directory and the data are checked before training
+    starts; the save never leaves a half-written directory."""
+    if not isinstance(args, FinetuneArguments):
+        args = FinetuneArguments.from_namespace(args)
     validate_finetune_args(args)
     with claimed_output(args, "finetune", args.method) as out:
         return _finetune(args, out)
 
 
-def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
+def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     set_seed(args.seed)
     started = time.monotonic()
     train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
@@ -374,32 +304,12 @@ def _finetune(args: argparse.Namespace, output_dir: Path) -> FinetuneResult:
 
     trainer_dir = output_dir / TRAINER_DIR
     resume_from = complete_checkpoint(trainer_dir) if args.resume else None
-    learning_rate = args.learning_rate or (1e-3 if args.method == "lora" else 3e-4)
-    samples = args.max_steps * args.batch_size * args.gradient_accumulation_steps
-    training_args = RelationalTrainingArguments(
-        output_dir=str(trainer_dir),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        learning_rate=learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        logging_steps=args.logging_steps,
-        save_steps=args.save_steps,
-        save_total_limit=1,
-        report_to=[] if args.report_to in ("none", "") else args.report_to.split(","),
-        seed=args.seed,
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-        symmetry_projection=args.projection,
-        parallel_suppression_coef=args.parallel_suppression,
-        parallel_suppression_site=args.parallel_suppression_site,
-    )
+    report_to = [] if args.report_to in ("none", "") else args.report_to.split(",")
+    training_args = args.training_arguments(trainer_dir, report_to=report_to)
     trainer = RelationalTrainer(
         model=model,
         args=training_args,
-        train_dataset=RandomBlockDataset(train_ids, args.block_size, samples, seed=args.seed),
+        train_dataset=RandomBlockDataset(train_ids, args.block_size, args.train_samples, seed=args.seed),
         callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
     )
     trainer.train(resume_from_checkpoint=resume_from)
@@ -457,7 +367,7 @@ def format_finetune_result(result: FinetuneResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_finetune_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = finetune_argument_parser(description=__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

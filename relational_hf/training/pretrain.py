@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
-from transformers import TrainerCallback, TrainingArguments, set_seed
+from transformers import TrainerCallback, set_seed
 
 from ..errors import UsageError
 from ..lm.data import (
@@ -46,15 +47,15 @@ from ..outputs import (
     remove_if_unused,
     stage_and_swap,
 )
-from ..validate import (
-    check_dataset_source,
-    int_at_least,
-    nonempty_str,
-    nonnegative_float,
-    nonnegative_int,
-    positive_float,
-    positive_int,
-    text_file,
+from ..validate import check_dataset_source, int_at_least, option_flag
+from .arguments import (
+    CommandArguments,
+    DataArguments,
+    NonNegativeInt,
+    PositiveInt,
+    RunArguments,
+    option,
+    with_default,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,121 +65,64 @@ MIN_BPE_VOCAB = 260
 DEFAULT_BPE_VOCAB = 4096
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `relational-hf train` and `training_scripts/pretrain.py` (each checked when parsed; the
-    combinations by `validate_train_args`)."""
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train-file", type=text_file, help="a UTF-8 text file to train on (last 10%% of lines validate)"
+@dataclass
+class TrainDataArguments(DataArguments):
+    """The training text (`DataArguments`) and the tokenizer trained on it."""
+
+    tokenizer: Literal["byte", "bpe"] = option(
+        "byte", "byte: 256 byte tokens + 3 specials, no training; bpe: byte-level BPE trained on the train split"
     )
-    data.add_argument(
-        "--dataset", type=nonempty_str, help="a `datasets.load_dataset` name (needs network or a local dataset dir)"
+    bpe_vocab_size: Annotated[int, int_at_least(MIN_BPE_VOCAB)] | None = option(
+        None,
+        f"vocabulary size of the trained BPE tokenizer (>= {MIN_BPE_VOCAB}: 256 bytes + 3 specials + merges); "
+        f"unset: {DEFAULT_BPE_VOCAB}",
     )
-    data.add_argument("--dataset-config", help="the dataset configuration name, e.g. wikitext-2-raw-v1")
-    data.add_argument(
-        "--text-column", type=nonempty_str, default="text", help="dataset column holding the text (default: text)"
+
+
+@dataclass
+class ModelShapeArguments(CommandArguments):
+    """The model `train` builds (`model_config`)."""
+
+    _argument_group_name = "model"
+
+    architecture: Literal["relational", "llama"] = option(
+        "relational", "relational-transformer, or Transformers' Llama of the same dimensions as a baseline"
     )
-    data.add_argument(
-        "--tokenizer",
-        choices=["byte", "bpe"],
-        default="byte",
-        help="byte: 256 byte tokens + 3 specials, no training; bpe: byte-level BPE trained on the train split",
+    hidden_size: PositiveInt = option(128, "residual width d")
+    layers: PositiveInt = option(4, "decoder layers")
+    heads: PositiveInt = option(4, "query heads (must divide --hidden-size)")
+    kv_heads: PositiveInt | None = option(None, "key/value heads (GQA, must divide --heads); unset: --heads")
+    intermediate_size: PositiveInt | None = option(None, "SwiGLU width; unset: 3 x --hidden-size")
+    qk_rank: PositiveInt | None = option(None, "rank of each QK form (relational only); unset: head_dim")
+    gauge: Literal["pivot", "free"] | None = option(None, "relational parameterisation; unset: pivot")
+    position_encoding: Literal["rope", "none"] | None = option(
+        None, "rotary positions on the QK coordinates, or none (relational only); unset: rope"
     )
-    data.add_argument(
-        "--bpe-vocab-size",
-        type=int_at_least(MIN_BPE_VOCAB),
-        default=None,
-        help=f"vocabulary size of the trained BPE tokenizer (>= {MIN_BPE_VOCAB}: 256 bytes + 3 specials + merges; "
-        f"default: {DEFAULT_BPE_VOCAB})",
+    value_parallel_removal: bool = option(
+        False, "remove the value-space parallel component per head (hard parallel suppression; relational only)"
     )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--architecture",
-        choices=["relational", "llama"],
-        default="relational",
-        help="relational-transformer, or Transformers' Llama of the same dimensions as a baseline",
-    )
-    model.add_argument("--hidden-size", type=positive_int, default=128, help="residual width d")
-    model.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
-    model.add_argument("--heads", type=positive_int, default=4, help="query heads (must divide --hidden-size)")
-    model.add_argument(
-        "--kv-heads",
-        type=positive_int,
-        default=None,
-        help="key/value heads (GQA, must divide --heads); default: --heads",
-    )
-    model.add_argument("--intermediate-size", type=positive_int, default=None, help="SwiGLU width; default: 3 x hidden")
-    model.add_argument(
-        "--qk-rank", type=positive_int, default=None, help="rank of each QK form (relational only); default: head_dim"
-    )
-    model.add_argument(
-        "--gauge", choices=["pivot", "free"], default=None, help="relational parameterisation (default: pivot)"
-    )
-    model.add_argument(
-        "--position-encoding",
-        choices=["rope", "none"],
-        default=None,
-        help="rotary positions on the QK coordinates, or none (relational only; default: rope)",
-    )
-    model.add_argument(
-        "--value-parallel-removal",
-        action="store_true",
-        help="remove the value-space parallel component per head (hard parallel suppression; relational only)",
-    )
-    train = parser.add_argument_group("training")
-    train.add_argument(
-        "--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"where the model goes (default: {DEFAULT_OUTPUT_DIR})"
-    )
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="allow an --output-dir that is not empty and was not written by relational-hf (its checkpoint files "
-        "are replaced, other files kept)",
-    )
-    train.add_argument("--block-size", type=int_at_least(2), default=128, help="context length in tokens (>= 2)")
-    train.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
-    train.add_argument(
-        "--max-steps", type=positive_int, default=1000, help="optimizer steps (the time limit may stop earlier)"
-    )
-    train.add_argument("--max-minutes", type=positive_float, default=2.5, help="stop training after this many minutes")
-    train.add_argument(
-        "--learning-rate", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)"
-    )
-    train.add_argument("--warmup-steps", type=nonnegative_int, default=30, help="linear warm-up steps")
-    train.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay (>= 0)")
-    train.add_argument(
-        "--seed", type=nonnegative_int, default=0, help="seed of initialisation, data order and sampling"
-    )
-    train.add_argument(
-        "--save-steps", type=positive_int, default=250, help="trainer checkpoint interval (for --resume)"
-    )
-    train.add_argument(
-        "--resume", action="store_true", help="continue from the newest complete trainer checkpoint in --output-dir"
-    )
-    train.add_argument("--eval-blocks", type=positive_int, default=64, help="validation blocks used for perplexity")
-    train.add_argument(
-        "--sample-tokens", type=nonnegative_int, default=120, help="length of the printed sample (0: no sample)"
-    )
-    train.add_argument(
-        "--projection",
-        choices=["none", "update"],
-        default="none",
-        help="project optimizer updates onto the quotient (free-gauge or Llama models)",
-    )
-    train.add_argument(
-        "--parallel-suppression",
-        type=nonnegative_float,
-        default=0.0,
-        help="lambda of the soft parallel-suppression loss (>= 0; 0 = off)",
-    )
-    train.add_argument(
-        "--parallel-suppression-site",
-        choices=["residual", "value"],
-        default="residual",
-        help="where the suppression loss reads cos^2(y, z): residual updates vs the incoming hidden state, or each "
-        "head's pre-W_O output vs its own value",
-    )
-    return parser
+
+
+@dataclass
+class TrainRunArguments(RunArguments):
+    """The training run of `train` (`RunArguments` with its defaults) and the printed sample."""
+
+    output_dir: str = with_default(RunArguments, "output_dir", DEFAULT_OUTPUT_DIR)
+    sample_tokens: NonNegativeInt = option(120, "length of the printed sample (0: no sample)")
+
+
+@dataclass
+class TrainArguments(TrainRunArguments, ModelShapeArguments, TrainDataArguments):
+    """Every option of `relational-hf train` and `training_scripts/pretrain.py` in one checked instance; the
+    command line shows them in the groups data, model and training. `validate_train_args` checks the
+    combinations."""
+
+    PARSER_GROUPS = (TrainDataArguments, ModelShapeArguments, TrainRunArguments)
+
+
+def train_argument_parser(**kwargs) -> argparse.ArgumentParser:
+    """The parser of `relational-hf train` (`TrainArguments.argument_parser`); `kwargs` go to the parser."""
+    return TrainArguments.argument_parser(**kwargs)
 
 
 # config field -> the flag that sets it, for config errors reported at the command line
@@ -195,9 +139,10 @@ _CONFIG_FLAGS = {
 }
 
 
-def validate_train_args(args: argparse.Namespace) -> None:
-    """Check the flag combinations of `train` before any data is read or model built: `UsageError` naming the
-    flags. Fills the relational defaults of --gauge and --position-encoding."""
+def validate_train_args(args: TrainArguments) -> None:
+    """Check the flag combinations of `train` before any data is read or model built (each option's range was
+    checked when `args` was built): `UsageError` naming the flags. Fills the relational defaults of --gauge and
+    --position-encoding."""
     if args.train_file and args.dataset:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
@@ -270,7 +215,7 @@ def last_checkpoint(trainer_dir: Path) -> str:
     return complete_checkpoint(trainer_dir)
 
 
-def model_config(args: argparse.Namespace, vocab_size: int, pad: int, bos: int, eos: int):
+def model_config(args: TrainArguments, vocab_size: int, pad: int, bos: int, eos: int):
     """The model configuration the flags describe (relational, or Transformers' Llama with the same dimensions)."""
     intermediate = args.intermediate_size or 3 * args.hidden_size
     common = dict(
@@ -299,7 +244,7 @@ def model_config(args: argparse.Namespace, vocab_size: int, pad: int, bos: int, 
     )
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, tokenizer) -> torch.nn.Module:
+def build_model(args: TrainArguments, vocab_size: int, tokenizer) -> torch.nn.Module:
     """The model the flags describe (relational, or Transformers' Llama with the same dimensions)."""
     config = model_config(args, vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     if args.architecture == "llama":
@@ -335,7 +280,7 @@ def check_resume_config(config, checkpoint: Path) -> None:
         return  # a checkpoint without a readable config: the Trainer reports what it cannot load
     new = config.to_dict()
     differ = [
-        f"{name} {saved[name]!r} (now {new.get(name)!r}; {_CONFIG_FLAGS.get(name, '--' + name.replace('_', '-'))})"
+        f"{name} {saved[name]!r} (now {new.get(name)!r}; {_CONFIG_FLAGS.get(name, option_flag(name))})"
         for name in _RESUME_FIELDS
         if name in saved and saved[name] != new.get(name)
     ]
@@ -361,7 +306,7 @@ def is_main_process() -> bool:
 
 
 @contextmanager
-def claimed_output(args: argparse.Namespace, command: str, kind: str) -> Iterator[Path]:
+def claimed_output(args: RunArguments, command: str, kind: str) -> Iterator[Path]:
     """Check, lock and mark `args.output_dir` for the whole run (`relational_hf.outputs`); other ranks only check."""
     out = normalise_output_dir(args.output_dir)
     if not is_main_process():
@@ -378,15 +323,18 @@ def claimed_output(args: argparse.Namespace, command: str, kind: str) -> Iterato
             raise
 
 
-def run_train(args: argparse.Namespace) -> TrainResult:
-    """Train, evaluate, save and sample as the flags say; returns the measured figures. Every flag, the output
-    directory and the data are checked before training starts."""
+def run_train(args: TrainArguments | argparse.Namespace) -> TrainResult:
+    """Train, evaluate, save and sample as the options say (a `TrainArguments`, or the parsed command line);
+    returns the measured figures. Every option, the output directory and the data are checked before training
+    starts."""
+    if not isinstance(args, TrainArguments):
+        args = TrainArguments.from_namespace(args)
     validate_train_args(args)
     with claimed_output(args, "train", "full") as out:
         return _train(args, out)
 
 
-def _train(args: argparse.Namespace, out: Path) -> TrainResult:
+def _train(args: TrainArguments, out: Path) -> TrainResult:
     from transformers import Trainer
 
     set_seed(args.seed)
@@ -410,43 +358,18 @@ def _train(args: argparse.Namespace, out: Path) -> TrainResult:
     resume_from = complete_checkpoint(trainer_dir) if args.resume else None
     if resume_from is not None:
         check_resume_config(model.config, Path(resume_from))
-    train_set = RandomBlockDataset(train_ids, args.block_size, args.max_steps * args.batch_size, seed=args.seed)
-    training_args = TrainingArguments(
-        output_dir=str(trainer_dir),
-        per_device_train_batch_size=args.batch_size,
-        max_steps=args.max_steps,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        adam_beta2=0.99,
-        logging_steps=50,
-        save_steps=args.save_steps,
-        save_total_limit=1,
-        report_to=[],
-        seed=args.seed,
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-    )
-    trainer_cls, extra = Trainer, {}
+    train_set = RandomBlockDataset(train_ids, args.block_size, args.train_samples, seed=args.seed)
+    training_args = args.training_arguments(trainer_dir, adam_beta2=0.99)
+    trainer_cls = Trainer
     if args.projection != "none" or args.parallel_suppression > 0:
-        from . import RelationalTrainer, RelationalTrainingArguments
+        from . import RelationalTrainer
 
-        training_args = RelationalTrainingArguments(
-            **training_args.to_dict()
-            | {
-                "symmetry_projection": args.projection,
-                "parallel_suppression_coef": args.parallel_suppression,
-                "parallel_suppression_site": args.parallel_suppression_site,
-            }
-        )
         trainer_cls = RelationalTrainer
     trainer = trainer_cls(
         model=model,
         args=training_args,
         train_dataset=train_set,
         callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
-        **extra,
     )
     trainer.train(resume_from_checkpoint=resume_from)
 
@@ -500,7 +423,7 @@ def format_result(result: TrainResult, model_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_train_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = train_argument_parser(description=__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     try:
         result = run_train(args)

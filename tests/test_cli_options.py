@@ -1,0 +1,144 @@
+"""The options of `train` and `finetune` are dataclasses parsed with Transformers' HfArgumentParser: every option
+with a range is refused out of range in one line that names its flag, the range and the value; --help documents
+every option; the dash and underscore spellings parse alike; the options reach TrainingArguments unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from relational_hf import cli
+from relational_hf.errors import UsageError
+from relational_hf.training.arguments import RunArguments
+from relational_hf.training.finetune import FinetuneArguments, ModelSourceArguments, finetune_argument_parser
+from relational_hf.training.pretrain import TrainArguments, train_argument_parser
+from relational_hf.validate import Interval, NonEmpty, TextFile, option_flag
+
+#: command -> (its options dataclass, the arguments that come before its options)
+COMMANDS = {"train": (TrainArguments, []), "finetune": (FinetuneArguments, ["some-model-folder"])}
+#: fields of FinetuneArguments that argparse declares by hand (MODEL is positional; loading's shared flags)
+HAND_DECLARED = {field.name for field in dataclasses.fields(ModelSourceArguments)}
+
+
+def _rule_of(options: type, name: str):
+    """The check in the `Annotated` metadata of field `name` (looking through `X | None`), or None."""
+    hint = typing.get_type_hints(options, include_extras=True)[name]
+    for arg in (hint, *typing.get_args(hint)):
+        if typing.get_origin(arg) is typing.Annotated:
+            return next(extra for extra in typing.get_args(arg)[1:] if hasattr(extra, "check"))
+    return None
+
+
+def _outside(rule: Interval) -> str:
+    """A number just outside `rule`'s range, as typed on the command line."""
+    if rule.low is not None:
+        value = rule.low - 1 if rule.integer or not rule.low_open else rule.low
+    else:
+        value = rule.high + 1 if rule.integer or not rule.high_open else rule.high
+    return str(value)
+
+
+def _checked_options() -> list[tuple[str, str, object]]:
+    found = []
+    for command, (options, _) in COMMANDS.items():
+        for field in dataclasses.fields(options):
+            rule = _rule_of(options, field.name)
+            if rule is not None and field.name not in HAND_DECLARED:
+                found.append((command, field.name, rule))
+    return found
+
+
+CHECKED = _checked_options()
+
+
+# bad input must be refused before training: any Trainer.train call fails the test (conftest); runs in a fresh cwd
+pytestmark = pytest.mark.usefixtures("no_training")
+
+
+def test_every_numeric_option_has_a_range():
+    """Each int / float option of both commands carries an `Interval` (nothing reaches the Trainer unchecked)."""
+    for command, (options, _) in COMMANDS.items():
+        hints = typing.get_type_hints(options)
+        for field in dataclasses.fields(options):
+            kind = hints[field.name]
+            if int in (kind, *typing.get_args(kind)) or float in (kind, *typing.get_args(kind)):
+                assert isinstance(_rule_of(options, field.name), Interval), f"{command} {option_flag(field.name)}"
+    assert len(CHECKED) >= 30
+
+
+@pytest.mark.parametrize("command,name,rule", CHECKED, ids=[f"{c} {option_flag(n)}" for c, n, _ in CHECKED])
+def test_each_out_of_range_option_is_refused_in_one_line_naming_flag_range_and_value(command, name, rule, capsys):
+    options, before = COMMANDS[command]
+    flag = option_flag(name)
+    if isinstance(rule, Interval):
+        value, words = _outside(rule), [f"must be {rule.describe()}"]
+    elif isinstance(rule, NonEmpty):
+        value, words = " ", ["must not be empty"]
+    else:
+        assert isinstance(rule, TextFile)
+        value, words = "missing.txt", ["missing.txt", "no such file or directory"]
+    code = cli.main([command, *before, f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"relational-hf {command}: error: {flag}"), lines[0]
+    for word in [*words, value.strip() or repr(value)]:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize("command,name,rule", CHECKED, ids=[f"{c} {option_flag(n)}" for c, n, _ in CHECKED])
+def test_the_same_ranges_hold_for_options_built_in_python(command, name, rule):
+    options, _ = COMMANDS[command]
+    bad = {Interval: -(10**9) if getattr(rule, "low", None) is not None else 10**9, NonEmpty: "", TextFile: "nope.txt"}
+    with pytest.raises(UsageError, match=f"^{option_flag(name)}"):
+        options(**{name: bad[type(rule)]})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_documents_every_option(command, capsys):
+    options, _ = COMMANDS[command]
+    assert cli.main([command, "--help"]) == 0
+    printed = capsys.readouterr().out
+    squeezed = "".join(printed.split())  # argparse wraps lines, also at hyphens
+    for field in dataclasses.fields(options):
+        if field.name in HAND_DECLARED:
+            continue
+        assert f"{option_flag(field.name)} " in printed or f"{option_flag(field.name)}\n" in printed, field.name
+        text = field.metadata["help"].replace("%%", "%")
+        assert "".join(text.split()) in squeezed, f"{command} {option_flag(field.name)}: help text missing"
+
+
+@pytest.mark.parametrize("command,parser", [("train", train_argument_parser), ("finetune", finetune_argument_parser)])
+def test_dash_and_underscore_spellings_parse_alike(command, parser):
+    options, before = COMMANDS[command]
+    dashed = ["--batch-size", "3", "--learning-rate", "0.01", "--output-dir", "run", "--resume", "--max-steps", "7"]
+    underscored = ["--" + arg[2:].replace("-", "_") if arg.startswith("--") else arg for arg in dashed]
+    parse = parser()
+    a = options.from_namespace(parse.parse_args([*before, *dashed]))
+    b = options.from_namespace(parse.parse_args([*before, *underscored]))
+    assert a == b
+    assert (a.batch_size, a.learning_rate, a.output_dir, a.resume, a.max_steps) == (3, 0.01, "run", True, 7)
+
+
+def test_options_reach_training_arguments_unchanged(tmp_path):
+    """`RunArguments.training_arguments` is the one mapping: each option lands in its TrainingArguments field."""
+    options = FinetuneArguments(
+        model="m", batch_size=3, gradient_accumulation_steps=2, max_steps=11, learning_rate=0.02, warmup_steps=4,
+        weight_decay=0.1, seed=5, logging_steps=6, save_steps=9, projection="update", parallel_suppression=0.3,
+        parallel_suppression_site="value",
+    )  # fmt: skip
+    args = options.training_arguments(tmp_path / "trainer_state", report_to=["tensorboard"])
+    mapped = {
+        "per_device_train_batch_size": 3, "gradient_accumulation_steps": 2, "max_steps": 11, "learning_rate": 0.02,
+        "warmup_steps": 4, "weight_decay": 0.1, "seed": 5, "logging_steps": 6, "save_steps": 9,
+        "symmetry_projection": "update", "parallel_suppression_coef": 0.3, "parallel_suppression_site": "value",
+        "report_to": ["tensorboard"], "output_dir": str(tmp_path / "trainer_state"),
+    }  # fmt: skip
+    assert {name: getattr(args, name) for name in mapped} == mapped
+    assert options.train_samples == 11 * 3 * 2
+    # the commands' own defaults: train and finetune share the fields, not the defaults
+    assert (TrainArguments().batch_size, FinetuneArguments().batch_size) == (16, 8)
+    assert RunArguments().batch_size == TrainArguments().batch_size
