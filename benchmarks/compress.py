@@ -24,6 +24,7 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
     python benchmarks/compress.py --methods slice relational --resume
     python benchmarks/compress.py --markdown           # the README table from the JSON
     python benchmarks/compress.py --merge OTHER/compress.json   # add cells measured by a concurrent run
+    python benchmarks/compress.py --methods relational --targets 0.25 --calibration-windows 64 --tag calibration64
 
 Writes <out-dir>/compress.json and compress.png (`compress_quick.*` with --quick), after every cell (atomically).
 """
@@ -269,12 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-windows", type=int, default=None, help="default 16 (quick 4)")
     parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tag", default="", help="suffix of the result files (compress_TAG.json), e.g. for another protocol")
     args = parser.parse_args(argv)
     if args.targets is None:
         args.targets = [0.1] if args.quick else list(TARGETS)
     if any(not 0.0 < t < 1.0 for t in args.targets):
         parser.error("--targets must be shares in (0, 1)")
     name = "compress_quick" if args.quick else "compress"
+    name = f"{name}_{args.tag}" if args.tag else name
     json_path, png_path = args.out_dir / f"{name}.json", args.out_dir / f"{name}.png"
     if args.markdown:
         if not json_path.is_file():

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
     parser.add_argument("--batch-size", type=int, default=4, help="blocks per step (4)")
     parser.add_argument("--block", type=int, default=None, help="tokens per healing block (256; quick 64)")
+    parser.add_argument(
+        "--calibration-windows", type=int, default=None, help="calibration windows of the compression (16; quick 4)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where the compressed model is kept between runs")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args.remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
     if not 0.0 < args.remove < 1.0:
         parser.error("--remove must be in (0, 1)")
-    for flag in ("steps", "eval_every", "rank", "batch_size", "block", "threads"):
+    for flag in ("steps", "eval_every", "rank", "batch_size", "block", "threads", "calibration_windows"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model, tokenizer = load_model(args.quick)
     calibration, evaluation, protocol = protocol_windows(
-        tokenizer, window, 4 if args.quick else 16, 4 if args.quick else 12, args.quick, args.threads
+        tokenizer, window, args.calibration_windows or (4 if args.quick else 16), 4 if args.quick else 12, args.quick,
+        args.threads,
     )
     heal_ids = text_windows(SHARED_DATA / "wikitext-2" / "valid.txt", tokenizer, window=block, n=10**7, split="first")
     protocol["healing_text"] = (

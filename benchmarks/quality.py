@@ -110,6 +110,11 @@ def _same_model(run: dict, dims: dict, vocab_size: int) -> bool:
     return run["model_signature"] == model_signature(run["contender"], dims, vocab_size)
 
 
+def result_name(corpus: str, budget_name: str, tag: str | None = None) -> str:
+    """quality_<corpus>[_<budget>][_<tag>]: the results file of one corpus, budget and (optional) focused rerun."""
+    return f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}") + (f"_{tag}" if tag else "")
+
+
 #: The seed of the learning-rate sweep's runs: one the grid does not use, so that no grid point is the run the sweep
 #: selected on the validation set (results made before this reused the sweep's seed-0 winner; see `caveats`).
 SWEEP_SEED = 1000
@@ -173,13 +178,17 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
     sweep_size = args.sweep_size or min(sizes, key=lambda s: sum(sizes[s].values()))
     if sweep_size not in sizes:
         raise ValueError(f"--sweep-size {sweep_size!r} is not among the sizes run: {list(sizes)}")
-    name = f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}")
+    name = result_name(corpus, budget_name, args.tag)
     previous = load_previous(name, steps, data["vocab_size"], sizes) if args.resume else {"runs": [], "lr_sweep": None}
     deadline = started + 60 * args.max_minutes if args.max_minutes else None
     with Runner(args.workers, args.threads, train_ids, val_blocks) as runner:
         if args.lr:
             sweep = {"chosen_lr": args.lr, "how": "given with --lr (no sweep)"}
-        elif previous["lr_sweep"] and previous["lr_sweep"].get("model") == f"llama/{sweep_size}":
+        elif (
+            previous["lr_sweep"]
+            and previous["lr_sweep"].get("model") == f"llama/{sweep_size}"
+            and previous["lr_sweep"].get("seed") == SWEEP_SEED  # a sweep on a grid seed selected a grid point
+        ):
             sweep = previous["lr_sweep"]
             logger.info("LR sweep taken from the previous results: peak LR %.0e", sweep["chosen_lr"])
         else:
@@ -359,6 +368,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: 1)")
     parser.add_argument(
+        "--tag",
+        help="suffix of the results files (quality_<corpus>_<tag>.json), for a focused rerun (e.g. two contenders with "
+        "more seeds) that must not replace the full grid's file",
+    )
+    parser.add_argument(
         "--max-minutes",
         type=float,
         help="start no run after this many minutes per corpus; the analysis covers what finished (contenders run in "
@@ -386,7 +400,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.reanalyse:
         budget_name = "quick" if args.quick else "long" if args.long else "default"
         for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:
-            name = f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}")
+            name = result_name(corpus, budget_name, args.tag)
             payload = reanalyse(name)
             if payload is not None:
                 for change in payload["verdict_changes"]["changes"]:
@@ -396,7 +410,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.markdown:
         budget_name = "quick" if args.quick else "long" if args.long else "default"
         for corpus in list(CORPORA) if args.corpus == "all" else [args.corpus]:
-            name = f"quality_{corpus}" + ("" if budget_name == "default" else f"_{budget_name}")
+            name = result_name(corpus, budget_name, args.tag)
             path = common.RESULTS / f"{name}.json"
             if path.is_file():
                 print(f"{name}\n\n{markdown_table(json.loads(path.read_text()))}\n")

@@ -38,7 +38,10 @@ def add_compress_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--method", choices=METHODS, default="relational", help="compression method (default: %(default)s)")
     parser.add_argument("--calibration", type=text_file, default=None, help="calibration text file (default: built-in corpus)")
     parser.add_argument("--eval", type=text_file, default=None, dest="eval_file", help="text file to report perplexity on")
-    parser.add_argument("--calibration-windows", type=positive_int, default=32, help="calibration windows (default: 32)")
+    parser.add_argument(
+        "--calibration-windows", type=positive_int, default=64,
+        help="calibration windows (default: 64; on SmolLM2 at 25%%, 64 instead of 16 took held-out perplexity from 80.9 to 65.1)",
+    )  # fmt: skip
     parser.add_argument("--eval-windows", type=positive_int, default=20, help="evaluation windows (default: 20)")
     parser.add_argument("--window", type=int_at_least(2), default=512, help="tokens per window (default: 512)")
     parser.add_argument("--heal-steps", type=nonnegative_int, default=0, help="LoRA recovery steps after compression")
