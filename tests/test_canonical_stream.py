@@ -18,8 +18,7 @@ import relational_hf  # noqa: F401  (registers the architecture)
 from relational_hf import cli
 from relational_hf.architectures import UnsupportedModelError
 from relational_hf.outputs import MARKER
-from relational_hf.symmetry import apply_random_symmetry, canonicalize
-from relational_hf.symmetry import canonical_stream
+from relational_hf.symmetry import apply_random_symmetry, canonical_stream, canonicalize
 from relational_hf.symmetry.canonical_stream import REPORT_NAME, stream_canonicalize
 
 FAMILIES = ["llama", "llama_tied_bias", "qwen3", "gpt2", "relational_pivot"]
