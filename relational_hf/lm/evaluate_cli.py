@@ -149,7 +149,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             trust_remote_code=args.trust_remote_code,
         )
-        device_map = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+        device_map = {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
+        device_map = device_map or {"": "cpu"}  # everything fitted in --max-memory: Accelerate placed it whole
     else:
         model = load_model_from(source, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         device_map = {"": str(next(model.parameters()).device)}
