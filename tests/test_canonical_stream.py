@@ -135,6 +135,24 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         stream_canonicalize(no_weights, tmp_path / "o5", progress=False)
 
 
+def test_incomplete_or_unsupported_checkpoints_are_refused(tmp_path, capsys):
+    from safetensors.torch import save_file
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = perturb(build("llama"))
+    model.save_pretrained(tmp_path / "cut")
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if "layers.1.mlp.down_proj" not in k}
+    save_file(state, str(tmp_path / "cut" / "model.safetensors"), metadata={"format": "pt"})
+    line = _error(capsys, ["canonicalize", str(tmp_path / "cut"), str(tmp_path / "o1")])
+    assert "layers.1.mlp.down_proj.weight" in line and "missing" in line
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64)  # fmt: skip
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    line = _error(capsys, ["canonicalize", str(tmp_path / "neox"), str(tmp_path / "o2")])
+    assert "unsupported" in line and "GPTNeoX" in line
+    assert not any(p.name.startswith("o") or ".partial" in p.name for p in tmp_path.iterdir())
+
+
 def test_group_coupling_two_parts_is_refused(tmp_path, monkeypatch):
     src = _sharded(perturb(build("llama")), tmp_path / "src")
     parts = canonical_stream._parts

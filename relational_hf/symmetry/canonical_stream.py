@@ -91,7 +91,7 @@ def _load(model: nn.Module, reader: CheckpointReader, names: list[str], ckpt: di
     """Read the tensors `names` of `model` from the checkpoint, floating ones in float64 (ties kept)."""
     missing = [n for n in names if n not in ckpt]
     if missing:
-        raise KeyError(f"{reader.path}: tensor {missing[0]!r} is missing from the checkpoint")
+        raise ValueError(f"{reader.path}: tensor {missing[0]!r} is missing from the checkpoint (incomplete shards?)")
     tensors = reader.get(ckpt[n] for n in names)
     for name in names:
         t = tensors.pop(ckpt[name])
