@@ -45,7 +45,8 @@ def _sharded(model: torch.nn.Module, path: Path, dtype: torch.dtype = torch.floa
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_streamed_canonical_form_equals_in_memory_keeps_function_and_is_orbit_invariant(tmp_path, name):
+def test_streamed_canonical_form_equals_in_memory_keeps_function_and_is_orbit_invariant(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(canonical_stream, "ROW_BLOCK_BYTES", 700)  # embedding and head in several row blocks
     model = perturb(build(name))
     src = _sharded(model, tmp_path / "src")
     moved = apply_random_symmetry(copy.deepcopy(model), torch.Generator().manual_seed(5), scale=0.5)
@@ -194,3 +195,15 @@ def test_a_failed_run_leaves_no_complete_looking_output(tmp_path, monkeypatch, o
     else:
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src", *(["out"] if overwrite else [])])
+
+
+@pytest.mark.parametrize(("name", "expected"), [("llama", {0, 3}), ("llama_tied_bias", {0}), ("gpt2", set())])
+def test_embedding_and_head_move_in_row_blocks_where_every_group_acts_row_by_row(name, expected):
+    """Untied Llama: the embedding (rotation only) and the head (final gain fold + rotation) go in row blocks; GPT-2's
+    embedding part holds two matrices and a centring translation, so it is moved whole."""
+    from relational_hf.shards import meta_model
+
+    model = meta_model(build(name).config)
+    parts = canonical_stream._parts(model)
+    homes = canonical_stream._assign_groups(model, parts)
+    assert canonical_stream._row_parts(model, parts, homes) == expected

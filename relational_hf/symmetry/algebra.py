@@ -10,6 +10,7 @@ Everything is batched over leading dimensions (heads); factorisations run in flo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -256,6 +257,27 @@ def sign_fix_columns(u: torch.Tensor) -> torch.Tensor:
     return torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
+#: a matrix given as a function returning an iterator over its row blocks, in order (read again at each call)
+RowBlocks = Callable[[], Iterable[torch.Tensor]]
+
+
+def _sign_fix_blocks(rows: RowBlocks, basis: torch.Tensor) -> torch.Tensor:
+    """`sign_fix_columns(M @ basis)` for M given by row blocks: the first largest-magnitude entry of each column."""
+    best = lead = None
+    for block in rows():
+        projected = block.double() @ basis
+        value = torch.gather(projected, 0, projected.abs().argmax(0, keepdim=True)).squeeze(0)
+        if best is None:
+            best, lead = value.abs(), value
+        else:  # strictly larger: an earlier block keeps a tie, as argmax keeps the first index
+            better = value.abs() > best
+            lead, best = torch.where(better, value, lead), torch.where(better, value.abs(), best)
+    if lead is None:
+        return torch.ones(basis.shape[-1], dtype=basis.dtype, device=basis.device)
+    sign = torch.sign(lead)
+    return torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
 def degenerate_clusters(values: torch.Tensor, rtol: float) -> list[tuple[int, list[int]]]:
     """Clusters of consecutive entries of each row of a descending-sorted batch (B, k) whose gaps are below
     rtol * max; zero values (below rtol * max) are excluded. Returns (row, indices) for clusters of size >= 2."""
@@ -323,15 +345,18 @@ def balanced_factors(
 
 
 def principal_rotation(
-    gram: torch.Tensor, rows: torch.Tensor, rtol: float = 1e-6
+    gram: torch.Tensor, rows: torch.Tensor | RowBlocks, rtol: float = 1e-6
 ) -> tuple[torch.Tensor, list[Degeneracy]]:
     """Principal gauge of DESIGN 2.2: the orthogonal R (n x n) whose columns are the eigenvectors of `gram`
     (descending eigenvalues), each signed so that the largest-magnitude entry of the matching column of rows @ R is
-    positive. Returns (R, degeneracies of the spectrum)."""
+    positive. `rows`: the matrix, or a function returning an iterator over its row blocks in order (a matrix too
+    big to hold; same signs). Returns (R, degeneracies of the spectrum)."""
     evals, evecs = symmetric_eigh(gram)
     evals, evecs = evals.flip(-1), evecs.flip(-1)
-    projected = rows.double() @ evecs
-    evecs = evecs * sign_fix_columns(projected)[None, :]
+    if isinstance(rows, torch.Tensor):
+        evecs = evecs * sign_fix_columns(rows.double() @ evecs)[None, :]
+    else:
+        evecs = evecs * _sign_fix_blocks(rows, evecs)[None, :]
     degs = []
     for _, cols in degenerate_clusters(evals[None], rtol):
         rot = break_degeneracy(evecs, cols)

@@ -11,7 +11,12 @@ couples parts is refused with `UnsupportedModelError`). The residual rotation co
 is the principal gauge of the token embedding alone (eigenbasis of E^T E, DESIGN 2.2), and nothing that runs
 before it in the canonical order touches another part's tensors that the embedding depends on: R is computed once
 from the embedding part and each part is moved by R restricted to its own tensors. The result equals the in-memory
-`canonicalize` to float rounding; memory is one layer (float64) and the embedding.
+`canonicalize` to float rounding.
+
+Memory is one decoder layer in float64. The embedding and the head are moved in row blocks (`ROW_BLOCK_BYTES`)
+where every group of their part acts row by row (`_row_parts`: the rotation on rows and bias-free readers, the
+final norm gain folded into the head; R then comes from E^T E summed block by block); otherwise (GPT-2's embedding
+part: two matrices and a centring translation) the part is read whole.
 
 Relational checkpoints in the pivot gauge are canonicalised like `canonicalize` does: each layer's full factors
 move into a free-gauge layer, are canonicalised, and go back into the pivot gauge (`set_full_weights`).
@@ -45,11 +50,13 @@ from ..shards import (
     trim_heap,
 )
 from .canonical import CanonicalizationReport, _copy_relational_layer, canonicalize_groups
-from .groups import ResidualReader, ResidualRotation, SymmetryGroup, symmetry_groups
+from .groups import NormGain, ResidualReader, ResidualRotation, SymmetryGroup, symmetry_groups
 
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "canonicalization_report.json"
+#: bytes (stored dtype) of the embedding / head rows moved at a time
+ROW_BLOCK_BYTES = 16 * 2**20
 
 
 class _Part:
@@ -98,12 +105,11 @@ def _load(model: nn.Module, reader: CheckpointReader, names: list[str], ckpt: di
         _assign(model, name, t.double() if t.is_floating_point() else t)
 
 
-def _unload(model: nn.Module, names: list[str]) -> None:
-    """Put the tensors `names` back on the meta device (their memory is freed)."""
+def _unload(model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Put the tensors `names` back on the meta device with their full `shapes` (their memory is freed)."""
     current = _tensor_names(model)
     for name in names:
-        t = current[name]
-        _assign(model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        _assign(model, name, torch.empty(shapes[name], dtype=current[name].dtype, device="meta"))
 
 
 def _parts(model: nn.Module) -> list[_Part]:
@@ -171,6 +177,36 @@ def _restricted(rotation: ResidualRotation, names: set[str], by_id: dict[int, st
     if not (rows or writers or readers):
         return None
     return ResidualRotation(rotation.d, rows, writers, readers, rotation.clusters, rotation.centring)
+
+
+def _row_parts(model: nn.Module, parts: list[_Part], homes: dict[str, int]) -> set[int]:
+    """Parts that can be moved in row blocks: outside the decoder layers, one matrix (embedding or head) whose rows
+    every group of the part moves independently (the residual rotation on rows / readers without biases, and norm
+    gains, read afresh for each block); the embedding part only when nothing moves it before the rotation, whose
+    element is then computed from the stored embedding block by block."""
+    groups, _ = symmetry_groups(model)
+    tensors = _tensor_names(model)
+    by_id = {id(t): n for n, t in tensors.items()}
+    full = next((g for g in groups if isinstance(g, ResidualRotation)), None)
+    kinds: dict[int, set[type]] = {}
+    for g in groups:
+        if g.key in homes:
+            kinds.setdefault(homes[g.key], set()).add(type(g))
+    out = set()
+    for i, part in enumerate(parts):
+        big = [n for n in part.names if tensors[n].ndim >= 2]
+        if part.label.startswith("layer") or len(big) != 1:
+            continue
+        if not kinds.get(i, set()) <= (set() if i == 0 else {NormGain}):
+            continue
+        if full is not None:
+            moved = _restricted(full, set(part.names), by_id)
+            if moved is not None and (moved.writers or any(c is not None for r in moved.readers for _, c in r.maps)):
+                continue
+            if i == 0 and by_id.get(id(full.rows[0].param)) != big[0]:
+                continue
+        out.add(i)
+    return out
 
 
 @torch.no_grad()
@@ -250,6 +286,7 @@ def stream_canonicalize(
     _load(model, reader, [n for n in small if n in _tensor_names(model)], ckpt)  # gains: clusters, QK-norm pairs
     parts = _parts(model)
     stored_parts = _parts(stored) if pivot else parts
+    stored_shapes = {n: tuple(t.shape) for n, t in _tensor_names(stored).items()}
     homes = _assign_groups(model, parts)
     dtypes = {
         n: out_dtype or (reader.dtype(ckpt[n]) if n in ckpt else t.dtype) for n, t in _tensor_names(stored).items()
@@ -257,6 +294,9 @@ def stream_canonicalize(
     write_dtype = out_dtype or reader.dtype(ckpt[parts[0].names[0]])
     header_reserve = 4096 + 2 * sum(len(k) + 160 for k in dtypes)
     total = sum(t.numel() for t in _tensor_names(stored).values())
+    shapes = {n: tuple(t.shape) for n, t in _tensor_names(model).items()}
+    row_parts = _row_parts(model, parts, homes)
+    first_rotation = next((g for g in symmetry_groups(model)[0] if isinstance(g, ResidualRotation)), None)
     report = CanonicalizationReport()
     principal: list = []
 
@@ -265,33 +305,62 @@ def stream_canonicalize(
             raise UnsupportedModelError("cannot stream the residual rotation: the embedding part does not hold it")
         return principal[0]
 
+    def groups_of(i: int, part: _Part) -> list[SymmetryGroup]:
+        """The groups acting inside part i, rebuilt on its live tensors, with the rotation restricted to them."""
+        groups, _ = symmetry_groups(model)
+        by_id = {id(t): n for n, t in _tensor_names(model).items()}
+        chosen = [g for g in groups if homes.get(g.key) == i]
+        full = next((g for g in groups if isinstance(g, ResidualRotation)), None)
+        if full is not None:
+            if i == 0 and not principal:
+                _principal_after(chosen, full, principal, report)
+            moved = _restricted(full, set(part.names), by_id)
+            if moved is not None:
+                chosen.append(moved)
+        return chosen
+
+    def in_rows(writer: ShardWriter, i: int, part: _Part) -> None:
+        """Part i in row blocks of its one matrix (`_row_parts`); its small tensors read afresh for each block."""
+        big = next(n for n in part.names if len(shapes[n]) >= 2)
+        small = [n for n in part.names if n != big]
+        _load(model, reader, small, ckpt)
+        originals = {n: _tensor_names(model)[n].detach().clone() for n in small}
+
+        def blocks():
+            return (b.double() for b in reader.rows(ckpt[big], ROW_BLOCK_BYTES))
+
+        if i == 0 and first_rotation is not None:
+            principal.append(first_rotation.principal_gauge(blocks))
+        writer.begin(big, shapes[big], dtypes[big])
+        for block in blocks():
+            _assign(model, big, block)
+            for n in small:
+                _assign(model, n, originals[n].clone())
+            canonicalize_groups(groups_of(i, part), report, principal=rotation)
+            writer.write(_tensor_names(model)[big].detach().to(dtypes[big]))
+        _write_part(writer, model, _Part(part.label, small), dtypes)
+
     def write(stage: Path) -> None:
         writer = ShardWriter(stage, max_shard_bytes, header_reserve)
         for i, part in enumerate(tqdm(parts, desc="canonicalize", disable=not progress)):
             stored_part = stored_parts[i]
-            if pivot and part.label.startswith("layer"):
-                _load(stored, reader, stored_part.names, ckpt)
-                _copy_layer(stored, model, int(part.label.split()[1]), into_free=True)
+            layer = part.label.startswith("layer")
+            if i in row_parts:
+                in_rows(writer, i, part)
             else:
-                _load(model, reader, part.names, ckpt)
-            groups, _ = symmetry_groups(model)
-            by_id = {id(t): n for n, t in _tensor_names(model).items()}
-            chosen = [g for g in groups if homes.get(g.key) == i]
-            full = next((g for g in groups if isinstance(g, ResidualRotation)), None)
-            if full is not None:
-                if i == 0:
-                    _principal_after(chosen, full, principal, report)
-                restricted = _restricted(full, set(part.names), by_id)
-                if restricted is not None:
-                    chosen.append(restricted)
-            canonicalize_groups(chosen, report, principal=rotation)
-            if pivot and part.label.startswith("layer"):
-                _copy_layer(model, stored, int(part.label.split()[1]), into_free=False, dtype=write_dtype)
-                _write_part(writer, stored, stored_part, dtypes)
-                _unload(stored, stored_part.names)
-            else:
-                _write_part(writer, model, part, dtypes)
-            _unload(model, part.names)
+                if pivot and layer:
+                    _load(stored, reader, stored_part.names, ckpt)
+                    _copy_layer(stored, model, int(part.label.split()[1]), into_free=True)
+                else:
+                    _load(model, reader, part.names, ckpt)
+                canonicalize_groups(groups_of(i, part), report, principal=rotation)
+                if pivot and layer:
+                    _copy_layer(model, stored, int(part.label.split()[1]), into_free=False, dtype=write_dtype)
+                    _write_part(writer, stored, stored_part, dtypes)
+                    _unload(stored, stored_part.names, stored_shapes)
+                else:
+                    _write_part(writer, model, part, dtypes)
+            _unload(model, part.names, shapes)
             trim_heap()
         writer.finish(total)
         _write_metadata(src, config, write_dtype, stage, trust_remote_code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -10,6 +11,7 @@ from ...architectures import TensorSlot
 from ..algebra import (
     DEFAULT_EPS,
     Degeneracy,
+    RowBlocks,
     lyapunov_apply,
     lyapunov_factor,
     principal_rotation,
@@ -165,25 +167,33 @@ class ResidualRotation(SymmetryGroup):
                 if c is not None and b is not None:
                     _write(c, _read(c, None) + (old - new) @ b, None)
 
-    def principal_gauge(self, embedding: torch.Tensor) -> tuple[torch.Tensor, list[Degeneracy]]:
+    def principal_gauge(self, embedding: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, list[Degeneracy]]:
         """The rotation R of the principal gauge: per cluster the eigenbasis of the embedding Gram E^T E (inside
-        the complement of the all-ones direction when centring), signs fixed on the embedding's columns."""
-        emb = embedding.double()
-        rot = torch.zeros(self.d, self.d, dtype=torch.float64, device=emb.device)
+        the complement of the all-ones direction when centring), signs fixed on the embedding's columns.
+        `embedding`: the matrix E, or a function returning an iterator over its row blocks (E too big to hold:
+        E^T E is summed block by block)."""
+        whole = isinstance(embedding, torch.Tensor)
+        blocks = (lambda: (embedding,)) if whole else embedding
+        device = embedding.device if whole else torch.device("cpu")
+        rot = torch.zeros(self.d, self.d, dtype=torch.float64, device=device)
         degs = []
         for cluster in self.clusters:
-            idx = torch.tensor(cluster, device=emb.device)
-            e = emb[:, idx]
+            idx = torch.tensor(cluster, device=device)
             m = len(cluster)
+
+            def columns(idx=idx, every=cluster == list(range(self.d))) -> Iterator[torch.Tensor]:
+                return (block.double() if every else block.double()[:, idx] for block in blocks())
+
+            gram = sum(e.T @ e for e in columns())
             if self.centring and m > 1:
-                basis = _centred_basis(m).to(emb.device)  # (m, m-1), orthonormal basis of 1^perp
-                z, cd = principal_rotation(basis.T @ e.T @ e @ basis, e @ basis)
-                ones = torch.full((m, 1), 1.0 / math.sqrt(m), dtype=torch.float64, device=emb.device)
+                basis = _centred_basis(m).to(device)  # (m, m-1), orthonormal basis of 1^perp
+                z, cd = principal_rotation(basis.T @ gram @ basis, lambda basis=basis: (e @ basis for e in columns()))
+                ones = torch.full((m, 1), 1.0 / math.sqrt(m), dtype=torch.float64, device=device)
                 block = ones @ ones.T + basis @ z @ basis.T
             elif self.centring:
-                block, cd = torch.ones(1, 1, dtype=torch.float64, device=emb.device), []
+                block, cd = torch.ones(1, 1, dtype=torch.float64, device=device), []
             else:
-                block, cd = principal_rotation(e.T @ e, e)
+                block, cd = principal_rotation(gram, columns)
             rot[idx[:, None], idx[None, :]] = block
             degs += [Degeneracy(-1, [cluster[i] for i in dg.indices], dg.value) for dg in cd]
         return rot, degs
