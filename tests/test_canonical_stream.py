@@ -21,7 +21,20 @@ from relational_hf.outputs import MARKER
 from relational_hf.symmetry import apply_random_symmetry, canonical_stream, canonicalize
 from relational_hf.symmetry.canonical_stream import REPORT_NAME, stream_canonicalize
 
-FAMILIES = ["llama", "llama_tied_bias", "qwen3", "gpt2", "relational_pivot"]
+FAMILIES = ["llama", "llama_tied_bias", "qwen2_final_gain", "qwen3", "gpt2", "gpt2_final_gain", "relational_pivot"]
+
+
+def _model(name: str) -> torch.nn.Module:
+    """A tiny model of the zoo with random biases and norm gains; `*_final_gain`: a tied head behind a final gain
+    with 4 distinct values, so the residual rotation splits into clusters (blocks of equal gain)."""
+    family, _, variant = name.partition("_final")
+    model = perturb(build(family))
+    if variant:
+        gain = model.transformer.ln_f.weight if family == "gpt2" else model.model.norm.weight
+        with torch.no_grad():
+            values = 1.0 + 0.3 * torch.randn(4, generator=torch.Generator().manual_seed(2))
+            gain.copy_(values[torch.arange(gain.numel()) % 4])
+    return model
 
 
 def _stored(path: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +60,7 @@ def _sharded(model: torch.nn.Module, path: Path, dtype: torch.dtype = torch.floa
 @pytest.mark.parametrize("name", FAMILIES)
 def test_streamed_canonical_form_equals_in_memory_keeps_function_and_is_orbit_invariant(tmp_path, monkeypatch, name):
     monkeypatch.setattr(canonical_stream, "ROW_BLOCK_BYTES", 700)  # embedding and head in several row blocks
-    model = perturb(build(name))
+    model = _model(name)
     src = _sharded(model, tmp_path / "src")
     moved = apply_random_symmetry(copy.deepcopy(model), torch.Generator().manual_seed(5), scale=0.5)
     moved_src = _sharded(moved, tmp_path / "moved")

@@ -10,7 +10,6 @@ Everything is batched over leading dimensions (heads); factorisations run in flo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -257,27 +256,6 @@ def sign_fix_columns(u: torch.Tensor) -> torch.Tensor:
     return torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
-#: a matrix given as a function returning an iterator over its row blocks, in order (read again at each call)
-RowBlocks = Callable[[], Iterable[torch.Tensor]]
-
-
-def _sign_fix_blocks(rows: RowBlocks, basis: torch.Tensor) -> torch.Tensor:
-    """`sign_fix_columns(M @ basis)` for M given by row blocks: the first largest-magnitude entry of each column."""
-    best = lead = None
-    for block in rows():
-        projected = block.double() @ basis
-        value = torch.gather(projected, 0, projected.abs().argmax(0, keepdim=True)).squeeze(0)
-        if best is None:
-            best, lead = value.abs(), value
-        else:  # strictly larger: an earlier block keeps a tie, as argmax keeps the first index
-            better = value.abs() > best
-            lead, best = torch.where(better, value, lead), torch.where(better, value.abs(), best)
-    if lead is None:
-        return torch.ones(basis.shape[-1], dtype=basis.dtype, device=basis.device)
-    sign = torch.sign(lead)
-    return torch.where(sign == 0, torch.ones_like(sign), sign)
-
-
 def degenerate_clusters(values: torch.Tensor, rtol: float) -> list[tuple[int, list[int]]]:
     """Clusters of consecutive entries of each row of a descending-sorted batch (B, k) whose gaps are below
     rtol * max; zero values (below rtol * max) are excluded. Returns (row, indices) for clusters of size >= 2."""
@@ -345,24 +323,60 @@ def balanced_factors(
 
 
 def principal_rotation(
-    gram: torch.Tensor, rows: torch.Tensor | RowBlocks, rtol: float = 1e-6
+    gram: torch.Tensor, rows: torch.Tensor, rtol: float = 1e-6
 ) -> tuple[torch.Tensor, list[Degeneracy]]:
     """Principal gauge of DESIGN 2.2: the orthogonal R (n x n) whose columns are the eigenvectors of `gram`
     (descending eigenvalues), each signed so that the largest-magnitude entry of the matching column of rows @ R is
-    positive. `rows`: the matrix, or a function returning an iterator over its row blocks in order (a matrix too
-    big to hold; same signs). Returns (R, degeneracies of the spectrum)."""
+    positive. Returns (R, degeneracies of the spectrum). For rows too big to hold, `principal_axes`, `ColumnSigns`
+    fed block by block, then `signed_principal_axes` give the same R."""
+    evals, evecs = principal_axes(gram)
+    return signed_principal_axes(evals, evecs, sign_fix_columns(rows.double() @ evecs), rtol)
+
+
+def principal_axes(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending) and eigenvectors of a symmetric `gram`, unsigned: the first step of
+    `principal_rotation`."""
     evals, evecs = symmetric_eigh(gram)
-    evals, evecs = evals.flip(-1), evecs.flip(-1)
-    if isinstance(rows, torch.Tensor):
-        evecs = evecs * sign_fix_columns(rows.double() @ evecs)[None, :]
-    else:
-        evecs = evecs * _sign_fix_blocks(rows, evecs)[None, :]
+    return evals.flip(-1), evecs.flip(-1)
+
+
+def signed_principal_axes(
+    evals: torch.Tensor, evecs: torch.Tensor, signs: torch.Tensor, rtol: float = 1e-6
+) -> tuple[torch.Tensor, list[Degeneracy]]:
+    """The last step of `principal_rotation`: columns signed, degenerate clusters broken deterministically."""
+    evecs = evecs * signs[None, :]
     degs = []
     for _, cols in degenerate_clusters(evals[None], rtol):
         rot = break_degeneracy(evecs, cols)
         evecs[:, cols] = evecs[:, cols] @ rot
         degs.append(Degeneracy(0, cols, float(evals[cols[0]])))
     return evecs, degs
+
+
+class ColumnSigns:
+    """`sign_fix_columns(M)` for a matrix M seen in row blocks, in order (`update` with each block): the sign of
+    the first largest-magnitude entry of each column, as argmax keeps the first index."""
+
+    def __init__(self) -> None:
+        self.best: torch.Tensor | None = None
+        self.lead: torch.Tensor | None = None
+
+    def update(self, block: torch.Tensor) -> None:
+        if block.shape[0] == 0:
+            return
+        value = torch.gather(block, 0, block.abs().argmax(0, keepdim=True)).squeeze(0)
+        if self.best is None:
+            self.best, self.lead = value.abs(), value
+        else:  # strictly larger: an earlier block keeps a tie
+            better = value.abs() > self.best
+            self.lead = torch.where(better, value, self.lead)
+            self.best = torch.where(better, value.abs(), self.best)
+
+    def signs(self, k: int) -> torch.Tensor:
+        if self.lead is None:
+            return torch.ones(k, dtype=torch.float64)
+        sign = torch.sign(self.lead)
+        return torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
 def balance_complex_pairs(qc: torch.Tensor, kc: torch.Tensor, rotations_only: bool = False) -> torch.Tensor:
