@@ -175,6 +175,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         "seconds": seconds,
     }
     where = ", ".join(f"{device}: {count} module(s)" for device, count in summary.items())
+    if list(device_map) == [""]:
+        where = f"the whole model on {device_map['']}"
     sys.stdout.write(
         f"perplexity {ppl:.4f} over {result['predicted_tokens']} predicted tokens ({result['windows']} windows of "
         f"{args.window})\ndevice map: {where}\npeak RSS {result['peak_rss_mib']:.0f} MiB; {seconds:.1f} s\n"
