@@ -69,6 +69,11 @@ def test_offloaded_perplexity_equals_in_memory(checkpoint, tmp_path, capsys):
     assert cli.main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert plain["perplexity"] == pytest.approx(expected, rel=1e-5) and not plain["offloaded"]
+    # token ids given as a .pt tensor: the same windows, the same number
+    torch.save(_windows(text, 5).reshape(-1), tmp_path / "ids.pt")
+    ids_argv = ["evaluate", str(path), "--text", str(tmp_path / "ids.pt"), "--window", str(WINDOW)]
+    assert cli.main([*ids_argv, "--json", str(tmp_path / "ids.json")]) == 0
+    assert json.loads((tmp_path / "ids.json").read_text())["perplexity"] == pytest.approx(expected, rel=1e-5)
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -98,3 +103,8 @@ def test_bad_inputs_give_one_line_errors(checkpoint, tmp_path, capsys):
     assert "evaluate: error:" in line and "no_model" in line
     line = _error(capsys, [*base, "--text", str(text), "--json", str(tmp_path)])
     assert "--json" in line and "directory" in line
+    torch.save(torch.full((200,), 10_000), tmp_path / "big_ids.pt")  # ids beyond the vocabulary
+    line = _error(capsys, [*base, "--text", str(tmp_path / "big_ids.pt"), "--window", "8"])
+    assert "token ids must lie in [0, 259)" in line
+    torch.save(torch.rand(200), tmp_path / "float_ids.pt")
+    assert "integer tensor" in _error(capsys, [*base, "--text", str(tmp_path / "float_ids.pt"), "--window", "8"])
