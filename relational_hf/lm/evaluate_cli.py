@@ -51,21 +51,26 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "--text",
         type=text_or_ids_file,
         required=True,
+        metavar="FILE",
         help="UTF-8 text to evaluate on (tokenised with MODEL's tokenizer), or a .pt tensor of token ids",
     )
-    parser.add_argument("--window", type=int_at_least(2), default=512, help="tokens per evaluated window")
-    parser.add_argument("--windows", type=positive_int, default=None, help="evaluate at most this many windows")
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass")
+    parser.add_argument("--window", type=int_at_least(2), default=512, metavar="T", help="tokens per evaluated window")
+    parser.add_argument(
+        "--windows", type=positive_int, default=None, metavar="N", help="evaluate at most this many windows"
+    )
+    parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B", help="windows per forward pass")
     parser.add_argument(
         "--max-memory",
         type=memory_size,
         default=None,
+        metavar="SIZE",
         help="CPU memory for the weights (e.g. 4GiB); the layers beyond it are offloaded to disk (Accelerate)",
     )
     parser.add_argument(
         "--offload-folder",
         type=Path,
         default=None,
+        metavar="DIR",
         help="folder for the offloaded weights (default with --max-memory: a temporary folder, removed after)",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results to this JSON file")

@@ -45,7 +45,7 @@ def add_canonicalize_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
         default="auto",
         help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
     )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (e.g. 2GB)")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest output shard (e.g. 2GB)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the checkpoint files of a non-empty OUT (others are kept)"
     )
