@@ -1,4 +1,5 @@
-"""The `relational-hf` command: train | finetune | convert | compress | export | redundancy | analyze | dynamics | push | bench.
+"""The `relational-hf` command: train | finetune | convert | compress | export | canonicalize | evaluate | redundancy |
+analyze | dynamics | push | bench.
 
 A mistake the user can fix (a flag out of range, a missing, binary or non-UTF-8 file, an output directory that would
 be overwritten, a model path that does not exist) ends with one line, ``relational-hf <command>: error: <message>``,
@@ -130,6 +131,30 @@ def _compress(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=compress_cli.run_compress, log_level=logging.INFO)
 
 
+def _canonicalize(sub: argparse._SubParsersAction) -> None:
+    from .symmetry import canonical_cli
+
+    p = sub.add_parser(
+        "canonicalize",
+        help="move a checkpoint to the canonical point of its symmetry orbit (same function; streamed layer by layer)",
+        description=canonical_cli.__doc__,
+    )
+    canonical_cli.add_canonicalize_arguments(p)
+    p.set_defaults(func=canonical_cli.run_canonicalize, log_level=logging.INFO)
+
+
+def _evaluate(sub: argparse._SubParsersAction) -> None:
+    from .lm import evaluate_cli
+
+    p = sub.add_parser(
+        "evaluate",
+        help="perplexity of a model on a text, with disk offload for models that do not fit in memory",
+        description=evaluate_cli.__doc__,
+    )
+    evaluate_cli.add_evaluate_arguments(p)
+    p.set_defaults(func=evaluate_cli.run_evaluate)
+
+
 def _redundancy(sub: argparse._SubParsersAction) -> None:
     from .symmetry import add_redundancy_arguments, run_redundancy
 
@@ -179,7 +204,20 @@ def _dynamics(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_dynamics)
 
 
-COMMANDS = [_train, _finetune, _convert, _compress, _export, _redundancy, _analyze, _dynamics, _push, _bench]
+COMMANDS = [
+    _train,
+    _finetune,
+    _convert,
+    _compress,
+    _export,
+    _canonicalize,
+    _evaluate,
+    _redundancy,
+    _analyze,
+    _dynamics,
+    _push,
+    _bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,8 @@
 
 - `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
 - `metrics`: token NLL and perplexity of a causal LM.
+- `offload`: Accelerate's big-model loading with disk offload; `evaluate_cli`: the `relational-hf evaluate`
+  command (perplexity, device map, peak RSS).
 
 The package sits below `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer, no PEFT).
 """

@@ -6,12 +6,15 @@ Where things are:
 - `groups`     one class per symmetry group, one file per family (heads, scaling, translations, residual), and
                `symmetry_groups(model)` (groups/builder.py), built through the architecture adapter;
 - `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
-- `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`;
+- `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`; `canonical_stream` its streaming form
+               `stream_canonicalize(src, out)` (one layer at a time from safetensors shards), `canonical_cli` the
+               `relational-hf canonicalize` command;
 - `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`;
 - `cli`        the `relational-hf redundancy` command's hooks.
 """
 
 from .canonical import CanonicalizationReport, apply_random_symmetry, canonicalize
+from .canonical_stream import stream_canonicalize
 from .cli import add_redundancy_arguments, run_redundancy
 from .groups import SymmetryGroup, symmetry_groups
 from .invariants import HeadDescriptors, head_descriptors
@@ -50,6 +53,7 @@ __all__ = [
     "redundancy_report",
     "redundancy_report_from_config",
     "run_redundancy",
+    "stream_canonicalize",
     "symmetry_groups",
     "vertical_horizontal_split",
 ]

@@ -327,17 +327,56 @@ def principal_rotation(
 ) -> tuple[torch.Tensor, list[Degeneracy]]:
     """Principal gauge of DESIGN 2.2: the orthogonal R (n x n) whose columns are the eigenvectors of `gram`
     (descending eigenvalues), each signed so that the largest-magnitude entry of the matching column of rows @ R is
-    positive. Returns (R, degeneracies of the spectrum)."""
+    positive. Returns (R, degeneracies of the spectrum). For rows too big to hold, `principal_axes`, `ColumnSigns`
+    fed block by block, then `signed_principal_axes` give the same R."""
+    evals, evecs = principal_axes(gram)
+    return signed_principal_axes(evals, evecs, sign_fix_columns(rows.double() @ evecs), rtol)
+
+
+def principal_axes(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending) and eigenvectors of a symmetric `gram`, unsigned: the first step of
+    `principal_rotation`."""
     evals, evecs = symmetric_eigh(gram)
-    evals, evecs = evals.flip(-1), evecs.flip(-1)
-    projected = rows.double() @ evecs
-    evecs = evecs * sign_fix_columns(projected)[None, :]
+    return evals.flip(-1), evecs.flip(-1)
+
+
+def signed_principal_axes(
+    evals: torch.Tensor, evecs: torch.Tensor, signs: torch.Tensor, rtol: float = 1e-6
+) -> tuple[torch.Tensor, list[Degeneracy]]:
+    """The last step of `principal_rotation`: columns signed, degenerate clusters broken deterministically."""
+    evecs = evecs * signs[None, :]
     degs = []
     for _, cols in degenerate_clusters(evals[None], rtol):
         rot = break_degeneracy(evecs, cols)
         evecs[:, cols] = evecs[:, cols] @ rot
         degs.append(Degeneracy(0, cols, float(evals[cols[0]])))
     return evecs, degs
+
+
+class ColumnSigns:
+    """`sign_fix_columns(M)` for a matrix M seen in row blocks, in order (`update` with each block): the sign of
+    the first largest-magnitude entry of each column, as argmax keeps the first index."""
+
+    def __init__(self) -> None:
+        self.best: torch.Tensor | None = None
+        self.lead: torch.Tensor | None = None
+
+    def update(self, block: torch.Tensor) -> None:
+        if block.shape[0] == 0:
+            return
+        value = torch.gather(block, 0, block.abs().argmax(0, keepdim=True)).squeeze(0)
+        if self.best is None:
+            self.best, self.lead = value.abs(), value
+        else:  # strictly larger: an earlier block keeps a tie
+            better = value.abs() > self.best
+            self.lead = torch.where(better, value, self.lead)
+            self.best = torch.where(better, value.abs(), self.best)
+
+    def signs(self, k: int) -> torch.Tensor:
+        if self.lead is None:
+            return torch.ones(k, dtype=torch.float64)
+        sign = torch.sign(self.lead)
+        return torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
 def balance_complex_pairs(qc: torch.Tensor, kc: torch.Tensor, rotations_only: bool = False) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,17 +92,29 @@ def _free_copy(model: nn.Module) -> nn.Module:
 def _copy_relational(src: nn.Module, dst: nn.Module) -> None:
     """Copy every factor of relational `src` into `dst` (same shapes, any gauge): attention and MLP through their
     full weights (moved to dst's gauge), every other parameter by name."""
-    src_a, dst_a = get_adapter(src), get_adapter(dst)
     handled = set()
-    for ls, ld in zip(src_a.layers(), dst_a.layers(), strict=True):
-        ld.attention.set_full_weights({k: v.detach() for k, v in ls.attention.full_weights().items()})
-        ld.mlp.set_full_weights({k: v.detach() for k, v in ls.mlp.full_weights().items()})
-        handled.update(id(p) for p in ld.attention.parameters())
-        handled.update(id(p) for p in ld.mlp.parameters())
+    for ls, ld in zip(get_adapter(src).layers(), get_adapter(dst).layers(), strict=True):
+        handled.update(_copy_relational_layer(ls, ld))
     src_params = dict(src.named_parameters())
     for name, p in dst.named_parameters():
         if id(p) not in handled:
             p.copy_(src_params[name].to(p.dtype))
+
+
+@torch.no_grad()
+def _copy_relational_layer(ls, ld) -> set[int]:
+    """One decoder layer (`LayerRoles`) of a relational model into the same layer of another (any gauge): attention
+    and MLP through their full weights, every other parameter of the block by name. Returns the ids of dst's
+    parameters it wrote."""
+    ld.attention.set_full_weights({k: v.detach() for k, v in ls.attention.full_weights().items()})
+    ld.mlp.set_full_weights({k: v.detach() for k, v in ls.mlp.full_weights().items()})
+    handled = {id(p) for p in ld.attention.parameters()} | {id(p) for p in ld.mlp.parameters()}
+    src_params = dict(ls.block.named_parameters())
+    for name, p in ld.block.named_parameters():
+        if id(p) not in handled:
+            p.copy_(src_params[name].to(p.dtype))
+            handled.add(id(p))
+    return handled
 
 
 def _ordered(groups: list[SymmetryGroup]) -> list[SymmetryGroup]:
@@ -110,12 +123,34 @@ def _ordered(groups: list[SymmetryGroup]) -> list[SymmetryGroup]:
 
 
 @torch.no_grad()
+def canonicalize_groups(
+    groups: list[SymmetryGroup],
+    report: CanonicalizationReport,
+    principal: Callable[[], tuple[torch.Tensor, list[Degeneracy]]] | None = None,
+) -> None:
+    """Move the live parameters to the canonical representative of each group in `groups`, in the canonical order
+    (module docstring), recording the groups and their degeneracies in `report`. The one step both the in-memory
+    `canonicalize` (all groups of a model at once) and the streaming one (the groups of one layer at a time,
+    `relational_hf.symmetry.canonical_stream`) run.
+
+    `principal`: for a `ResidualRotation` restricted to part of the model, the function giving the element R of
+    the principal gauge (computed once, from the whole token embedding E^T E) that the part is moved by, instead
+    of the group's own `canonicalize` (which reads the embedding among its own tensors)."""
+    for g in _ordered(groups):
+        if principal is not None and isinstance(g, ResidualRotation):
+            rotation, degs = principal()
+            g.act(rotation)
+        else:
+            degs = g.canonicalize()
+        if g.key not in report.groups:
+            report.groups.append(g.key)
+            report.degeneracies += [(g.key, dg) for dg in degs]
+
+
+@torch.no_grad()
 def _canonicalize_linear(model: nn.Module, report: CanonicalizationReport) -> None:
     groups, _ = symmetry_groups(model)
-    for g in _ordered(groups):
-        degs = g.canonicalize()
-        report.groups.append(g.key)
-        report.degeneracies += [(g.key, dg) for dg in degs]
+    canonicalize_groups(groups, report)
 
 
 def canonicalize(model: nn.Module, *, return_report: bool = False):
@@ -166,4 +201,4 @@ def apply_random_symmetry(
     return model
 
 
-__all__ = ["CanonicalizationReport", "apply_random_symmetry", "canonicalize"]
+__all__ = ["CanonicalizationReport", "apply_random_symmetry", "canonicalize", "canonicalize_groups"]

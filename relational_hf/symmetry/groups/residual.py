@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
 from ...architectures import TensorSlot
 from ..algebra import (
     DEFAULT_EPS,
+    ColumnSigns,
     Degeneracy,
     lyapunov_apply,
     lyapunov_factor,
-    principal_rotation,
+    principal_axes,
+    signed_principal_axes,
     skew,
     symmetric_eigh,
 )
@@ -165,25 +168,53 @@ class ResidualRotation(SymmetryGroup):
                 if c is not None and b is not None:
                     _write(c, _read(c, None) + (old - new) @ b, None)
 
-    def principal_gauge(self, embedding: torch.Tensor) -> tuple[torch.Tensor, list[Degeneracy]]:
+    def principal_gauge(
+        self, embedding: torch.Tensor | Callable[[], Iterable[torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[Degeneracy]]:
         """The rotation R of the principal gauge: per cluster the eigenbasis of the embedding Gram E^T E (inside
-        the complement of the all-ones direction when centring), signs fixed on the embedding's columns."""
-        emb = embedding.double()
-        rot = torch.zeros(self.d, self.d, dtype=torch.float64, device=emb.device)
+        the complement of the all-ones direction when centring), signs fixed on the embedding's columns.
+        `embedding`: the matrix E, or (E too big to hold) a function returning an iterator over its row blocks in
+        order, read twice: E^T E summed block by block, then the signs."""
+        whole = isinstance(embedding, torch.Tensor)
+        blocks = (lambda: (embedding,)) if whole else embedding
+        device = embedding.device if whole else torch.device("cpu")
+        index = [torch.tensor(c, device=device) for c in self.clusters]
+        every = len(self.clusters) == 1
+
+        def columns(block: torch.Tensor, k: int) -> torch.Tensor:
+            e = block.double()
+            e = e if every else e[:, index[k]]
+            return e @ bases[k] if bases[k] is not None else e
+
+        bases = [
+            _centred_basis(len(c)).to(device) if self.centring and len(c) > 1 else None for c in self.clusters
+        ]  # (m, m-1), orthonormal basis of 1^perp
+        grams = [torch.zeros(0)] * len(self.clusters)
+        for block in blocks():
+            for k in range(len(self.clusters)):
+                e = columns(block, k)
+                grams[k] = e.T @ e if grams[k].numel() == 0 else grams[k] + e.T @ e
+        axes = [principal_axes(g) if g.numel() else None for g in grams]
+        signs = [ColumnSigns() for _ in self.clusters]
+        for block in blocks():
+            for k, ax in enumerate(axes):
+                if ax is not None:
+                    signs[k].update(columns(block, k) @ ax[1])
+        rot = torch.zeros(self.d, self.d, dtype=torch.float64, device=device)
         degs = []
-        for cluster in self.clusters:
-            idx = torch.tensor(cluster, device=emb.device)
-            e = emb[:, idx]
+        for k, cluster in enumerate(self.clusters):
             m = len(cluster)
-            if self.centring and m > 1:
-                basis = _centred_basis(m).to(emb.device)  # (m, m-1), orthonormal basis of 1^perp
-                z, cd = principal_rotation(basis.T @ e.T @ e @ basis, e @ basis)
-                ones = torch.full((m, 1), 1.0 / math.sqrt(m), dtype=torch.float64, device=emb.device)
-                block = ones @ ones.T + basis @ z @ basis.T
-            elif self.centring:
-                block, cd = torch.ones(1, 1, dtype=torch.float64, device=emb.device), []
+            if axes[k] is None or (self.centring and m == 1):
+                block, cd = torch.ones(1, 1, dtype=torch.float64, device=device), []
             else:
-                block, cd = principal_rotation(e.T @ e, e)
+                evals, evecs = axes[k]
+                z, cd = signed_principal_axes(evals, evecs, signs[k].signs(evecs.shape[1]).to(device))
+                if self.centring:
+                    ones = torch.full((m, 1), 1.0 / math.sqrt(m), dtype=torch.float64, device=device)
+                    block = ones @ ones.T + bases[k] @ z @ bases[k].T
+                else:
+                    block = z
+            idx = index[k]
             rot[idx[:, None], idx[None, :]] = block
             degs += [Degeneracy(-1, [cluster[i] for i in dg.indices], dg.value) for dg in cd]
         return rot, degs

@@ -1,0 +1,110 @@
+"""`relational-hf evaluate`: the perplexity of a model loaded with most layers offloaded to disk equals the
+in-memory one; the report (stdout and --json) carries the device map and the peak RSS; bad inputs give one-line
+errors before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from relational_hf import cli
+from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
+from relational_hf.lm.metrics import perplexity
+from relational_hf.loading import save_tokenizer
+
+WINDOW = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path, torch.nn.Module]:
+    """A tiny Llama (4 layers, byte-level vocabulary) saved with its tokenizer, and a text file."""
+    root = tmp_path_factory.mktemp("offload_cli")
+    torch.manual_seed(0)
+    tokenizer = byte_level_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(root / "model")
+    save_tokenizer(tokenizer, root / "model")
+    text = root / "text.txt"
+    text.write_text(generate_corpus(60, seed=4), encoding="utf-8")
+    return root / "model", text, model
+
+
+def _windows(text: Path, windows: int) -> torch.Tensor:
+    ids = torch.tensor(byte_level_tokenizer()(text.read_text(encoding="utf-8"))["input_ids"])
+    return ids[: windows * WINDOW].reshape(windows, WINDOW)
+
+
+def test_offloaded_perplexity_equals_in_memory(checkpoint, tmp_path, capsys):
+    path, text, model = checkpoint
+    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    embed_bytes = model.model.embed_tokens.weight.numel() * 4
+    budget = embed_bytes + layer_bytes + layer_bytes // 2  # room for the embedding and one layer: the rest on disk
+    report = tmp_path / "reports" / "eval.json"
+    argv = ["evaluate", str(path), "--text", str(text), "--window", str(WINDOW), "--windows", "5"]
+    assert cli.main([*argv, "--max-memory", str(budget), "--json", str(report), "--batch-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(report.read_text())
+    expected = perplexity(model, _windows(text, 5), batch_size=5)
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    assert result["device_map"].get("disk", 0) >= 2 and result["offloaded"]  # most layers really were offloaded
+    assert result["windows"] == 5 and result["predicted_tokens"] == 5 * (WINDOW - 1)
+    assert result["peak_rss_mib"] > 0
+    assert f"perplexity {result['perplexity']:.4f}" in printed and "disk:" in printed and "peak RSS" in printed
+    assert [p.name for p in report.parent.iterdir()] == ["eval.json"]  # no temporary file left beside
+    # the plain (whole-model) load gives the same number
+    assert cli.main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert plain["perplexity"] == pytest.approx(expected, rel=1e-5) and not plain["offloaded"]
+    # token ids given as a .pt tensor: the same windows, the same number
+    torch.save(_windows(text, 5).reshape(-1), tmp_path / "ids.pt")
+    ids_argv = ["evaluate", str(path), "--text", str(tmp_path / "ids.pt"), "--window", str(WINDOW)]
+    assert cli.main([*ids_argv, "--json", str(tmp_path / "ids.json")]) == 0
+    assert json.loads((tmp_path / "ids.json").read_text())["perplexity"] == pytest.approx(expected, rel=1e-5)
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_bad_inputs_give_one_line_errors(checkpoint, tmp_path, capsys):
+    path, text, _ = checkpoint
+    base = ["evaluate", str(path)]
+    assert "--text" in _error(capsys, base)  # required
+    line = _error(capsys, [*base, "--text", str(tmp_path / "absent.txt")])
+    assert "--text" in line and "absent.txt" in line
+    line = _error(capsys, [*base, "--text", str(text), "--window", "1"])
+    assert "--window" in line and ">= 2" in line
+    line = _error(capsys, [*base, "--text", str(text), "--max-memory", "lots"])
+    assert "--max-memory" in line and "4GiB" in line
+    line = _error(capsys, [*base, "--text", str(text), "--max-memory", "-3GB"])
+    assert "--max-memory" in line
+    short = tmp_path / "short.txt"
+    short.write_text("tiny", encoding="utf-8")
+    line = _error(capsys, [*base, "--text", str(short), "--window", "64"])
+    assert "fewer than one --window" in line
+    line = _error(capsys, ["evaluate", str(tmp_path / "no_model"), "--text", str(text)])
+    assert "evaluate: error:" in line and "no_model" in line
+    line = _error(capsys, [*base, "--text", str(text), "--json", str(tmp_path)])
+    assert "--json" in line and "directory" in line
+    torch.save(torch.full((200,), 10_000), tmp_path / "big_ids.pt")  # ids beyond the vocabulary
+    line = _error(capsys, [*base, "--text", str(tmp_path / "big_ids.pt"), "--window", "8"])
+    assert "token ids must lie in [0, 259)" in line
+    torch.save(torch.rand(200), tmp_path / "float_ids.pt")
+    assert "integer tensor" in _error(capsys, [*base, "--text", str(tmp_path / "float_ids.pt"), "--window", "8"])
