@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -59,7 +60,9 @@ def write_json(name: str, payload: dict) -> Path:
     """Write results/<name>.json atomically and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), **payload}
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    command = re.sub(r" --(workdir|out-dir) \S+", "", command)  # where this machine kept its files: not a result
+    payload = {"machine": machine(), "command": command, **payload}
     fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2)

@@ -2,7 +2,8 @@
 
 Protocol (the one of `benchmarks/compress.py`): the model is compressed by the project's relational method
 (`relational_hf.compress.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
-on the first 16 windows of 512 tokens of the first 90% of the WikiText-2 validation documents; perplexity is measured
+on the first `--calibration-windows` (16) windows of 512 tokens of the first 90% of the WikiText-2 validation
+documents; perplexity is measured
 on the first 12 windows of 512 tokens of the last 10% of the documents (held out from calibration and healing).
 Healing (`relational_hf.compress.heal.heal`): LoRA of rank `--rank` on every linear map of the decoder layers,
 trained through `RelationalTrainer` for `--steps` steps of `--batch-size` random blocks of `--block` tokens drawn from
@@ -12,6 +13,7 @@ back into the compressed shapes (stored size unchanged, checked). The held-out p
 
     python benchmarks/heal.py                 # 25% removed, 300 steps (about 40 minutes on 2 cores)
     python benchmarks/heal.py --quick         # 2 layers, 128-token windows, 20 steps (about a minute)
+    python benchmarks/heal.py --dense-control # the same healing of the uncompressed model, added to the JSON
     python benchmarks/heal.py --plot-only     # redraw the PNG from the JSON
 
 Writes results/heal.json and heal.png (`heal_quick.*` with --quick), the JSON after every evaluation, atomically.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -73,6 +76,12 @@ def plot(payload: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if curve:
         ax.plot([c["step"] for c in curve], [c["perplexity"] for c in curve], marker="o", label="relational + LoRA healing")
+    control = payload.get("dense_control", {}).get("curve", [])
+    if control:
+        ax.plot(
+            [c["step"] for c in control], [c["perplexity"] for c in control], marker="s", color="tab:green",
+            label="control: dense model + the same LoRA healing",
+        )  # fmt: skip
     dense = payload.get("dense_perplexity")
     if dense:
         ax.axhline(dense, color="black", linewidth=1, label=f"dense ({dense:.2f})")
@@ -107,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where the compressed model is kept between runs")
+    parser.add_argument(
+        "--dense-control", action="store_true",
+        help="heal the UNCOMPRESSED model with the same settings (the control: how much of the gain is adaptation to "
+        "the healing text rather than recovery) and add its curve to the existing JSON",
+    )  # fmt: skip
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args(argv)
     args.remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
@@ -151,25 +165,88 @@ def main(argv: list[str] | None = None) -> int:
         "the calibration side, disjoint from the evaluation windows)"
     )
     dense_ppl = perplexity_on_windows(model, evaluation, batch_size=2, progress=True)
+    healing = {
+        "steps": steps, "eval_every": every, "lora_rank": args.rank, "learning_rate": args.lr,
+        "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
+        "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
+    }  # fmt: skip
+
+    def healed_curve(net, curve: list, payload: dict) -> tuple:
+        """Heal `net`, appending the held-out perplexity every `every` steps to `curve` (JSON written each time)."""
+
+        def record(step: int, current, train_seconds: float) -> None:
+            t0 = time.perf_counter()
+            was_training = current.training
+            current.eval()
+            ppl = perplexity_on_windows(current, evaluation, batch_size=2)
+            current.train(was_training)
+            curve.append(
+                {"step": step, "perplexity": ppl, "train_seconds": round(train_seconds, 1),
+                 "eval_seconds": round(time.perf_counter() - t0, 1)}
+            )  # fmt: skip
+            logger.info("step %d: held-out perplexity %.3f (dense %.3f)", step, ppl, dense_ppl)
+            write_atomically(json_path, payload)
+            plot(payload, png_path)
+
+        class HeldOut(TrainerCallback):
+            """Held-out perplexity every `every` steps; training time excludes the evaluations."""
+
+            def __init__(self):
+                self.clock = time.perf_counter()
+                self.train_seconds = 0.0
+
+            def on_step_end(self, _args, state, control, model=None, **kwargs):
+                if state.global_step % every == 0 or state.global_step == steps:
+                    self.train_seconds += time.perf_counter() - self.clock
+                    record(state.global_step, model, self.train_seconds)
+                    self.clock = time.perf_counter()
+
+        record(0, net, 0.0)
+        stored_before = stored_parameters(net)["total"]
+        healed, heal_report = heal(
+            net, heal_ids, steps=steps, heal_lr=args.lr, heal_rank=args.rank, heal_batch_size=args.batch_size,
+            heal_block_size=block, callbacks=[HeldOut()],
+        )  # fmt: skip
+        stored_after = stored_parameters(healed)["total"]
+        if stored_after != stored_before:
+            raise SystemExit(f"healing changed the stored size: {stored_before:,} -> {stored_after:,}")
+        return perplexity_on_windows(healed, evaluation, batch_size=2), heal_report
+
+    if args.dense_control:
+        if not json_path.is_file():
+            parser.error(f"--dense-control adds to {json_path}, which does not exist: run without it first")
+        payload = json.loads(json_path.read_text())
+        if payload.get("healing") != healing or payload.get("protocol", {}).get("evaluation") != protocol["evaluation"]:
+            parser.error(f"--dense-control: {json_path} was measured with other healing settings or another protocol")
+        from relational_hf.convert import to_relational
+
+        control = payload["dense_control"] = {
+            "what": "the uncompressed model, exactly converted to the relational form, healed with the same LoRA "
+            "settings on the same text",
+            "curve": [],
+        }
+        merged, heal_report = healed_curve(to_relational(model).float().eval(), control["curve"], payload)
+        control.update(merged_perplexity=merged, heal_report=heal_report)
+        payload["wall_seconds"] = payload.get("wall_seconds", 0.0) + time.perf_counter() - started
+        write_atomically(json_path, payload)
+        plot(payload, png_path)
+        print(f"dense control: held-out perplexity {dense_ppl:.2f} -> {merged:.2f} after {steps} LoRA steps")
+        return 0
+
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
     del model
-    stored_before = stored_parameters(compressed)["total"]
     payload = {
         "protocol": protocol,
         "remove": args.remove,
         "dense_perplexity": dense_ppl,
         "dense_stored_parameters": report["parameters_before"],
-        "stored_parameters": stored_before,
-        "healing": {
-            "steps": steps, "eval_every": every, "lora_rank": args.rank, "learning_rate": args.lr,
-            "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
-            "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
-        },  # fmt: skip
+        "stored_parameters": stored_parameters(compressed)["total"],
+        "healing": healing,
         "curve": [],
         "machine": machine(),
-        "command": " ".join(["heal.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": re.sub(r" --workdir \S+", "", " ".join(["heal.py", *(argv if argv is not None else sys.argv[1:])])),
     }
     compress_json = RESULTS / "compress.json"
     if compress_json.is_file() and not args.quick:
@@ -177,44 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, label in ((f"slicegpt@{args.remove:g}", "SliceGPT (tied), no healing"),):
             if cells.get(key, {}).get("perplexity"):
                 payload.setdefault("references", {})[label] = cells[key]["perplexity"]
-
-    def record(step: int, net, train_seconds: float) -> None:
-        t0 = time.perf_counter()
-        was_training = net.training
-        net.eval()
-        ppl = perplexity_on_windows(net, evaluation, batch_size=2)
-        net.train(was_training)
-        payload["curve"].append(
-            {"step": step, "perplexity": ppl, "train_seconds": round(train_seconds, 1),
-             "eval_seconds": round(time.perf_counter() - t0, 1)}
-        )  # fmt: skip
-        logger.info("step %d: held-out perplexity %.3f (dense %.3f)", step, ppl, dense_ppl)
-        write_atomically(json_path, payload)
-        plot(payload, png_path)
-
-    class HeldOut(TrainerCallback):
-        """Held-out perplexity every `every` steps; training time excludes the evaluations."""
-
-        def __init__(self):
-            self.clock = time.perf_counter()
-            self.train_seconds = 0.0
-
-        def on_step_end(self, _args, state, control, model=None, **kwargs):
-            if state.global_step % every == 0 or state.global_step == steps:
-                self.train_seconds += time.perf_counter() - self.clock
-                record(state.global_step, model, self.train_seconds)
-                self.clock = time.perf_counter()
-
-    record(0, compressed, 0.0)
-    healed, heal_report = heal(
-        compressed, heal_ids, steps=steps, heal_lr=args.lr, heal_rank=args.rank, heal_batch_size=args.batch_size,
-        heal_block_size=block, callbacks=[HeldOut()],
-    )  # fmt: skip
-    stored_after = stored_parameters(healed)["total"]
-    if stored_after != stored_before:
-        raise SystemExit(f"healing changed the stored size: {stored_before:,} -> {stored_after:,}")
-    payload["merged_perplexity"] = perplexity_on_windows(healed, evaluation, batch_size=2)
-    payload["heal_report"] = heal_report
+    payload["merged_perplexity"], payload["heal_report"] = healed_curve(compressed, payload["curve"], payload)
     payload["compression"] = {k: report.get(k) for k in ("widths", "parameters_after", "removed_share", "seconds")}
     payload["wall_seconds"] = time.perf_counter() - started
     write_atomically(json_path, payload)

@@ -24,8 +24,8 @@ def heal(
     ids: torch.Tensor,
     *,
     steps: int,
-    heal_lr: float = 5e-4,
-    heal_rank: int = 8,
+    heal_lr: float = 1e-3,
+    heal_rank: int = 16,
     heal_batch_size: int = 4,
     heal_block_size: int = 256,
     heal_seed: int = 0,
@@ -34,8 +34,10 @@ def heal(
 ) -> tuple[nn.Module, dict]:
     """LoRA recovery fine-tune of `steps` optimiser steps (rank `heal_rank`, learning rate `heal_lr`, cosine schedule,
     batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the ids (N, T), read as one stream),
-    merged back. `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they
-    see the unmerged PEFT model, which computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable parameters, final training loss, seconds)."""
+    merged back. The defaults are the settings measured by `benchmarks/heal.py` on SmolLM2. `callbacks`: extra
+    `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
+    computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
+    parameters, final training loss, seconds)."""
     from peft import get_peft_model
 
     from ..training.arguments import RelationalTrainingArguments
