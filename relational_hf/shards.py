@@ -66,6 +66,23 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPE_NAMES[name]
 
 
+def add_stream_arguments(parser, stream_help: str, shard_help: str = "largest output shard (e.g. 2GB)") -> None:
+    """The flags every command that can stream a safetensors checkpoint shares: --stream / --no-stream (default
+    None: stream a local safetensors folder), --dtype of the saved weights and --max-shard-size."""
+    stream = parser.add_mutually_exclusive_group()
+    stream.add_argument("--stream", dest="stream", action="store_const", const=True, default=None, help=stream_help)
+    stream.add_argument(
+        "--no-stream", dest="stream", action="store_const", const=False, help="load the whole model (fp32)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help=shard_help)
+
+
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string like "5GB", "500MB", "2GiB"."""
     if isinstance(value, int):

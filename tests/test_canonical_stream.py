@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from test_symmetry_zoo import build, perturb, token_ids
+from tiny_models import stored_tensors
 from transformers import AutoModelForCausalLM
 
 import relational_hf  # noqa: F401  (registers the architecture)
@@ -37,14 +37,6 @@ def _model(name: str) -> torch.nn.Module:
     return model
 
 
-def _stored(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
 def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
@@ -64,21 +56,21 @@ def test_streamed_canonical_form_equals_in_memory_keeps_function_and_is_orbit_in
     src = _sharded(model, tmp_path / "src")
     moved = apply_random_symmetry(copy.deepcopy(model), torch.Generator().manual_seed(5), scale=0.5)
     moved_src = _sharded(moved, tmp_path / "moved")
-    assert _max_difference(_stored(src), _stored(moved_src)) > 1e-2  # another point of the orbit
+    assert _max_difference(stored_tensors(src), stored_tensors(moved_src)) > 1e-2  # another point of the orbit
     report = stream_canonicalize(src, tmp_path / "out", max_shard_size="30KB", progress=False)
     stream_canonicalize(moved_src, tmp_path / "out_moved", max_shard_size="30KB", progress=False)
-    streamed = _stored(tmp_path / "out")
+    streamed = stored_tensors(tmp_path / "out")
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     canonicalize(source).save_pretrained(tmp_path / "ref")
     # same checkpoint as the in-memory path (same tensor names: tied heads left out like save_pretrained)
-    assert _max_difference(streamed, _stored(tmp_path / "ref")) < 1e-6
+    assert _max_difference(streamed, stored_tensors(tmp_path / "ref")) < 1e-6
     # same function as the source
     canonical = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     ids = token_ids()
     assert (canonical(ids).logits - source(ids).logits).abs().max().item() < 1e-5
-    assert _max_difference(streamed, _stored(src)) > 1e-3  # really moved
+    assert _max_difference(streamed, stored_tensors(src)) > 1e-3  # really moved
     # one point per orbit
-    assert _max_difference(streamed, _stored(tmp_path / "out_moved")) < 1e-5
+    assert _max_difference(streamed, stored_tensors(tmp_path / "out_moved")) < 1e-5
     assert report.groups and "residual_rotation" in report.groups
     written = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert written["groups"] == report.groups
@@ -89,7 +81,7 @@ def test_stored_dtype_is_kept_unless_asked(tmp_path):
     src = _sharded(perturb(build("llama")), tmp_path / "src", torch.bfloat16)
     stream_canonicalize(src, tmp_path / "bf16", progress=False)
     stream_canonicalize(src, tmp_path / "fp32", dtype="float32", progress=False)
-    bf16, fp32 = _stored(tmp_path / "bf16"), _stored(tmp_path / "fp32")
+    bf16, fp32 = stored_tensors(tmp_path / "bf16"), stored_tensors(tmp_path / "fp32")
     assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
     assert {t.dtype for t in fp32.values()} == {torch.float32}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -102,7 +94,7 @@ def test_cli_streams_by_default_and_matches_the_in_memory_path(tmp_path, capsys)
     assert cli.main(["canonicalize", str(src), str(tmp_path / "streamed")]) == 0
     assert cli.main(["canonicalize", str(src), str(tmp_path / "memory"), "--no-stream"]) == 0
     assert "saved" in capsys.readouterr().out
-    assert _max_difference(_stored(tmp_path / "streamed"), _stored(tmp_path / "memory")) < 1e-6
+    assert _max_difference(stored_tensors(tmp_path / "streamed"), stored_tensors(tmp_path / "memory")) < 1e-6
     assert (tmp_path / "streamed" / MARKER).is_file()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import stored_tensors
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import relational_hf  # noqa: F401  (registers the architecture)
@@ -58,20 +59,12 @@ def _save(model: torch.nn.Module, path: Path, dtype: torch.dtype) -> Path:
     return path
 
 
-def _stored(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
 @pytest.mark.parametrize(("family", "tie", "dtype"), [("llama", False, "bf16"), ("qwen2", True, "fp32")])
 def test_streaming_writes_the_in_memory_checkpoint_in_the_source_dtype(tmp_path, family, tie, dtype):
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     src = _save(_source(family, tie), tmp_path / "src", torch_dtype)
     report = stream_to_relational(src, tmp_path / "out", max_shard_size="30KB", progress=False)
-    streamed = _stored(tmp_path / "out")
+    streamed = stored_tensors(tmp_path / "out")
     # the in-memory path on the same (rounded) source weights, cast like save_pretrained of a model in that dtype
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     reference = to_relational(source).to(torch_dtype)

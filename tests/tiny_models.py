@@ -64,3 +64,16 @@ def periodic_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]
         ids = (torch.arange(length) + torch.randint(0, 7, (1,), generator=g)) % 7 + 3
         rows.append({"input_ids": ids, "labels": ids})
     return rows
+
+
+def stored_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in the checkpoint folder `path`, by name (as written, no model)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out

@@ -11,6 +11,7 @@ import torch
 
 from ..loading import add_model_source_arguments, load_model_from, load_tokenizer, resolve_model_source, save_tokenizer
 from ..outputs import write_new_output
+from ..shards import add_stream_arguments
 from ..validate import (
     check_convert_args,
     fraction_closed_open,
@@ -61,26 +62,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="max |logit difference| accepted, relative to the logit scale max(1, max |logit|) (fp32 check); "
         "streaming: the same on each layer's outputs",
     )
-    stream = parser.add_mutually_exclusive_group()
-    stream.add_argument(
-        "--stream",
-        dest="stream",
-        action="store_const",
-        const=True,
-        default=None,
-        help="convert one layer at a time from SRC's safetensors shards (default for a local safetensors folder "
+    add_stream_arguments(
+        parser,
+        "convert one layer at a time from SRC's safetensors shards (default for a local safetensors folder "
         "without --slice): memory of one layer, SRC's dtype kept on disk",
+        "largest output shard when streaming (e.g. 2GB)",
     )
-    stream.add_argument(
-        "--no-stream", dest="stream", action="store_const", const=False, help="load the whole model (fp32)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
-    )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard when streaming (e.g. 2GB)")
     parser.add_argument(
         "--verify-layers",
         type=int,

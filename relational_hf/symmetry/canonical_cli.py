@@ -17,7 +17,15 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..loading import add_model_source_arguments, load_model_from, load_tokenizer_from, resolve_model_source
-from ..shards import check_output_dir, is_safetensors_checkpoint, parse_dtype, parse_size, publish, staging_dir
+from ..shards import (
+    add_stream_arguments,
+    check_output_dir,
+    is_safetensors_checkpoint,
+    parse_dtype,
+    parse_size,
+    publish,
+    staging_dir,
+)
 from .canonical import canonicalize
 from .canonical_stream import REPORT_NAME, _report_dict, stream_canonicalize
 
@@ -26,26 +34,11 @@ def add_canonicalize_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     """Add the `canonicalize` command's arguments to `parser`."""
     parser.add_argument("src", metavar="SRC", help="Hub id, local checkpoint folder or GGUF file of a causal LM")
     parser.add_argument("out", metavar="OUT", type=Path, help="output folder for the canonical checkpoint")
-    stream = parser.add_mutually_exclusive_group()
-    stream.add_argument(
-        "--stream",
-        dest="stream",
-        action="store_const",
-        const=True,
-        default=None,
-        help="one layer at a time from SRC's safetensors shards (default for a local safetensors folder): "
+    add_stream_arguments(
+        parser,
+        "one layer at a time from SRC's safetensors shards (default for a local safetensors folder): "
         "memory of one layer, SRC's dtype kept on disk",
     )
-    stream.add_argument(
-        "--no-stream", dest="stream", action="store_const", const=False, help="load the whole model (fp32)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
-    )
-    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest output shard (e.g. 2GB)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the checkpoint files of a non-empty OUT (others are kept)"
     )
