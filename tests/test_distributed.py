@@ -109,3 +109,6 @@ if __name__ == "__main__":  # the torchrun worker
             gauge="free",
         )
         torch.save(_flat(RelationalForCausalLM(config)), out / "start.pt")
+    if torch.distributed.is_initialized():  # both ranks done writing, then an orderly gloo shutdown (no abort at exit)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
