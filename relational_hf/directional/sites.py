@@ -131,27 +131,10 @@ def directional_attention_forward(
 
 
 def _register_attention_implementation() -> None:
-    """Make `ATTENTION_IMPLEMENTATION` a valid attention implementation (eager-style additive masks)."""
-    if ATTENTION_IMPLEMENTATION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_IMPLEMENTATION, directional_attention_forward)
-        AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, eager_mask)
-
-
-def _configs(model: nn.Module, modules: Iterable[nn.Module]) -> list:
-    """Every distinct config that selects an attention kernel for `modules`, parents before their sub-configs."""
-    found: list = []
-
-    def visit(config) -> None:
-        if config is None or any(config is seen for seen in found):
-            return
-        found.append(config)
-        for key in getattr(config, "sub_configs", {}) or {}:
-            visit(getattr(config, key, None))
-
-    visit(getattr(model, "config", None))
-    for module in modules:
-        visit(getattr(module, "config", None))
-    return found
+    """Make `ATTENTION_IMPLEMENTATION` a valid attention implementation (eager-style additive masks); registering
+    again replaces the entry with the same functions."""
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, directional_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, eager_mask)
 
 
 @contextmanager
@@ -163,20 +146,19 @@ def attention_hooks(model: nn.Module, hooks: Iterable[tuple[nn.Module, Attention
     plain result); on exit the hooks are removed and each config's attention implementation is restored exactly.
     """
     _register_attention_implementation()
-    attention_modules = [roles.attention for roles in get_adapter(model).layers()]
-    configs = _configs(model, attention_modules)
-    saved = [(config, config._attn_implementation) for config in configs]
+    get_adapter(model)  # a model no adapter knows is refused before anything changes
+    # no public getter exists: the config property every Transformers attention layer reads to pick its kernel
+    saved = model.config._attn_implementation
     installed: list[tuple[nn.Module, AttentionHook]] = []
     try:
         for module, hook in hooks:
             _ATTENTION_HOOKS.setdefault(module, []).append(hook)
             installed.append((module, hook))
-        for config in configs:
-            config._attn_implementation = ATTENTION_IMPLEMENTATION
+        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
         yield
     finally:
-        for config, implementation in saved:  # parents first: a parent's setter also resets its sub-configs
-            config._attn_implementation = implementation
+        if model.config._attn_implementation != saved:
+            model.set_attn_implementation(saved)
         for module, hook in reversed(installed):  # remove our own entries only (the same hook may be nested)
             registered = _ATTENTION_HOOKS[module]
             del registered[len(registered) - 1 - registered[::-1].index(hook)]

@@ -120,6 +120,7 @@ def store_full_weight(module: GaugeFixedLinear, w: torch.Tensor) -> None:
 
 def register_gauge_fixed_lora(config: LoraConfig) -> LoraConfig:
     """Register `GaugeFixedLoraLinear` for `GaugeFixedLinear` targets on `config` (in place); returns it."""
+    # PEFT's documented way to give LoRA a custom layer type; it has no public name yet (a leading underscore)
     config._register_custom_module({GaugeFixedLinear: GaugeFixedLoraLinear})
     return config
 
