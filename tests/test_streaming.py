@@ -209,8 +209,8 @@ def test_meta_report_sets_apart_what_a_tied_final_gain_decides():
 
 
 def test_big_model_evaluation_offloads_layers_and_keeps_the_perplexity(tmp_path):
-    from relational_hf.lm.offload import offloaded_perplexity
     from relational_hf.lm.metrics import perplexity
+    from relational_hf.lm.offload import offloaded_perplexity
 
     source = _source("llama", False)
     source.save_pretrained(tmp_path / "src")
