@@ -1,6 +1,6 @@
 """Package layering of relational_hf: each top-level package or module imports only layers below it, so the import
 graph has no cycle; the analysis toolkit loads neither Trainer nor PEFT; no library file grows past 600 lines
-(except the self-contained model file, which travels to the Hub alone); the old import paths still resolve."""
+(except the model file, which reads top to bottom like Transformers' Llama); the old import paths still resolve."""
 
 from __future__ import annotations
 
