@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.commands import finetune
 from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
-from relational_hf.modeling.modeling_relational import GaugeFixedLinear
+from relational_hf.modeling import GaugeFixedLinear
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "training_scripts"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling.modeling_relational import max_volume_rows
+from ..modeling.modeling_gauge import max_volume_rows
 
 #: relative regulariser added to the Gram eigenvalues (keeps rank-deficient heads finite)
 DEFAULT_EPS = 1e-9
