@@ -48,16 +48,29 @@ def emulate_fsdp_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+#: the optimizers the patched trainers created, newest last (the worker reads the command's)
+CREATED_OPTIMIZERS: list = []
+
+
 def _install_emulation() -> None:
+    """Patch `RelationalTrainer` in this process: FSDP emulated on CPU, and every optimizer it creates recorded."""
     from relational_hf.training import RelationalTrainer
 
-    original = RelationalTrainer.create_accelerator_and_postprocess
+    create_accelerator, create_optimizer = (
+        RelationalTrainer.create_accelerator_and_postprocess,
+        RelationalTrainer.create_optimizer,
+    )
 
     def create_accelerator_and_postprocess(self):
-        original(self)
+        create_accelerator(self)
         emulate_fsdp_on_cpu(self)
 
+    def recorded_create_optimizer(self, model=None):
+        CREATED_OPTIMIZERS.append(create_optimizer(self, model))
+        return CREATED_OPTIMIZERS[-1]
+
     RelationalTrainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    RelationalTrainer.create_optimizer = recorded_create_optimizer
 
 
 def _model(gauge: str = "free", seed: int = 0, **config):
@@ -206,8 +219,34 @@ def test_projected_optimizer_on_fully_shard_parameters_takes_the_one_process_ste
     torch.testing.assert_close(_flat(run["weights"]), _flat(_named_full(model)), rtol=1e-4, atol=1e-6)
 
 
-def _check_loads_both_ways(folder: Path) -> None:
+@pytest.fixture(scope="module")
+def without_plugin(fsdp_run) -> dict[str, torch.Tensor]:
+    """Logits of the checkpoints written under FSDP, each loaded with `trust_remote_code` in one process that cannot
+    import the plugin (one subprocess for all of them)."""
     from checkpoint_helpers import run_without_plugin
+
+    ids = torch.arange(12).reshape(1, 12)
+    torch.save(ids, fsdp_run / "ids.pt")
+    code = (
+        "from transformers import AutoModelForCausalLM\n"
+        f"ids, logits = torch.load({str(fsdp_run / 'ids.pt')!r}), {{}}\n"
+        f"for name in {list(CHECKPOINTS)!r}:\n"
+        f"    m = AutoModelForCausalLM.from_pretrained({str(fsdp_run)!r} + '/' + name, trust_remote_code=True).eval()\n"
+        "    assert 'relational_hf' not in type(m).__module__, type(m).__module__\n"
+        "    with torch.no_grad():\n"
+        "        logits[name] = m(input_ids=ids % m.config.vocab_size).logits\n"
+        f"torch.save(logits, {str(fsdp_run / 'remote_logits.pt')!r})\n"
+    )
+    done = run_without_plugin(code, fsdp_run, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(fsdp_run / "remote_logits.pt")
+
+
+#: the checkpoints the worker writes under FSDP: save_model of the free and of the (default) pivot gauge, finetune
+CHECKPOINTS = ("fsdp_model", "pivot_model", "ft")
+
+
+def _check_loads_both_ways(folder: Path, remote_logits: torch.Tensor) -> None:
     from transformers import AutoModelForCausalLM
 
     files = sorted(p.name for p in folder.iterdir())
@@ -217,38 +256,33 @@ def _check_loads_both_ways(folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.arange(12).reshape(1, 12) % model.config.vocab_size
     with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    torch.save(ids, folder.parent / f"{folder.name}_ids.pt")
-    code = (
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()\n"
-        f"ids = torch.load({str(folder.parent / (folder.name + '_ids.pt'))!r})\n"
-        "assert 'relational_hf' not in type(m).__module__, type(m).__module__\n"
-        "with torch.no_grad():\n"
-        f"    torch.save(m(input_ids=ids).logits, {str(folder.parent / (folder.name + '_logits.pt'))!r})\n"
-    )
-    done = run_without_plugin(code, folder.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    torch.testing.assert_close(torch.load(folder.parent / f"{folder.name}_logits.pt"), expected)
+        torch.testing.assert_close(remote_logits, model(input_ids=ids).logits)
 
 
-def test_save_model_under_fsdp_writes_a_checkpoint_that_loads_with_and_without_the_plugin(fsdp_run):
+def test_save_model_under_fsdp_writes_a_checkpoint_that_loads_with_and_without_the_plugin(fsdp_run, without_plugin):
     from transformers import AutoModelForCausalLM
 
     run = torch.load(fsdp_run / "trainer.pt")
     loaded = AutoModelForCausalLM.from_pretrained(fsdp_run / "fsdp_model")
     torch.testing.assert_close(_flat(_named_full(loaded)), _flat(run["weights"]))
-    _check_loads_both_ways(fsdp_run / "fsdp_model")
-    _check_loads_both_ways(fsdp_run / "pivot_model")  # the default gauge: gauge-fixed maps with pivot buffers
+    _check_loads_both_ways(fsdp_run / "fsdp_model", without_plugin["fsdp_model"])
+    # the default gauge: gauge-fixed maps with pivot buffers
+    _check_loads_both_ways(fsdp_run / "pivot_model", without_plugin["pivot_model"])
 
 
-def test_finetune_command_with_fsdp_saves_a_loadable_model_and_resumes(fsdp_run):
+def test_finetune_command_with_fsdp_saves_a_loadable_model_and_resumes(fsdp_run, without_plugin):
     from transformers import AutoModelForCausalLM
 
     out = fsdp_run / "ft"
     printed = (fsdp_run / "cli.txt").read_text()
     assert "validation perplexity" in printed and "; 4 steps" in printed, printed
-    _check_loads_both_ways(out)
+    # the resumed run continued from the FSDP trainer checkpoint of step 2: a restart would project 4 steps; the resumed
+    # run projects steps 3 and 4 (and the zero-learning-rate step torch's distributed optimizer loading may take to
+    # create the optimizer state, which moves nothing)
+    assert int((fsdp_run / "cli_projected_steps.txt").read_text()) < 4
+    state = json.loads((out / "trainer_state" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    _check_loads_both_ways(out, without_plugin["ft"])
     base = AutoModelForCausalLM.from_pretrained(fsdp_run / "base")
     tuned = AutoModelForCausalLM.from_pretrained(out)
     assert not torch.equal(_flat(_named_full(base)), _flat(_named_full(tuned)))
@@ -320,8 +354,9 @@ def _worker(out: Path) -> None:
     printed = StringIO()
     with redirect_stdout(printed):
         assert finetune.main([*flags, "--max-steps", "4", "--resume"]) == 0
-    if rank == 0:
+    if rank == 0:  # the resumed run projected only the steps after the checkpoint
         (out / "cli.txt").write_text(printed.getvalue())
+        (out / "cli_projected_steps.txt").write_text(str(CREATED_OPTIMIZERS[-1].projected_steps))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,7 +8,8 @@ Where things are:
 - `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
 - `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`; `canonical_stream` its streaming form
                `stream_canonicalize(src, out)` (one layer at a time from safetensors shards);
-- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`.
+- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`;
+- `sharding`   whole tensors from FSDP2 (DTensor) parameter shards and shards back (`full_tensor`, `shard_like`).
 """
 
 from .canonical import CanonicalizationReport, apply_random_symmetry, canonicalize

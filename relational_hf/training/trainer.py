@@ -84,6 +84,12 @@ class RelationalTrainer(Trainer):
         self._steps_since_log = 0  # optimiser steps since the last training log (counted by `_StateCallback`)
         self._balance_reference: Any = None
         self.add_callback(_StateCallback(self))
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2 and self.symmetry_projection == "update":
+            raise ValueError(
+                "symmetry_projection='update' supports FSDP version 2 only (DTensor parameters, read whole block by "
+                "block); FSDP 1 flattens the weights: set fsdp_config={'version': 2} or --fsdp_version 2"
+            )
         if self.args.fsdp and not self.is_fsdp_enabled:
             logger.warning(
                 "fsdp: Accelerate enables FSDP only on accelerators (CUDA, XPU, ...); these %d CPU processes train "
