@@ -337,3 +337,47 @@ def test_loading_with_a_device_map_gives_materialised_modules_and_consistent_lay
     assert_same_tensors(model, loaded)
     assert_layouts_follow_pivots(loaded)
     torch.testing.assert_close(loaded(ids()).logits, model(ids()).logits, rtol=0, atol=0)
+
+
+def test_without_the_plugin_the_remote_code_initialises_the_same_way(tmp_path):
+    """Loaded with trust_remote_code in a process without relational_hf, the classes initialise as the plugin's do:
+    the same layouts (from the constructor and from meta + to_empty + init_weights), the partner factors drawn with
+    the matched std, and from one random state the same model on both paths."""
+    import json
+
+    from checkpoint_helpers import run_without_plugin
+
+    cfg = config("thin_keys_gqa")
+    RelationalForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    with no_init_weights():
+        plugin = RelationalForCausalLM(cfg)
+    pivots = {n: b.tolist() for n, b in plugin.named_buffers() if n.endswith("pivots")}
+    (tmp_path / "pivots.json").write_text(json.dumps(pivots))
+    q_std = plugin.model.layers[0].self_attn.k_proj.init_stds(cfg.initializer_range)[1]
+    code = f"""
+import json
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
+from transformers.initialization import no_init_weights
+with no_init_weights():
+    built = AutoModelForCausalLM.from_config(cfg, trust_remote_code=True)
+with torch.device("meta"):
+    meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=True)
+meta.to_empty(device="cpu")
+torch.manual_seed(1)
+built.init_weights()
+torch.manual_seed(1)
+meta.init_weights()
+want = json.load(open({str(tmp_path / "pivots.json")!r}))
+assert type(built).__module__.startswith("transformers_modules"), type(built).__module__
+for m in (built, meta):
+    got = {{n: b.tolist() for n, b in m.named_buffers() if n.endswith("pivots")}}
+    assert got == want
+same = all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), meta.state_dict().values()))
+print("SAME", same, "QSTD", built.model.layers[0].self_attn.q_proj.weight.std().item())
+"""
+    result = run_without_plugin(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("SAME"))
+    assert line.split()[1] == "True"
+    assert abs(float(line.split()[3]) / q_std - 1) < 0.15

@@ -231,7 +231,7 @@ def test_pivot_entries_are_exact_and_stored_factors_are_bounded():
     pivots = k_proj.fixed_index.view(c.num_key_value_heads, c.qk_rank, -1)[:, 0, :]
     block = torch.gather(w, 2, pivots.unsqueeze(1).expand(-1, c.qk_rank, -1))
     torch.testing.assert_close(block, c.pivot_scale * torch.eye(c.qk_rank).expand_as(block), rtol=0, atol=0)
-    # greedy max-volume pivots keep the free entries of W_K W_K[P]^-1 c near the pivot scale
+    # a new model's free entries are drawn in the gauge (N(0, c^2 / r)), no block inverted: near the pivot scale
     assert k_proj.weight.abs().max().item() <= 4 * c.pivot_scale
 
 
