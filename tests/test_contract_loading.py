@@ -12,7 +12,7 @@ control wherever the behaviour is the library's own:
 - loading: a checkpoint without its weights is reported through `output_loading_info` exactly as Llama reports it
   (and refused with a ValueError naming the tensors when the report is not asked for); heads of another
   architecture are reported as for Llama; loading with a device map gives materialised modules whose derived layout
-  buffers follow the stored pivots; tied weights stay tied on every path."""
+  buffers follow the stored pivots, also for layers offloaded to disk; tied weights stay tied on every path."""
 
 from __future__ import annotations
 
@@ -381,3 +381,24 @@ print("SAME", same, "QSTD", built.model.layers[0].self_attn.q_proj.weight.std().
     line = next(x for x in result.stdout.splitlines() if x.startswith("SAME"))
     assert line.split()[1] == "True"
     assert abs(float(line.split()[3]) / q_std - 1) < 0.15
+
+
+def test_layers_offloaded_to_disk_by_a_device_map_compute_with_their_stored_layouts(tmp_path):
+    """Layers offloaded to disk keep their weights on the meta device until their forward; their layouts (buffers,
+    kept in memory) are the stored ones, so the logits are the saved model's."""
+    cfg = config("thin_keys_gqa", num_hidden_layers=3)
+    torch.manual_seed(0)
+    model = RelationalForCausalLM(cfg).eval()
+    with torch.no_grad():  # layouts chosen from the weights (conversion), not the initial ones
+        for module in model.modules():
+            if hasattr(module, "set_full_weights"):
+                module.set_full_weights({k: torch.randn_like(w) * 0.05 for k, w in module.full_weights().items()})
+    model.save_pretrained(tmp_path / "ckpt")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
+    device_map |= {"model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    loaded = RelationalForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert loaded.model.layers[1].self_attn.k_proj.weight.is_meta  # really offloaded
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids()).logits, model(ids()).logits, rtol=0, atol=0)
