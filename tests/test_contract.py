@@ -1,14 +1,15 @@
 """The generic Transformers model contract on the relational classes, for the pivot, free, value-removal and
 thin-keys + GQA configurations: tuple outputs, inputs_embeds, attention / hidden-state outputs, gradient
-checkpointing, sdpa = eager, beam search, assisted decoding, static-cache generation, resized embeddings, meta-device
-initialisation, Trainer label smoothing (without the plugin: tests/test_modeling.py's trust_remote_code test), and
-torch.compile(fullgraph=True)."""
+checkpointing, sdpa = eager, beam search, assisted decoding, static-cache generation, resized embeddings, Trainer
+label smoothing (without the plugin: tests/test_modeling.py's trust_remote_code test), and
+torch.compile(fullgraph=True). Initialisation and loading (meta device, init_weights, loading reports, device maps,
+tied weights): tests/test_contract_loading.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.modeling import GaugeFixedLinear
@@ -168,31 +169,6 @@ def test_resized_embeddings_accept_exactly_the_new_vocabulary(name):
         model(torch.tensor([[VOCAB - 20]]))
     x = torch.randint(3, VOCAB - 20, (1, 6))
     assert model(x, labels=x).logits.shape == (1, 6, VOCAB - 20)
-
-
-def test_meta_device_model_draws_factors_and_layouts_together_in_init_weights(tmp_path):
-    """Placeholder layouts on the meta device; to_empty + init_weights draws factors and pivots together: the pivot
-    entries are exactly c I at pivots chosen from the drawn factors, and the model round-trips."""
-    config = RelationalConfig(**BASE, num_key_value_heads=2, position_encoding="none")
-    with torch.device("meta"):
-        model = RelationalForCausalLM(config)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    model.eval()
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
-            w = lin.full_weight()
-            torch.testing.assert_close(torch.gather(w, 1, lin.fixed_index), lin.fixed_value, rtol=0, atol=0)
-            expected = config.pivot_scale * torch.eye(lin.fixed_per_row).repeat(
-                lin.out_features // lin.fixed_per_row, 1
-            )
-            torch.testing.assert_close(lin.fixed_value, expected, rtol=0, atol=0)  # W[P] = c I per head / unit
-            placeholder = torch.arange(lin.fixed_per_row).expand_as(lin.pivots)
-            assert not torch.equal(lin.pivots.long(), placeholder)  # drawn from the factors, not the placeholder
-            assert lin.weight.abs().max() <= 4 * config.pivot_scale  # well-conditioned pivots
-    x = ids()
-    model.save_pretrained(tmp_path)
-    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(x).logits, model(x).logits)
 
 
 def _trainer_loss(model, tmp_path, x):

@@ -217,18 +217,26 @@ def test_resuming_from_a_checkpoint_continues_the_trajectory(tmp_path):
 
 
 def test_pivot_runs_with_different_pivot_positions_are_compared_in_invariants_only():
-    """Two pivot-gauge models from different seeds store their free entries at different pivot positions: their raw
-    and canonical sketches are not comparable (left out), their invariants are; two free-gauge models are compared raw."""
+    """Two pivot-gauge models whose free entries sit at different pivot positions (one moved to pivots chosen from
+    its weights, as conversion does): their raw and canonical sketches are not comparable (left out), their
+    invariants are. Two new pivot-gauge models share the config's layout, and two free-gauge models: compared raw."""
     trajectories = {}
     for gauge in ("pivot", "free"):
-        for seed in (0, 1):
-            recorder = QuotientRecorder(tiny_relational(gauge, seed=seed), every=1)
+        for seed in (0, 1, 2):
+            model = tiny_relational(gauge, seed=seed)
+            if gauge == "pivot" and seed == 2:
+                with torch.no_grad():
+                    for module in model.modules():
+                        if hasattr(module, "set_full_weights"):
+                            module.set_full_weights({k: w.detach().clone() for k, w in module.full_weights().items()})
+            recorder = QuotientRecorder(model, every=1)
             recorder.record(0)
             trajectories[gauge, seed] = recorder.trajectory()
-    pivots = [trajectories["pivot", seed] for seed in (0, 1)]
-    assert pivots[0].metadata["layout_signature"] != pivots[1].metadata["layout_signature"]
-    distances = final_distances(pivots)
+    moved = [trajectories["pivot", seed] for seed in (0, 2)]
+    assert moved[0].metadata["layout_signature"] != moved[1].metadata["layout_signature"]
+    distances = final_distances(moved)
     assert "raw" not in distances and "canonical" not in distances  # no comparable pair: left out
     assert np.isfinite(distances["descriptors"][0, 1])
-    free = final_distances([trajectories["free", seed] for seed in (0, 1)])
-    assert np.isfinite(free["raw"][0, 1]) and free["raw"][0, 1] > 0
+    for gauge in ("pivot", "free"):
+        same = final_distances([trajectories[gauge, seed] for seed in (0, 1)])
+        assert np.isfinite(same["raw"][0, 1]) and same["raw"][0, 1] > 0

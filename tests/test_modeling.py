@@ -231,26 +231,34 @@ def test_pivot_entries_are_exact_and_stored_factors_are_bounded():
     pivots = k_proj.fixed_index.view(c.num_key_value_heads, c.qk_rank, -1)[:, 0, :]
     block = torch.gather(w, 2, pivots.unsqueeze(1).expand(-1, c.qk_rank, -1))
     torch.testing.assert_close(block, c.pivot_scale * torch.eye(c.qk_rank).expand_as(block), rtol=0, atol=0)
-    # greedy max-volume pivots keep the free entries of W_K W_K[P]^-1 c near the pivot scale
+    # a new model's free entries are drawn in the gauge (N(0, c^2 / r)), no block inverted: near the pivot scale
     assert k_proj.weight.abs().max().item() <= 4 * c.pivot_scale
 
 
-def test_default_pivot_scale_keeps_each_pairs_stored_factors_on_similar_scales():
-    """The pivot value c splits each pair's scale between its stored factors (W_K free entries ~ c, W_Q ~ 1/c): the
-    default keeps the RMS ratio of partners within 4x at initialisation; c = initializer_range does not."""
+def test_the_pivot_value_splits_each_pairs_scale_between_its_stored_factors():
+    """At initialisation the pivot value c decides only how each pair's scale is split between its stored factors
+    (free entries of W_K, W_V, W_up ~ c, their partners W_Q, W_O, W_down ~ 1/c); the invariants' scale is c-free."""
 
-    def ratios(model):
+    def rms(t: torch.Tensor) -> float:
+        return float(t.detach().pow(2).mean().sqrt())
+
+    def scales(c: float) -> tuple[list[float], list[float]]:
+        torch.manual_seed(0)
+        model = RelationalForCausalLM(tiny_config(hidden_size=128, intermediate_size=384, pivot_scale=c))
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        rms = [w.detach().pow(2).mean().sqrt() for w in (attn.q_proj.weight, attn.k_proj.weight)]
-        rms += [w.detach().pow(2).mean().sqrt() for w in (attn.o_proj.weight, attn.v_proj.weight)]
-        rms += [w.detach().pow(2).mean().sqrt() for w in (mlp.down_proj.weight, mlp.up_proj.weight)]
-        return [float(rms[i] / rms[i + 1]) for i in (0, 2, 4)]
+        pairs = [(attn.q_proj, attn.k_proj), (attn.o_proj, attn.v_proj), (mlp.down_proj, mlp.up_proj)]
+        stored = [rms(p.weight) / rms(g.weight) for p, g in pairs]
+        w = attn.full_weights()
+        g_qk = w["q"].view(4, -1, 128).transpose(1, 2) @ w["k"].view(4, -1, 128)
+        g_vo = w["v"].view(4, -1, 128).transpose(1, 2) @ w["o"].view(128, 4, -1).permute(1, 2, 0)
+        up = mlp.full_weights()
+        return stored, [rms(g_qk), rms(g_vo), rms(up["up"].T @ up["down"].T)]
 
-    big = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4)
-    default = RelationalForCausalLM(tiny_config(**big))
-    assert all(0.25 <= r <= 4 for r in ratios(default)), ratios(default)
-    old = RelationalForCausalLM(tiny_config(**big, pivot_scale=default.config.initializer_range))
-    assert max(ratios(old)) > 4
+    (stored_1, invariants_1), (stored_2, invariants_2) = scales(0.1), scales(0.2)
+    for a, b in zip(stored_1, stored_2):
+        assert 3.5 < a / b < 4.5  # partner / gauge-fixed RMS falls as 1/c^2
+    for a, b in zip(invariants_1, invariants_2):
+        assert 0.9 < a / b < 1.1
 
 
 def test_value_parallel_removal_makes_head_outputs_orthogonal_to_own_value():

@@ -15,6 +15,7 @@ full factors into the pivot gauge (same function) and `weight_cache`. It travels
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -125,7 +126,8 @@ class GaugeFixedLinear(nn.Module):
     - ``"rotary"`` (m = 1, heads of `block` = r rows): rows j and j + r/2 of a head (a rotary pair) share one pivot
       column p_j with W[j, p_j] = c and W[j + r/2, p_j] = 0 (the RoPE commutant fixed per frequency pair).
     The checkpoint stores only the persistent buffer `pivots` (int32): (out/m, m)
-    pivot columns for "block", (out/2, 1) for "rotary"; c is `scale` (the config's pivot_scale). `fixed_index`,
+    pivot columns for "block", (out/2, 1) for "rotary"; c is `scale` (the config's pivot_scale). A new module holds
+    `initial_pivots()`, a layout derived from its shape. `fixed_index`,
     `free_index` (int64) and `fixed_value` are non-persistent buffers derived from `pivots`, rebuilt whenever `pivots`
     is replaced or written (loading, `load_state_dict`, `to_empty`).
 
@@ -167,9 +169,7 @@ class GaugeFixedLinear(nn.Module):
         self.pattern, self.block, self.scale = pattern, (block if pattern == "rotary" else fixed_per_row), float(scale)
         self.weight = nn.Parameter(torch.empty(out_features, in_features - fixed_per_row))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        rows = out_features // 2 if pattern == "rotary" else out_features // fixed_per_row
-        pivots = torch.arange(fixed_per_row, dtype=_position_dtype(in_features)).expand(rows, fixed_per_row)
-        self.register_buffer("pivots", pivots.contiguous())
+        self.register_buffer("pivots", self.initial_pivots())
         self.register_buffer("fixed_index", torch.empty(0, dtype=torch.long), persistent=False)
         self.register_buffer("free_index", torch.empty(0, dtype=torch.long), persistent=False)
         self.register_buffer("fixed_value", torch.empty(0), persistent=False)
@@ -178,6 +178,29 @@ class GaugeFixedLinear(nn.Module):
         self._layout_version = 0
         self._cache_assembled = False
         self._sync_layout()
+
+    # ---- initialisation: a layout derived from the shape, factors drawn in it ----
+
+    def initial_pivots(self) -> torch.Tensor:
+        """The layout a new module starts from, derived from its shape alone (so re-initialising reproduces it):
+        pivot positions spread over the input coordinates in row order, wrapping around: block g of m rows pivots on
+        columns g*m .. g*m + m - 1, rotary pair i on column i (all mod in_features). Different heads of a layer thus
+        use different residual coordinates while there are enough of them. Conversion instead chooses the pivots
+        from the weights (`set_layout`)."""
+        rows = self.out_features // 2 if self.pattern == "rotary" else self.out_features // self.fixed_per_row
+        m = 1 if self.pattern == "rotary" else self.fixed_per_row
+        positions = torch.arange(rows * m, device=self.weight.device).view(rows, m) % self.in_features
+        return positions.to(_position_dtype(self.in_features))
+
+    def init_stds(self, std: float) -> tuple[float, float]:
+        """(std of the free entries, std of the partner factor) for drawing both in this gauge so that every entry of
+        the invariant product (W_K with W_Q, W_V with W_O, W_up with W_down) has the second moment it has when both
+        factors are N(0, std^2), at pivot rows and elsewhere. With m the width of the identity block the gauge fixes
+        (m for "block"; 2 for "rotary", where (c, 0) is the 2 x 2 block c I of a complex scalar): free entries
+        N(0, c^2 / m), partner N(0, m std^4 / c^2). Nothing is inverted, so the stored entries stay Gaussian."""
+        m = 2 if self.pattern == "rotary" else self.fixed_per_row
+        c = abs(self.scale)
+        return c / math.sqrt(m), math.sqrt(m) * std**2 / c
 
     # ---- layout: pivots <-> (fixed_index, fixed_value) ----
 

@@ -220,8 +220,16 @@ class RelationalAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_output_bias)
         if self.rope and config.layer_qk_ranks is not None:
             # which of the model's qk_rank / 2 rotary frequency pairs each key head of this layer keeps
-            pairs = torch.arange(r // 2).expand(self.num_kv_heads, r // 2).contiguous()
-            self.register_buffer("rope_pair_index", pairs)
+            self.register_buffer("rope_pair_index", self.initial_rope_pairs())
+
+    def initial_rope_pairs(self) -> torch.Tensor:
+        """The rotary pairs a new compressed layer keeps: the first r_l / 2 for every key head."""
+        half = self.qk_rank // 2
+        return torch.arange(half, device=self.o_proj.weight.device).expand(self.num_kv_heads, half).contiguous()
+
+    def gauge_pairs(self) -> tuple[tuple[nn.Linear, nn.Module], ...]:
+        """(partner, map) for each factor pair with a gauge: (W_Q, W_K) and (W_O, W_V)."""
+        return (self.q_proj, self.k_proj), (self.o_proj, self.v_proj)
 
     @torch.no_grad()
     def set_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -324,6 +332,10 @@ class RelationalMLP(nn.Module):
         for module, w in ((self.gate_proj, weights["gate"]), (self.up_proj, up), (self.down_proj, down)):
             write_full_weight(module, w)
 
+    def gauge_pairs(self) -> tuple[tuple[nn.Linear, nn.Module], ...]:
+        """(partner, map) for the factor pair with a gauge: (W_down, W_up)."""
+        return ((self.down_proj, self.up_proj),)
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full gate/up/down weights (Linear layout)."""
         return {"gate": self.gate_proj.weight, "up": full_weight(self.up_proj), "down": self.down_proj.weight}
@@ -384,12 +396,12 @@ class RelationalPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": RelationalDecoderLayer, "attentions": RelationalAttention}
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        # Attention and MLP hold no parameter of their own, so the generic custom-code shortcut would skip them;
-        # their factors are initialised jointly here (each partner factor absorbs the other's gauge move).
-        if isinstance(module, (RelationalAttention, RelationalMLP)):
-            if not getattr(module, "_is_hf_initialized", False):
-                self._init_weights(module)
-                module._is_hf_initialized = True
+        # Attention and MLP hold no parameter of their own, so the generic custom-code shortcut would skip them, but
+        # they draw the partner factors of their gauge-fixed maps (see _init_weights)
+        done = getattr(module, "_is_hf_initialized", False)
+        if isinstance(module, (RelationalAttention, RelationalMLP)) and not done:
+            self._init_weights(module)
+            module._is_hf_initialized = True
             return
         super()._initialize_weights(module, is_custom_code)
 
@@ -399,20 +411,25 @@ class RelationalPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, strict about the tensors (`modeling_checkpoint.py`): a local checkpoint
-        directory whose weights file is missing, unreadable or truncated, or holds a tensor whose shape disagrees with
-        the config, is one clear error naming the file; missing or unexpected tensors raise a ValueError naming them.
+        """`PreTrainedModel.from_pretrained`, strict about relational checkpoints (`modeling_checkpoint.py`): a local
+        checkpoint directory whose weights file is missing, unreadable or truncated, or holds a tensor whose shape
+        disagrees with the config, is one clear error naming the file. Missing or unexpected tensors are what every
+        Transformers model reports: with `output_loading_info=True` the model loads, the missing tensors initialised,
+        and the report (also logged as a warning) names them; without it, a checkpoint that does not hold exactly the
+        tensors its config describes is refused with a ValueError naming them, never completed with random weights.
         Only a task head may differ, as for every Transformers model: a head absent from the checkpoint of another
         architecture is initialised (e.g. `score` when loading a causal-LM checkpoint for sequence classification),
-        and an unused head is skipped."""
+        and an unused head is skipped. Tensors passed as `state_dict` without a checkpoint load as in Transformers."""
         subfolder = kwargs.get("subfolder", "") or ""
-        if os.path.isdir(os.path.join(str(pretrained_model_name_or_path), subfolder)):
-            check_checkpoint_dir(cls, os.path.join(str(pretrained_model_name_or_path), subfolder))
+        folder = os.path.join(str(pretrained_model_name_or_path), subfolder)
+        if pretrained_model_name_or_path is not None and os.path.isdir(folder):
+            check_checkpoint_dir(cls, folder)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        raise_on_key_differences(model, info, pretrained_model_name_or_path, subfolder)
+        if not want_info and pretrained_model_name_or_path is not None:
+            raise_on_key_differences(model, info, pretrained_model_name_or_path, subfolder)
         for module in model.modules():
             if isinstance(module, GaugeFixedLinear):
                 module._sync_layout()
@@ -431,54 +448,34 @@ class RelationalPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Normal(0, initializer_range) for every factor; in the pivot gauge the free factors are drawn as usual and
-        then moved to the gauge, so the function distribution at init equals the free model's.
-
-        The gauge layout (the pivot positions) is part of the weights, not a separate initialisation: pivots are
-        chosen from the freshly drawn factors, so they are drawn here together with the factors of their attention /
-        MLP module, never by a GaugeFixedLinear alone. Hence the constructor and `from_config` draw factors and layouts
-        together; `from_pretrained` loads both (a checkpoint without its `pivots` is refused: a re-drawn layout would
-        not match the stored free entries); a model built on the meta device holds placeholder layouts (the first
-        columns) until `to_empty()` + `init_weights()` draws factors and layouts together, which gives the same model
-        as the constructor with the same seed."""
+        """Normal(0, initializer_range) for the embedding and every plain factor, as in Llama; the pivot gauge is
+        initialised in a layout derived from the config (`GaugeFixedLinear.initial_pivots`, pivots spread over the
+        residual coordinates) with its free entries and their partner factors (W_Q, W_O, W_down) drawn so that every
+        entry of G_QK, G_VO and of each SwiGLU unit's product has the free model's second moment
+        (`GaugeFixedLinear.init_stds`). Buffers are never drawn: `init_weights()` after `to_empty()` rebuilds exactly
+        the layouts the constructor builds. Each tensor is written only when it was not loaded (Transformers'
+        `initialization` functions), so `from_pretrained` fills exactly the missing ones."""
         std = self.config.initializer_range
-        if isinstance(module, RelationalAttention):
-            if _all_initialized(module) or module.o_proj.weight.device.type == "meta":
-                return
-            c = self.config
-            d, r, dh = c.hidden_size, module.qk_rank, module.head_dim
-            weights = {
-                "q": torch.randn(c.num_attention_heads * r, d) * std,
-                "k": torch.randn(c.num_key_value_heads * r, d) * std,
-                "v": torch.randn(c.num_key_value_heads * dh, d) * std,
-                "o": torch.randn(d, c.num_attention_heads * dh) * std,
-            }
-            module.set_full_weights({k: w.to(module.o_proj.weight.device) for k, w in weights.items()})
-        elif isinstance(module, RelationalMLP):
-            if _all_initialized(module) or module.down_proj.weight.device.type == "meta":
-                return
-            c = self.config
-            f = module.down_proj.in_features
-            weights = {
-                "gate": torch.randn(f, c.hidden_size) * std,
-                "up": torch.randn(f, c.hidden_size) * std,
-                "down": torch.randn(c.hidden_size, f) * std,
-            }
-            module.set_full_weights({k: w.to(module.down_proj.weight.device) for k, w in weights.items()})
+        if isinstance(module, GaugeFixedLinear):
+            init.copy_(module.pivots, module.initial_pivots())
+            module._sync_layout()  # the derived (non-persistent) buffers follow the pivots, loaded or not
+            init.normal_(module.weight, std=module.init_stds(std)[0])
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, (RelationalAttention, RelationalMLP)):
+            # children come first: a partner drawn N(0, std^2) above is drawn again with the matched std
+            for partner, gauge_fixed in module.gauge_pairs():
+                if isinstance(gauge_fixed, GaugeFixedLinear):
+                    init.normal_(partner.weight, std=gauge_fixed.init_stds(std)[1])
+            if getattr(module, "rope_pair_index", None) is not None:
+                init.copy_(module.rope_pair_index, module.initial_rope_pairs())
         elif isinstance(module, RelationalRotaryEmbedding):
             module.reset_inv_freq()
         elif isinstance(module, RelationalRMSNorm):
             if module.weight is not None:
-                module.weight.fill_(1.0)
-        elif isinstance(module, GaugeFixedLinear):
-            return  # initialised with its parent (attention or MLP), which knows the partner factor
+                init.ones_(module.weight)
         else:
             super()._init_weights(module)
-
-
-def _all_initialized(module: nn.Module) -> bool:
-    """True when every parameter of `module` was loaded already (Transformers flags them)."""
-    return all(getattr(p, "_is_hf_initialized", False) for p in module.parameters())
 
 
 class RelationalModel(RelationalPreTrainedModel):
