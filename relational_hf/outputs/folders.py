@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import UsageError
-from .files import TAG, atomic_write_text, fingerprint, fsync_dir
+from .files import TAG, atomic_write_bytes, atomic_write_text, fingerprint, fsync_dir
 from .trainer_state import complete_checkpoint, set_aside_incomplete_checkpoints
 
 logger = logging.getLogger(__name__)
