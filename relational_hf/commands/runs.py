@@ -213,7 +213,12 @@ def collapsed_output(model: torch.nn.Module, blocks: torch.Tensor) -> bool:
 
 
 def check_trained(
-    model: torch.nn.Module, perplexity: float, blocks: torch.Tensor, guard: DivergenceGuard, args: RunArguments, what: str
+    model: torch.nn.Module,
+    perplexity: float,
+    blocks: torch.Tensor,
+    guard: DivergenceGuard,
+    args: RunArguments,
+    what: str,
 ) -> None:
     """`RuntimeError` (nothing saved yet, the output folder keeps its previous content) when the run diverged: a
     non-finite validation perplexity, a non-finite weight, a training loss that became non-finite or rose far above

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.initialization import no_init_weights
 
@@ -38,14 +38,13 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRotaryEmbedding
 from ..outputs import OutputLock, check_new_output, save_tokenizer, write_new_output
 from ..shards import (
-    CheckpointReader,
     ShardWriter,
     checkpoint_names,
     drop_caches,
     is_safetensors_checkpoint,
     materialize,
     materialize_small,
-    meta_model,
+    open_checkpoint,
     parse_dtype,
     parse_size,
     release,
@@ -134,9 +133,7 @@ def stream_to_relational(
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
     check_new_output(out, "OUT", source=src)
-    reader = CheckpointReader(src)
-    config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
-    source = meta_model(config, trust_remote_code=trust_remote_code)
+    reader, config, source = open_checkpoint(src, trust_remote_code=trust_remote_code)
     _check_supported(source)
     materialize_small(source, reader)
     adapter = get_adapter(source)
@@ -270,9 +267,7 @@ def layerwise_logits(
     0..T-1, no padding. Works for any family the adapters know whose layers take (hidden, position_embeddings)."""
     from tqdm.auto import tqdm
 
-    reader = CheckpointReader(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = meta_model(config, trust_remote_code=trust_remote_code)
+    reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code)
     adapter = get_adapter(model)
     modules = {id(m): n for n, m in model.named_modules()}
     head = adapter.output_head()
