@@ -45,6 +45,7 @@ from .runs import (
     check_blocks,
     check_trained,
     claimed_output,
+    run_training,
     time_limit_note,
 )
 
@@ -329,7 +330,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
         train_dataset=RandomBlockDataset(train_ids, args.block_size, args.train_samples, seed=args.seed),
         callbacks=[time_limit, guard],
     )
-    trainer.train(resume_from_checkpoint=resume_from)
+    run_training(trainer, resume_from, trainer_dir, args)
     ppl_after = perplexity(model, val_blocks, progress=True)
     check_trained(model, ppl_after, val_blocks, guard, args, "fine-tuning")
 

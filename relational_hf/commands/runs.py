@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -238,6 +239,22 @@ def check_trained(
         )
 
 
+def run_training(trainer, resume_from: str | None, trainer_dir: Path, args: RunArguments) -> None:
+    """`trainer.train(resume_from_checkpoint=resume_from)`, with a full disk while the Trainer writes a checkpoint
+    into `trainer_dir` reported in one line ("no space left on device"): the checkpoint it left half-written (which
+    no --resume could use) is removed, and the output folder keeps its previous model."""
+    from ..outputs import DiskFullError, checkpoint_is_complete, reporting_disk_full
+
+    try:
+        with reporting_disk_full(trainer_dir, f"{args.output_dir} keeps its previous model"):
+            trainer.train(resume_from_checkpoint=resume_from)
+    except DiskFullError:
+        for folder in trainer_dir.glob("checkpoint-*") if trainer_dir.is_dir() else ():
+            if folder.is_dir() and not checkpoint_is_complete(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def time_limit_note(command: str, steps: int, max_steps: int, output_dir: str) -> str:
     """What the summary of a run that --max-minutes cut says: how many steps ran of how many, that the model is
     undertrained, and how to run the rest (--resume continues from the trainer checkpoint written at the cut)."""
@@ -293,5 +310,6 @@ __all__ = [
     "claimed_output",
     "collapsed_output",
     "is_main_process",
+    "run_training",
     "time_limit_note",
 ]

@@ -33,6 +33,7 @@ from .runs import (
     check_blocks,
     check_trained,
     claimed_output,
+    run_training,
     time_limit_note,
 )
 
@@ -290,7 +291,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
         trainer_cls = RelationalTrainer
     time_limit, guard = TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started)), DivergenceGuard()
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_set, callbacks=[time_limit, guard])
-    trainer.train(resume_from_checkpoint=resume_from)
+    run_training(trainer, resume_from, trainer_dir, args)
 
     val_ppl = perplexity(model, val_blocks)
     check_trained(model, val_ppl, val_blocks, guard, args, "training")

@@ -50,6 +50,7 @@ from ..shards import (
     release,
     trim_heap,
 )
+from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     _FIXED_GROUPS,
     ConversionError,
@@ -196,6 +197,7 @@ def stream_to_relational(
         dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
             block = materialize(source, reader, src_prefixes[i])  # stored dtype
+            raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer drops them as it goes
             convert_layer(layer, tensors)
