@@ -46,6 +46,7 @@ from .runs import (
     check_trained,
     claimed_output,
     run_training,
+    start_step,
     time_limit_note,
 )
 
@@ -332,7 +333,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     )
     run_training(trainer, resume_from, trainer_dir, args)
     ppl_after = perplexity(model, val_blocks, progress=True)
-    check_trained(model, ppl_after, val_blocks, guard, args, "fine-tuning")
+    check_trained(model, ppl_after, val_blocks, guard, args, "fine-tuning", trainer_dir, start_step(resume_from))
 
     merged_dir = str(output_dir / "merged") if args.merge else None
     main_process = trainer.is_world_process_zero()

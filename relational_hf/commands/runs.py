@@ -89,10 +89,10 @@ class RunArguments:
     block_size: Length = option(128, "context length in tokens (>= 2)")
     batch_size: PositiveInt = option(16, "sequences per micro-batch and process")
     gradient_accumulation_steps: PositiveInt = option(1, "micro-batches per optimizer step")
-    max_steps: PositiveInt = option(1000, "optimizer steps (the time limit may stop earlier)")
+    max_steps: PositiveInt = option(300, "optimizer steps (the time limit may stop earlier)")
     max_minutes: PositiveFloat = option(2.5, "stop training after this many minutes")
-    learning_rate: PositiveFloat | None = option(3e-3, "peak AdamW learning rate (cosine schedule)")
-    warmup_steps: NonNegativeInt = option(30, "linear warm-up steps before the cosine decay")
+    learning_rate: PositiveFloat | None = option(5e-3, "peak AdamW learning rate (cosine schedule)")
+    warmup_steps: NonNegativeInt = option(20, "linear warm-up steps before the cosine decay")
     weight_decay: NonNegativeFloat = option(0.0, "AdamW weight decay")
     seed: NonNegativeInt = option(0, "seed of initialisation, data order and sampling")
     logging_steps: PositiveInt = option(50, "log the loss (and the relational metrics) every N optimizer steps")
@@ -220,10 +220,14 @@ def check_trained(
     guard: DivergenceGuard,
     args: RunArguments,
     what: str,
+    trainer_dir: Path,
+    start_step: int,
 ) -> None:
-    """`RuntimeError` (nothing saved yet, the output folder keeps its previous content) when the run diverged: a
-    non-finite validation perplexity, a non-finite weight, a training loss that became non-finite or rose far above
-    its start (`DivergenceGuard`), or an output collapsed to uniform (`collapsed_output`)."""
+    """`RuntimeError` when the run diverged: a non-finite validation perplexity, a non-finite weight, a training loss
+    that became non-finite or rose far above its start (`DivergenceGuard`), or an output collapsed to uniform
+    (`collapsed_output`). Nothing of the run is kept: its trainer checkpoints (those after `start_step`, the step it
+    started or resumed from) are removed and the previous run's set-aside checkpoints restored
+    (`discard_run_checkpoints`); the model was not saved yet, so the output folder keeps its previous content."""
     reason = guard.reason
     if reason is None and not math.isfinite(perplexity):
         reason = f"validation perplexity {perplexity}"
@@ -233,10 +237,22 @@ def check_trained(
     if reason is None and collapsed_output(model, blocks):
         reason = "the model gives every token the same probability (its output collapsed to uniform)"
     if reason is not None:
+        if is_main_process():
+            from ..outputs import discard_run_checkpoints
+
+            discard_run_checkpoints(trainer_dir, start_step)
         raise RuntimeError(
-            f"{what} diverged ({reason}); the model was not saved and {args.output_dir} keeps its previous content: "
+            f"{what} diverged ({reason}); nothing was saved and {args.output_dir} keeps its previous content: "
             f"lower --learning-rate (now {args.learning_rate:g})"
         )
+
+
+def start_step(resume_from: str | None) -> int:
+    """The optimizer step a run starts from: 0, or the step of the trainer checkpoint it resumes (`checkpoint-N`)."""
+    if resume_from is None:
+        return 0
+    name = Path(resume_from).name
+    return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") else 0
 
 
 def run_training(trainer, resume_from: str | None, trainer_dir: Path, args: RunArguments) -> None:
@@ -311,5 +327,6 @@ __all__ = [
     "collapsed_output",
     "is_main_process",
     "run_training",
+    "start_step",
     "time_limit_note",
 ]

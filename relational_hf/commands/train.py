@@ -34,6 +34,7 @@ from .runs import (
     check_trained,
     claimed_output,
     run_training,
+    start_step,
     time_limit_note,
 )
 
@@ -69,7 +70,7 @@ class ModelShapeArguments:
     architecture: Literal["relational", "llama"] = option(
         "relational", "relational-transformer, or Transformers' Llama of the same dimensions as a baseline"
     )
-    hidden_size: PositiveInt = option(128, "residual width d")
+    hidden_size: PositiveInt = option(64, "residual width d")
     layers: PositiveInt = option(4, "decoder layers")
     heads: PositiveInt = option(4, "query heads (must divide --hidden-size)")
     kv_heads: PositiveInt | None = option(None, "key/value heads (GQA, must divide --heads); unset: --heads")
@@ -294,7 +295,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     run_training(trainer, resume_from, trainer_dir, args)
 
     val_ppl = perplexity(model, val_blocks)
-    check_trained(model, val_ppl, val_blocks, guard, args, "training")
+    check_trained(model, val_ppl, val_blocks, guard, args, "training", trainer_dir, start_step(resume_from))
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
         save_checkpoint(model, tokenizer, out, command="train", kind="full")

@@ -65,6 +65,7 @@ from .folders import (
 from .trainer_state import (
     checkpoint_is_complete,
     complete_checkpoint,
+    discard_run_checkpoints,
     drop_set_aside_checkpoints,
     set_aside_incomplete_checkpoints,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "check_owned_names",
     "checkpoint_is_complete",
     "complete_checkpoint",
+    "discard_run_checkpoints",
     "drop_set_aside_checkpoints",
     "fingerprint",
     "holds_full_checkpoint",
