@@ -219,15 +219,17 @@ def check_complete(model: nn.Module, reader: CheckpointReader) -> None:
         )
 
 
-def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False):
+def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False, check: bool = True):
     """(reader, config, meta-device model) of a local safetensors checkpoint folder, checked to agree
-    (`check_complete`): the one way the layer-by-layer readers open a checkpoint."""
+    (`check_complete`; `check=False`: the caller checks, after its own checks of the model, e.g. that its family is
+    supported): the one way the layer-by-layer readers open a checkpoint."""
     from transformers import AutoConfig
 
     reader = CheckpointReader(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = meta_model(config, trust_remote_code=trust_remote_code)
-    check_complete(model, reader)
+    if check:
+        check_complete(model, reader)
     return reader, config, model
 
 

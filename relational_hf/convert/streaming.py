@@ -39,6 +39,7 @@ from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRot
 from ..outputs import OutputLock, check_new_output, save_tokenizer, write_new_output
 from ..shards import (
     ShardWriter,
+    check_complete,
     checkpoint_names,
     drop_caches,
     is_safetensors_checkpoint,
@@ -134,8 +135,9 @@ def stream_to_relational(
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
     check_new_output(out, "OUT", source=src)
-    reader, config, source = open_checkpoint(src, trust_remote_code=trust_remote_code)
+    reader, config, source = open_checkpoint(src, trust_remote_code=trust_remote_code, check=False)
     _check_supported(source)
+    check_complete(source, reader)
     materialize_small(source, reader)
     adapter = get_adapter(source)
     tie = adapter.head_tied()

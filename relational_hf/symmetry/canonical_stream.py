@@ -40,6 +40,7 @@ from ..outputs import OutputLock, check_new_output, save_tokenizer, write_output
 from ..shards import (
     CheckpointReader,
     ShardWriter,
+    check_complete,
     checkpoint_names,
     is_safetensors_checkpoint,
     meta_model,
@@ -264,9 +265,10 @@ def stream_canonicalize(
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
     check_new_output(out, "OUT", source=src, overwrite=overwrite)
-    reader, config, stored = open_checkpoint(src, trust_remote_code=trust_remote_code)  # the layout on disk
+    reader, config, stored = open_checkpoint(src, trust_remote_code=trust_remote_code, check=False)  # layout on disk
     pivot = isinstance(config, RelationalConfig) and config.gauge == "pivot"
     get_adapter(stored)  # "unsupported: <class>" before anything else
+    check_complete(stored, reader)
     if pivot:
         free_config = copy.deepcopy(config)
         free_config.gauge = "free"
