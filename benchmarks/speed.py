@@ -7,6 +7,7 @@ GPU memory of the training step (CUDA only). The figure of merit is the ratio re
     python benchmarks/speed.py            # CPU sizes (a few minutes on 2 cores)
     python benchmarks/speed.py --quick    # one small size, under a minute
     python benchmarks/speed.py --gpu      # larger sizes in bf16 on a CUDA device
+    python benchmarks/speed.py --gpu --dry-run   # check that configuration on any machine, measure nothing
 
 Writes benchmarks/results/speed.json and speed.png.
 """
@@ -142,6 +143,26 @@ def run(sizes: dict, seqs: list[int], batch: int, repeats: int, decode_tokens: i
     return results
 
 
+#: the dimensions of the dry run's one measured round (small enough for a CPU in seconds, in any dtype)
+DRY_RUN_DIMS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256)
+
+
+def dry_run(sizes: dict, seqs: list[int], dtype, device: str) -> dict:
+    """Check a configuration without measuring it: every contender of every size is built on the meta device (the
+    configs are valid and the shapes fit; no memory is allocated), then one round of `run` (warm-up, training step,
+    prefill, decode) runs at `DRY_RUN_DIMS` in `dtype` on `device`, with the configuration's shortest sequence
+    (capped at 64 tokens). Returns the parameter counts of the real sizes and the round's results."""
+    counts = {}
+    for size, dims in sizes.items():
+        with torch.device("meta"):
+            models = {n: build(n, dims, dtype, "meta") for n in ["llama", *VARIANTS]}
+        counts[size] = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+        logger.info("%s: built on the meta device, parameters %s", size, counts[size])
+        del models
+    results = run({"dry_run": DRY_RUN_DIMS}, [min(min(seqs), 64)], 2, 1, 2, dtype, device)
+    return {"parameters": counts, "results": results}
+
+
 def plot(results: dict, path) -> None:
     import matplotlib
 
@@ -170,6 +191,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small size and sequence length")
     parser.add_argument("--gpu", action="store_true", help="larger sizes in bf16 on CUDA")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the chosen configuration (e.g. --gpu) on this machine without measuring: build every model of "
+        "every size on the meta device, run one round at a tiny size in the configuration's dtype; writes nothing",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -177,13 +204,20 @@ def main() -> None:
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.gpu:
-        if device != "cuda":
-            parser.error("--gpu needs a CUDA device")
+        if device != "cuda" and not args.dry_run:
+            parser.error(
+                f"--gpu needs a CUDA device, and this torch ({torch.__version__}) sees none; "
+                "`--gpu --dry-run` checks the GPU configuration here without measuring"
+            )
         sizes, seqs, batch, dtype, decode_tokens = GPU_SIZES, [512, 2048], 8, torch.bfloat16, 64
     elif args.quick:
         sizes, seqs, batch, dtype, decode_tokens = {"small": CPU_SIZES["small"]}, [128], 4, torch.float32, 16
     else:
         sizes, seqs, batch, dtype, decode_tokens = CPU_SIZES, [128, 512], 4, torch.float32, 32
+    if args.dry_run:
+        checked = dry_run(sizes, seqs, dtype, device)
+        print(f"dry run on {device} in {dtype}: {', '.join(checked['parameters'])} built; one round at a tiny size ran")
+        return
     results = run(sizes, seqs, batch, args.repeats, decode_tokens, dtype, device)
     name = "speed_gpu" if args.gpu else ("speed_quick" if args.quick else "speed")
     write_json(name, {"dtype": str(dtype), "batch": batch, "repeats": args.repeats, "results": results})

@@ -27,6 +27,7 @@ _SUBPACKAGES = (
     "dynamics",
     "hub",
     "lm",
+    "outputs",
     "symmetry",
     "training",
 )

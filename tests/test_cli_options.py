@@ -64,7 +64,11 @@ def _checked_options() -> list[tuple[str, str, object]]:
     for command, (options, _) in COMMANDS.items():
         for field in dataclasses.fields(options):
             rule = _rule_of(options, field.name)
-            if rule is not None and field.name not in POSITIONAL[command] and not isinstance(rule, (OneOf, EachInterval)):
+            if (
+                rule is not None
+                and field.name not in POSITIONAL[command]
+                and not isinstance(rule, (OneOf, EachInterval))
+            ):
                 found.append((command, field.name, rule))
     return found
 
@@ -172,3 +176,52 @@ def test_options_reach_training_arguments_unchanged(tmp_path):
     # the commands' own defaults: train and finetune share the fields, not the defaults
     assert (TrainArguments().batch_size, FinetuneArguments().batch_size) == (16, 8)
     assert RunArguments().batch_size == TrainArguments().batch_size
+
+
+def test_fsdp_options_reach_training_arguments_as_fsdp2(tmp_path, monkeypatch):
+    """--fsdp maps to `fsdp=True` with fsdp_config version 2 (sharding units: the model's `_no_split_modules`);
+    --fsdp-config adds its settings and implies --fsdp; without either, no FSDP."""
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # TrainingArguments sets it; restored afterwards
+    plain = FinetuneArguments(model="m").training_arguments(tmp_path / "a")
+    assert not plain.fsdp
+    args = FinetuneArguments(model="m", fsdp=True).training_arguments(tmp_path / "b")
+    assert args.fsdp and args.fsdp_config["version"] == 2 and args.fsdp_plugin_args["fsdp_version"] == 2
+    config = tmp_path / "fsdp.json"
+    config.write_text('{"reshard_after_forward": false, "cpu_offload": true}')
+    options = TrainArguments(fsdp_config=str(config))
+    assert options.uses_fsdp
+    args = options.training_arguments(tmp_path / "c")
+    assert args.fsdp and args.fsdp_plugin_args["reshard_after_forward"] is False
+    assert args.fsdp_plugin_args["cpu_offload"] is True
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"version": 1}', "only FSDP version 2 is supported"),
+        ("[1, 2]", "must hold a JSON object"),
+        ("{version: 2", "is not valid JSON"),
+    ],
+)
+def test_bad_fsdp_config_is_refused_in_one_line_naming_the_flag(tmp_path, content, message):
+    config = tmp_path / "fsdp.json"
+    config.write_text(content)
+    with pytest.raises(UsageError, match=f"^--fsdp-config: .*{message}"):
+        FinetuneArguments(model="m", fsdp_config=str(config))
+
+
+def test_fsdp_in_one_process_and_fsdp_with_lora_are_refused(tmp_path, monkeypatch, no_training):
+    from relational_hf.commands import finetune, train
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "t.txt").write_text("some text\n" * 50)
+    with pytest.raises(UsageError, match="^--fsdp shards the model over several processes: launch with torchrun"):
+        train.check(TrainArguments(fsdp=True))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"^--fsdp shards full fine-tuning \(--method full\)"):
+        finetune.check(
+            FinetuneArguments(model=str(model), train_file=str(tmp_path / "t.txt"), method="lora", fsdp=True)
+        )

@@ -43,6 +43,7 @@ from .runs import (
     DivergenceGuard,
     RunArguments,
     check_blocks,
+    check_fsdp,
     check_trained,
     claimed_output,
     run_training,
@@ -207,6 +208,9 @@ def check(args: FinetuneArguments) -> None:
             raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --method lora")
     if args.method == "lora" and args.projection != "none":
         raise UsageError("--projection update acts on full weights; use it with --method full")
+    check_fsdp(args)
+    if args.method == "lora" and args.uses_fsdp:
+        raise UsageError("--fsdp shards full fine-tuning (--method full); LoRA adapters are small: train them with DDP")
     if args.parallel_suppression_site != "residual" and args.parallel_suppression == 0:
         raise UsageError("--parallel-suppression-site needs --parallel-suppression > 0")
     if args.report_to not in ("none", "", "all"):
@@ -279,6 +283,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     from ..loading import load_config_from, load_model_from, resolve_model_source
     from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_tokenizer, stage_and_swap
     from ..training.callbacks import TimeLimitCallback
+    from ..training.fsdp import gathered_for_saving
     from ..training.trainer import RelationalTrainer
 
     set_seed(args.seed)
@@ -336,11 +341,12 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     check_trained(model, ppl_after, val_blocks, guard, args, "fine-tuning", trainer_dir, start_step(resume_from))
 
     merged_dir = str(output_dir / "merged") if args.merge else None
+    saved = gathered_for_saving(trainer, model)  # every process: under FSDP the shards are gathered to rank 0
     main_process = trainer.is_world_process_zero()
     if main_process:  # under torchrun / accelerate launch one process writes
 
         def write(folder: Path) -> None:
-            model.save_pretrained(folder)
+            saved.save_pretrained(folder)
             save_tokenizer(tokenizer, folder)
             if args.merge:
                 from ..training.peft_support import merge_and_unload

@@ -3,6 +3,7 @@ one place, `RunArguments.training_arguments`), the claimed output folder, and th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from transformers import TrainerCallback
@@ -26,12 +27,39 @@ from .options import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    TextFile,
     TextPath,
     option,
 )
 
 #: the most training sequences a run may request (a dataset's length must fit `sys.maxsize`)
 MAX_TRAIN_SAMPLES = 2**62
+
+
+class FsdpConfigFile:
+    """A JSON file holding one object of Transformers' `fsdp_config` settings, for FSDP version 2 (the version the
+    update projection supports: its DTensor parameters are read whole, block by block)."""
+
+    def read(self, path: str, flag: str = "--fsdp-config") -> dict[str, Any]:
+        try:
+            settings = json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise UsageError(f"{flag}: {path} is not valid JSON ({err})") from None
+        if not isinstance(settings, dict):
+            raise UsageError(
+                f"{flag}: {path} must hold a JSON object of fsdp_config settings, got {type(settings).__name__}"
+            )
+        version = settings.get("version", settings.get("fsdp_version", 2))
+        if str(version) != "2":
+            raise UsageError(f"{flag}: only FSDP version 2 is supported, {path} asks for version {version!r}")
+        return settings
+
+    def check(self, value: object, flag: str) -> None:
+        """`UsageError` naming `flag` unless `value` is a readable JSON object with no version other than 2."""
+        self.read(str(value), flag)
+
+
+FsdpConfigPath = Annotated[str, TextFile(), FsdpConfigFile()]
 
 
 @dataclass
@@ -112,6 +140,22 @@ class RunArguments:
         "where cos^2(y, z) is taken: residual (attention/MLP outputs vs the hidden state entering the sublayer) "
         "or value (each head's output before W_O vs its own value)",
     )
+    fsdp: bool = option(
+        False,
+        "shard weights, gradients and optimizer state over the processes with FSDP2, one unit per decoder layer "
+        "(launch with torchrun or accelerate launch; Accelerate enables FSDP on GPUs and other accelerators, CPU "
+        "processes train with DDP instead)",
+    )
+    fsdp_config: FsdpConfigPath | None = option(
+        None,
+        "a JSON file of Transformers fsdp_config settings (e.g. reshard_after_forward, cpu_offload, "
+        "activation_checkpointing, state_dict_type); version 2 only; implies --fsdp",
+    )
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """--fsdp or --fsdp-config."""
+        return self.fsdp or self.fsdp_config is not None
 
     @property
     def train_samples(self) -> int:
@@ -132,8 +176,9 @@ class RunArguments:
         """The one place where the command's options become Trainer settings: `RelationalTrainingArguments` with the
         batch size, accumulation, steps, peak learning rate (cosine schedule, linear warm-up), weight decay, seed,
         logging and checkpoint intervals, projection and suppression of these options, one kept trainer
-        checkpoint in `trainer_dir`, no reporting integration, the CPU where there is no GPU. `settings` adds or
-        overrides TrainingArguments fields."""
+        checkpoint in `trainer_dir`, no reporting integration, the CPU where there is no GPU, and with --fsdp
+        `fsdp=True` and `fsdp_config` version 2 (updated from --fsdp-config; the sharding units are the model's
+        `_no_split_modules`, its decoder layers). `settings` adds or overrides TrainingArguments fields."""
         values: dict[str, Any] = {
             "output_dir": str(trainer_dir),
             "per_device_train_batch_size": self.batch_size,
@@ -161,6 +206,10 @@ class RunArguments:
             "parallel_suppression_coef": self.parallel_suppression,
             "parallel_suppression_site": self.parallel_suppression_site,
         }
+        if self.uses_fsdp:
+            extra = {} if self.fsdp_config is None else FsdpConfigFile().read(self.fsdp_config)
+            values["fsdp"] = True
+            values["fsdp_config"] = {"version": 2, **extra}
         return RelationalTrainingArguments(**values | settings)
 
 
@@ -282,6 +331,17 @@ def time_limit_note(command: str, steps: int, max_steps: int, output_dir: str) -
     )
 
 
+def check_fsdp(args: RunArguments) -> None:
+    """`UsageError` for --fsdp / --fsdp-config in a single process (FSDP shards over the processes that torchrun or
+    accelerate launch start)."""
+    if args.uses_fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        flag = "--fsdp" if args.fsdp else "--fsdp-config"
+        raise UsageError(
+            f"{flag} shards the model over several processes: launch with torchrun --nproc_per_node N or "
+            "accelerate launch --num_processes N"
+        )
+
+
 def check_blocks(ids: torch.Tensor, block_size: int, what: str, extra: int = 0) -> None:
     """`UsageError` unless the token stream `ids` holds at least one --block-size block plus `extra` tokens (checked
     before training: random training windows need one token more than a block)."""
@@ -320,8 +380,10 @@ def claimed_output(args: RunArguments, command: str, kind: str) -> Iterator[Path
 __all__ = [
     "DataArguments",
     "DivergenceGuard",
+    "FsdpConfigFile",
     "RunArguments",
     "check_blocks",
+    "check_fsdp",
     "check_trained",
     "claimed_output",
     "collapsed_output",

@@ -31,6 +31,7 @@ from .runs import (
     DivergenceGuard,
     RunArguments,
     check_blocks,
+    check_fsdp,
     check_trained,
     claimed_output,
     run_training,
@@ -143,6 +144,7 @@ def check(args: TrainArguments) -> None:
     if args.bpe_vocab_size is not None and args.tokenizer != "bpe":
         raise UsageError("--bpe-vocab-size applies only to --tokenizer bpe")
     args.bpe_vocab_size = args.bpe_vocab_size or DEFAULT_BPE_VOCAB
+    check_fsdp(args)
     if args.parallel_suppression_site != "residual" and args.parallel_suppression == 0:
         raise UsageError("--parallel-suppression-site needs --parallel-suppression > 0")
     if args.hidden_size % args.heads:
@@ -261,6 +263,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     from ..lm.metrics import perplexity
     from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_checkpoint
     from ..training.callbacks import TimeLimitCallback
+    from ..training.fsdp import gathered_for_saving
 
     set_seed(args.seed)
     started = time.monotonic()
@@ -286,7 +289,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     train_set = RandomBlockDataset(train_ids, args.block_size, args.train_samples, seed=args.seed)
     training_args = args.training_arguments(trainer_dir, adam_beta2=0.99)
     trainer_cls = Trainer
-    if args.projection != "none" or args.parallel_suppression > 0:
+    if args.projection != "none" or args.parallel_suppression > 0 or args.uses_fsdp:
         from ..training import RelationalTrainer
 
         trainer_cls = RelationalTrainer
@@ -297,8 +300,9 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     val_ppl = perplexity(model, val_blocks)
     check_trained(model, val_ppl, val_blocks, guard, args, "training", trainer_dir, start_step(resume_from))
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
+    saved = gathered_for_saving(trainer, model)  # every rank: under FSDP the shards are gathered to rank 0
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
-        save_checkpoint(model, tokenizer, out, command="train", kind="full")
+        save_checkpoint(saved, tokenizer, out, command="train", kind="full")
         drop_set_aside_checkpoints(trainer_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed) if args.sample_tokens else ""
     return TrainResult(

@@ -16,13 +16,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..architectures import LayerRoles, get_adapter
-from ..modeling.modeling_relational import repeat_kv
+from ..modeling.modeling_relational import eager_attention_parts
 
 #: Sites whose updates `decompose` measures (DESIGN.md section 3).
 SITES: tuple[str, ...] = ("residual_attention", "residual_mlp", "block", "value", "value_exclude_self")
@@ -113,18 +112,13 @@ def directional_attention_forward(
     """Eager attention o_t = sum_s A_ts v_s, A = softmax(q k^T * scaling + mask), with the hooks of `module` applied.
 
     query (B, H, T, r), key (B, H_kv, S, r), value (B, H_kv, S, d_h); returns (output (B, T, H, d_h), A).
-    Same operations in the same order as Transformers' eager kernels, so without hooks the result is bit-identical.
+    The kernel is the model's own eager attention (`modeling_relational.eager_attention_parts`: the same operations
+    in the same order as Transformers' eager kernels), so without hooks the result is bit-identical.
     """
-    groups = query.shape[1] // key.shape[1]
-    keys = repeat_kv(key, groups)  # (B, H, S, r)
-    values = repeat_kv(value, groups)  # (B, H, S, d_h)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling  # (B, H, T, S)
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    state = AttentionState(weights, values, torch.matmul(weights, values))  # output (B, H, T, d_h)
+    weights, values, output = eager_attention_parts(
+        query, key, value, attention_mask, scaling, dropout, module.training
+    )
+    state = AttentionState(weights, values, output)  # output (B, H, T, d_h)
     for hook in list(_ATTENTION_HOOKS.get(module, ())):
         state = hook(state) or state
     return state.output.transpose(1, 2).contiguous(), state.weights

@@ -155,17 +155,29 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states[:, :, None].expand(b, h_kv, n_rep, t, e).reshape(b, h_kv * n_rep, t, e)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """softmax(q k^T * scaling + mask) v for q (B, H, T, r), k (B, H_kv, S, r), v (B, H_kv, S, d_h)."""
-    key_states = repeat_kv(key, module.num_key_value_groups)
-    value_states = repeat_kv(value, module.num_key_value_groups)
+def eager_attention_parts(query, key, value, attention_mask, scaling, dropout=0.0, training=False):
+    """The eager attention kernel, the one home of its operations (the directional toolkit edits its output):
+    A = softmax(q k^T * scaling + mask), o = A v for q (B, H, T, r), k (B, H_kv, S, r), v (B, H_kv, S, d_h), the
+    key/value heads repeated for the query heads of their group. Returns (A (B, H, T, S), the repeated values
+    (B, H, S, d_h), o (B, H, T, d_h))."""
+    groups = query.shape[1] // key.shape[1]
+    key_states = repeat_kv(key, groups)
+    value_states = repeat_kv(value, groups)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (B, H, T, S)
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()  # (B, T, H, d_h)
-    return attn_output, attn_weights
+    attn_weights = F.dropout(attn_weights, p=dropout, training=training)
+    return attn_weights, value_states, torch.matmul(attn_weights, value_states)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """softmax(q k^T * scaling + mask) v for q (B, H, T, r), k (B, H_kv, S, r), v (B, H_kv, S, d_h)."""
+    attn_weights, _, attn_output = eager_attention_parts(
+        query, key, value, attention_mask, scaling, dropout, module.training
+    )
+    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, d_h), (B, H, T, S)
 
 
 class RelationalAttention(nn.Module):

@@ -8,15 +8,17 @@ Where things are:
 - `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
 - `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`; `canonical_stream` its streaming form
                `stream_canonicalize(src, out)` (one layer at a time from safetensors shards);
-- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`.
+- `projection` `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`; `projected_optimizer`
+               `ProjectedOptimizer`, the optimiser wrapper that applies it at every step;
+- `sharding`   whole tensors from FSDP2 (DTensor) parameter shards and shards back (`full_tensor`, `shard_like`).
 """
 
 from .canonical import CanonicalizationReport, apply_random_symmetry, canonicalize
 from .canonical_stream import stream_canonicalize
 from .groups import SymmetryGroup, symmetry_groups
 from .invariants import HeadDescriptors, head_descriptors
+from .projected_optimizer import ProjectedOptimizer
 from .projection import (
-    ProjectedOptimizer,
     ProjectionStats,
     UpdateProjector,
     orbit_balance,

@@ -1,4 +1,5 @@
-"""Optimisation on the quotient (DESIGN.md 2.3): vertical/horizontal split of updates, projected optimiser, balance.
+"""Optimisation on the quotient (DESIGN.md 2.3): vertical/horizontal split of updates and balance (the optimiser
+wrapper that applies the split at every step is `projected_optimizer.ProjectedOptimizer`).
 
 The vertical space at theta is V = { xi(X) : X in the Lie algebra of every included group } (xi summed over groups).
 The vertical part of an update delta is xi(X*) with X* the least-squares solution of xi^T xi X = xi^T delta; the
@@ -11,6 +12,13 @@ When the groups touch disjoint tensors one iteration is exact. The default solve
 set of groups on pairwise disjoint tensors exactly (a direct answer when that is every group, as for a free-gauge
 relational model) and runs the conjugate gradients only on the Schur complement of the others (e.g. Llama's norm
 gains), which needs about half the iterations of CG on the full system and touches only the coupled tensors.
+
+Groups that share no tensor, directly or through other groups, have orthogonal vertical spaces, so the normal
+equations split into independent blocks (the connected components of the groups' shared tensors: about one per
+decoder layer and kind for Llama, one per group for a free-gauge relational model), solved one block at a time. A
+block needs only its own tensors, so with sharded parameters (FSDP2 DTensors) one block at a time is gathered whole
+(`sharding.full_tensor`), solved, and each process applies its own shard of the answer: the update is the
+one-process update, and the memory is one block's whole tensors, not the model's.
 """
 
 from __future__ import annotations
@@ -19,13 +27,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from .algebra import DEFAULT_EPS
 from .groups import Algebra, ParamDict, ResidualRotation, SymmetryGroup, symmetry_groups
+from .sharding import full_tensor, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +110,62 @@ def _disjoint_cover(groups: list[SymmetryGroup]) -> list[int]:
 
 
 @dataclass
+class _Block:
+    """Groups connected through shared tensors (a connected component), and the split of the "auto" solver on them:
+    `first` a largest set on pairwise disjoint tensors (eliminated exactly), `second` the rest, `coupled` the first
+    groups sharing a tensor with the second, `reduced_keys` the tensors the reduced iterations touch."""
+
+    groups: list[SymmetryGroup]
+    keys: list[int]
+    first: list[SymmetryGroup]
+    second: list[SymmetryGroup]
+    coupled: list[SymmetryGroup]
+    reduced_keys: list[int]
+    second_keys: set[int]
+
+    @classmethod
+    def of(cls, groups: list[SymmetryGroup], order: list[int]) -> _Block:
+        keys = {id(s.param) for g in groups for s in g.slots()}
+        chosen = set(_disjoint_cover(groups))
+        first = [g for i, g in enumerate(groups) if i in chosen]
+        second = [g for i, g in enumerate(groups) if i not in chosen]
+        second_keys = {id(s.param) for g in second for s in g.slots()}
+        coupled = [g for g in first if any(id(s.param) in second_keys for s in g.slots())]
+        reduced = second_keys | {id(s.param) for g in coupled for s in g.slots()}
+        return cls(
+            groups=groups,
+            keys=[k for k in order if k in keys],
+            first=first,
+            second=second,
+            coupled=coupled,
+            reduced_keys=[k for k in order if k in reduced],
+            second_keys=second_keys,
+        )
+
+
+def _blocks(groups: list[SymmetryGroup], order: list[int]) -> list[_Block]:
+    """The groups split into connected components of their shared tensors (union-find on parameter ids), in the order
+    of their first group; `order` orders the parameter ids of each block."""
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        for s in g.slots():
+            j = owner.setdefault(id(s.param), i)
+            parent[root(i)] = root(j)
+    members: dict[int, list[SymmetryGroup]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(root(i), []).append(g)
+    return [_Block.of(block, order) for block in members.values()]
+
+
+@dataclass
 class ProjectionStats:
     """Diagnostics of one projection: norms of the update and of its vertical part, CG iterations, the final
     relative residual of the normal equations (in the preconditioner's norm)."""
@@ -115,6 +179,18 @@ class ProjectionStats:
     def vertical_share(self) -> float:
         """|vertical| / |update| (0 for a zero update)."""
         return self.vertical_norm / self.update_norm if self.update_norm > 0 else 0.0
+
+    @classmethod
+    def combine(cls, parts: Iterable[ProjectionStats]) -> ProjectionStats:
+        """The statistics of independent blocks taken together: norms combined as a root sum of squares, the most
+        iterations and the largest relative residual of any block (an upper bound of the whole system's)."""
+        parts = list(parts)
+        return cls(
+            math.sqrt(sum(p.update_norm**2 for p in parts)),
+            math.sqrt(sum(p.vertical_norm**2 for p in parts)),
+            max((p.iterations for p in parts), default=0),
+            max((p.residual for p in parts), default=0.0),
+        )
 
 
 class UpdateProjector:
@@ -134,7 +210,10 @@ class UpdateProjector:
     answer, otherwise the first set is eliminated exactly and preconditioned CG runs on the Schur complement of the
     rest, xi_2^T (I - P_1) xi_2 (P_1 the projection onto the first set's vertical space), with the same stopping
     rule; its iterates are those of CG on the full system taken two at a time, and each touches only the tensors of
-    the coupled groups. "cg": preconditioned CG on the full normal equations (the reference).
+    the coupled groups. "cg": preconditioned CG on the full normal equations (the reference). Either solver runs
+    block by block (`blocks`: groups connected through shared tensors; the normal equations do not couple blocks),
+    so CG's stopping rule holds for every block, which bounds the whole system's relative residual by the same tol.
+    Sharded (FSDP2 DTensor) parameters are read whole, one block at a time (see `block_vertical`).
     """
 
     def __init__(
@@ -180,59 +259,50 @@ class UpdateProjector:
             dtype = torch.float64 if wide else torch.float32
         self.dtype = dtype
         self.solver = solver
-        # the split of the "auto" solver: groups on pairwise disjoint tensors (eliminated exactly), the rest, and
-        # the eliminated groups that share a tensor with the rest (the only ones the reduced iterations touch)
-        first = set(_disjoint_cover(self.groups))
-        self._first = [g for i, g in enumerate(self.groups) if i in first]
-        self._second = [g for i, g in enumerate(self.groups) if i not in first]
-        second_keys = {id(s.param) for g in self._second for s in g.slots()}
-        self._coupled = [g for g in self._first if any(id(s.param) in second_keys for s in g.slots())]
-        reduced_keys = second_keys | {id(s.param) for g in self._coupled for s in g.slots()}
-        self._reduced_keys = [k for k in self.params if k in reduced_keys]
-        self._second_keys = second_keys
+        # independent blocks of the normal equations, each with the split of the "auto" solver
+        self.blocks = _blocks(self.groups, list(self.params))
         self.last_stats: ProjectionStats | None = None
 
-    # --- the normal equations ----------------------------------------------------------------------------------
-    def _zeros(self, keys: Iterable[int] | None = None) -> ParamDict:
-        keys = self.params if keys is None else keys
+    # --- the normal equations, one block at a time ----------------------------------------------------------------
+    def _zeros(self, keys: Iterable[int]) -> ParamDict:
         return {k: torch.zeros(self.params[k].shape, dtype=self.dtype, device=self.params[k].device) for k in keys}
 
-    def _xi(self, x: list[Algebra]) -> ParamDict:
-        out = self._zeros()
-        for g, xg in zip(self.groups, x, strict=True):
+    def _xi(self, x: list[Algebra], block: _Block) -> ParamDict:
+        out = self._zeros(block.keys)
+        for g, xg in zip(block.groups, x, strict=True):
             g.vertical(xg, out)
         return out
 
-    def _xi_t(self, delta: ParamDict) -> list[Algebra]:
-        return [g.adjoint(delta) for g in self.groups]
-
-    def _precondition(self, y: list[Algebra], groups: list[SymmetryGroup] | None = None) -> list[Algebra]:
-        groups = self.groups if groups is None else groups
+    def _precondition(self, y: list[Algebra], groups: list[SymmetryGroup]) -> list[Algebra]:
         return [g.precondition(yg) for g, yg in zip(groups, y, strict=True)]
 
-    def _solve(self, full: ParamDict) -> tuple[list[Algebra], int, float]:
-        """Preconditioned CG on xi^T xi X = xi^T delta; returns (X, iterations, relative residual)."""
-        b = self._xi_t(full)
+    def _solve(self, full: ParamDict, block: _Block) -> tuple[ParamDict, int, float]:
+        """Preconditioned CG on xi^T xi X = xi^T delta (the "cg" solver); returns (xi(X*), iterations, relative
+        residual)."""
+        groups = block.groups
+        b = [g.adjoint(full) for g in groups]
         x = [[torch.zeros_like(t) for t in bg] for bg in b]
-        b_norm = math.sqrt(max(_dot(b, self._precondition(b)), 0.0))
+        b_norm = math.sqrt(max(_dot(b, self._precondition(b, groups)), 0.0))
 
         def step(alpha: float, p: list[Algebra]) -> None:
             x[:] = _axpy(alpha, p, x)
 
-        iterations, rel = _pcg(
-            lambda p: self._xi_t(self._xi(p)), self._precondition, b, b_norm, self.tol, self.max_iter, step
-        )
-        return x, iterations, rel
+        def apply(p: list[Algebra]) -> list[Algebra]:
+            image = self._xi(p, block)
+            return [g.adjoint(image) for g in groups]
 
-    def _solve_split(self, full: ParamDict) -> tuple[ParamDict, int, float]:
+        iterations, rel = _pcg(apply, lambda y: self._precondition(y, groups), b, b_norm, self.tol, self.max_iter, step)
+        return self._xi(x, block), iterations, rel
+
+    def _solve_split(self, full: ParamDict, block: _Block) -> tuple[ParamDict, int, float]:
         """The "auto" solver: returns (xi(X*), iterations, relative residual). With B = the first (pairwise
         disjoint) groups and C = the rest, X_B = A_BB^-1 xi_B^T (delta - xi_C X_C) and X_C solves the Schur complement
         system xi_C^T (I - P_B) xi_C X_C = xi_C^T (I - P_B) delta; then xi(X*) = P_B delta + (I - P_B) xi_C X_C, with
         P_B xi_C X_C = xi_B A_BB^-1 xi_B^T xi_C X_C accumulated in the algebra along the CG directions."""
-        first, second, coupled = self._first, self._second, self._coupled
+        first, second, coupled = block.first, block.second, block.coupled
         y_first = [g.adjoint(full) for g in first]
         x_first = self._precondition(y_first, first)
-        vertical = self._zeros()
+        vertical = self._zeros(block.keys)
         for g, xg in zip(first, x_first, strict=True):
             g.vertical(xg, vertical)  # P_B delta
         if not second:  # block-diagonal normal equations: the preconditioned solve is exact
@@ -245,9 +315,9 @@ class UpdateProjector:
         # work: xi_C p on the coupled groups' tensors. The eliminated groups read it (zero outside the tensors of C)
         # and write -P_B xi_C p back into it, where only the tensors of C are read again: `sink` sends their writes
         # elsewhere to a scratch copy that nothing reads, so only the tensors of C are re-zeroed.
-        work = self._zeros(self._reduced_keys)
-        second_keys = [k for k in self._reduced_keys if k in self._second_keys]
-        sink = {k: work[k] if k in self._second_keys else torch.empty_like(work[k]) for k in work}
+        work = self._zeros(block.reduced_keys)
+        second_keys = [k for k in block.reduced_keys if k in block.second_keys]
+        sink = {k: work[k] if k in block.second_keys else torch.empty_like(work[k]) for k in work}
         x_second = [[torch.zeros_like(t) for t in pg] for pg in r]  # X_C
         x_coupled: list[list[Algebra]] = []  # A_BB^-1 xi_B^T xi_C X_C on the coupled groups
         last: list[list[Algebra]] = []  # A_BB^-1 xi_B^T xi_C p of the latest direction
@@ -275,11 +345,11 @@ class UpdateProjector:
                 g.vertical([-t for t in xg], vertical)
         return vertical, 1 + iterations, rel
 
-    def _full(self, delta: ParamDict) -> ParamDict:
-        """`delta` over every projected parameter in `self.dtype` (missing entries zero; no copy where it fits)."""
+    def _full(self, delta: ParamDict, keys: Iterable[int]) -> ParamDict:
+        """`delta` over the parameters `keys` in `self.dtype` (missing entries zero; no copy where it fits)."""
         full = {}
-        for k, p in self.params.items():
-            t = delta.get(k)
+        for k in keys:
+            p, t = self.params[k], delta.get(k)
             if t is not None and t.dtype == self.dtype and t.shape == p.shape and t.device == p.device:
                 full[k] = t
             else:
@@ -289,27 +359,44 @@ class UpdateProjector:
         return full
 
     @torch.no_grad()
-    def vertical_part(self, delta: ParamDict, at: ParamDict | None = None) -> ParamDict:
-        """xi(X*) for the update `delta` (dict id(param) -> tensor shaped like the parameter), in `self.dtype`.
-        `at`: the parameter values to project at (same keys and shapes, read only; default the live parameters)."""
-        if not self.groups:
-            self.last_stats = ProjectionStats(0.0, 0.0, 0, 0.0)
-            return {}
-        full = self._full(delta)
+    def block_vertical(
+        self, block: _Block, delta: ParamDict, at: ParamDict | None = None
+    ) -> tuple[ParamDict, ProjectionStats]:
+        """xi(X*) of one block (an element of `self.blocks`) for the update `delta` (whole tensors, keyed by
+        id(param); entries outside the block are ignored), at the values `at` (whole tensors, read only; default the
+        live parameters, whole tensors gathered for sharded ones). Returns the block's vertical part, in
+        `self.dtype`, and its statistics."""
+        full = self._full(delta, block.keys)
+        if at is None and any(is_sharded(self.params[k]) for k in block.keys):
+            at = {k: full_tensor(self.params[k]) for k in block.keys}  # each tensor gathered once, not per group
         try:
-            for g in self.groups:
+            for g in block.groups:
                 g.prepare(self.eps, self.dtype, at)
             if self.solver == "cg":
-                x, iterations, rel = self._solve(full)
-                vertical = self._xi(x)
+                vertical, iterations, rel = self._solve(full, block)
             else:
-                vertical, iterations, rel = self._solve_split(full)
+                vertical, iterations, rel = self._solve_split(full, block)
         finally:
-            for g in self.groups:
+            for g in block.groups:
                 g.release()
-        update_norm = math.sqrt(_sq_norm(full.values()))
-        vertical_norm = math.sqrt(_sq_norm(vertical.values()))
-        self.last_stats = ProjectionStats(update_norm, vertical_norm, iterations, rel)
+        stats = ProjectionStats(
+            math.sqrt(_sq_norm(full.values())), math.sqrt(_sq_norm(vertical.values())), iterations, rel
+        )
+        return vertical, stats
+
+    @torch.no_grad()
+    def vertical_part(self, delta: ParamDict, at: ParamDict | None = None) -> ParamDict:
+        """xi(X*) for the update `delta` (dict id(param) -> tensor shaped like the parameter, whole tensors also for
+        sharded parameters), in `self.dtype`, solved block by block (`block_vertical`). `at`: the parameter values
+        to project at (same keys and shapes, read only; default the live parameters). `last_stats` combines the
+        blocks' statistics."""
+        vertical: ParamDict = {}
+        parts = []
+        for block in self.blocks:
+            part, stats = self.block_vertical(block, delta, at)
+            vertical.update(part)
+            parts.append(stats)
+        self.last_stats = ProjectionStats.combine(parts)
         return vertical
 
     # --- public, name-keyed ------------------------------------------------------------------------------------
@@ -366,169 +453,7 @@ def orbit_drift(reference: Mapping[str, torch.Tensor], current: Mapping[str, tor
     return out
 
 
-class ProjectedOptimizer(torch.optim.Optimizer):
-    """Wraps any torch optimiser so that every step is horizontal: after the inner step the update
-    delta = theta_new - theta_old is replaced by delta - P_V(delta) (DESIGN 2.3), P_V the orthogonal projection onto
-    the vertical space of the model's symmetry groups at theta_old.
-
-    The projection is installed on the wrapped optimiser through torch's public hooks: a step pre-hook snapshots
-    theta_old, a step post-hook (the first one, so later post-hooks see the projected parameters) replaces the update,
-    and state-dict hooks add and read back one entry, "symmetry_projection", with the projection's settings and step
-    count. So the wrapped optimiser projects and saves itself whoever calls it; `unwrap()` removes the hooks.
-
-    The wrapper is a `torch.optim.Optimizer` (LR schedulers, HF Trainer and accelerate accept it) that delegates
-    `param_groups`, `state`, `defaults`, `step`, `zero_grad`, `add_param_group`, the state dict and hook registration
-    to the wrapped optimiser, like accelerate's `AcceleratedOptimizer`. `last_stats` holds the last step's
-    `ProjectionStats`. Keyword arguments go to `UpdateProjector`.
-    """
-
-    #: the state-dict entry holding the projection's settings and step count
-    STATE_KEY = "symmetry_projection"
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, **projector_kwargs: Any) -> None:
-        # Not calling Optimizer.__init__: the wrapped optimiser owns parameters, state and hooks.
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ProjectedOptimizer):
-            raise TypeError(
-                f"optimizer: expected a torch.optim.Optimizer that is not already projected, got {type(optimizer)!r}"
-            )
-        self.optimizer = optimizer
-        owned = [p for group in optimizer.param_groups for p in group["params"]]
-        self.projector = UpdateProjector(model, allowed_params=owned, **projector_kwargs)
-        self.projected_steps = 0
-        self._old: ParamDict | None = None
-        self._handles = [
-            optimizer.register_step_pre_hook(self._snapshot),
-            optimizer.register_step_post_hook(self._project),
-            optimizer.register_state_dict_post_hook(self._add_state),
-            optimizer.register_load_state_dict_pre_hook(self._read_state),
-        ]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    @property
-    def last_stats(self) -> ProjectionStats | None:
-        return self.projector.last_stats
-
-    # --- the projection, as hooks of the wrapped optimiser ------------------------------------------------------
-    @torch.no_grad()
-    def _snapshot(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: remember theta_old."""
-        self._old = {k: p.detach().clone() for k, p in self.projector.params.items()}
-
-    @torch.no_grad()
-    def _project(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step post-hook: theta_new -> theta_old + delta - P_V(delta), P_V taken at theta_old (DESIGN 2.3)."""
-        old, self._old = self._old, None
-        if old is None:
-            return
-        params, dtype = self.projector.params, self.projector.dtype
-        delta = {k: p.detach().to(dtype) - old[k].to(dtype) for k, p in params.items()}
-        vertical = self.projector.vertical_part(delta, at=old)
-        for k, v in vertical.items():
-            p = params[k]
-            if p.dtype == dtype:
-                p.sub_(v)  # theta_old + delta - v
-            else:
-                p.copy_((old[k].to(dtype) + delta[k] - v).to(p.dtype))
-        self.projected_steps += 1
-
-    def _add_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """State-dict post-hook: add the projection's entry."""
-        state_dict[self.STATE_KEY] = {
-            "projected_steps": self.projected_steps,
-            "tol": self.projector.tol,
-            "max_iter": self.projector.max_iter,
-            "eps": self.projector.eps,
-            "groups": [g.key for g in self.projector.groups],
-        }
-        return state_dict
-
-    def _read_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Load-state-dict pre-hook: take the projection's entry out (a plain optimiser's state dict has none)."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(self.STATE_KEY, None)
-        if extra is not None:
-            self.projected_steps = int(extra.get("projected_steps", 0))
-        return state_dict
-
-    # --- delegation -----------------------------------------------------------------------------------------------
-    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        """The inner step; its hooks replace the update by the horizontal part."""
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.optimizer.load_state_dict(state_dict)
-
-    def register_step_pre_hook(self, hook):  # type: ignore[override]
-        """Registered on the wrapped optimiser: runs before its update (after the snapshot of theta_old)."""
-        return self.optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook):  # type: ignore[override]
-        """Registered on the wrapped optimiser: runs after the projection."""
-        return self.optimizer.register_step_post_hook(hook)
-
-    def register_state_dict_pre_hook(self, hook, prepend: bool = False):  # type: ignore[override]
-        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
-
-    def register_state_dict_post_hook(self, hook, prepend: bool = False):  # type: ignore[override]
-        return self.optimizer.register_state_dict_post_hook(hook, prepend)
-
-    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):  # type: ignore[override]
-        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
-
-    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):  # type: ignore[override]
-        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
-
-    def unwrap(self) -> torch.optim.Optimizer:
-        """Remove the projection's hooks and return the wrapped optimiser (which then steps unprojected)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        return self.optimizer
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"ProjectedOptimizer({self.optimizer!r}, groups={len(self.projector.groups)})"
-
-
 __all__ = [
-    "ProjectedOptimizer",
     "ProjectionStats",
     "UpdateProjector",
     "orbit_balance",

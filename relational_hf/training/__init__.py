@@ -1,5 +1,5 @@
-"""Training: the relational Trainer and its arguments, the callbacks of the training jobs, PEFT support and the
-reference checkpoints.
+"""Training: the relational Trainer and its arguments, the callbacks of the training jobs, PEFT support, saving a
+model FSDP2 sharded (`fsdp`: `gathered_for_saving`, `unsharded_class`) and the reference checkpoints.
 
 The data, tokenizers and metrics live in `relational_hf.lm` and parallel suppression in
 `relational_hf.directional.suppression`; the `train` and `finetune` commands in `relational_hf.commands`.

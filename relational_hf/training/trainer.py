@@ -14,6 +14,11 @@ What it adds to `Trainer` (each off by default, so with the defaults it computes
   otherwise both are per-micro-batch means that the Trainer divides by the accumulation steps. So gradient
   accumulation k x b gives the gradient of batch k b, and DDP's gradient average gives the gradient of the global
   batch.
+- FSDP (`fsdp=True`, version 2, or an Accelerate FSDP config): the projection gathers each block of its normal
+  equations whole and applies every process's shard of the one-process update (`ProjectedOptimizer`), the balance of
+  `orbit_drift` is read from whole tensors, and `save_model` and the Trainer's checkpoints write the model's own
+  code files and `auto_map` (`training.fsdp.unsharded_class`), not the FSDP subclass's. Accelerate enables FSDP only
+  on accelerators: on CPU processes `fsdp=True` trains with DDP, and the trainer says so.
 - its own state rides on public mechanisms: the projection's step count on the wrapped optimiser's state dict
   (`optimizer.pt`), the balance reference of `orbit_drift` in `relational_trainer_state.pt`, written beside each
   checkpoint by a callback's `on_save` and read back by `train(resume_from_checkpoint=...)`.
@@ -39,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 
 from ..directional.suppression import ParallelSuppression
 from .arguments import RelationalTrainingArguments
+from .fsdp import is_sharded_model, unsharded_class
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,18 @@ class RelationalTrainer(Trainer):
         self._steps_since_log = 0  # optimiser steps since the last training log (counted by `_StateCallback`)
         self._balance_reference: Any = None
         self.add_callback(_StateCallback(self))
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2 and self.symmetry_projection == "update":
+            raise ValueError(
+                "symmetry_projection='update' supports FSDP version 2 only (DTensor parameters, read whole block by "
+                "block); FSDP 1 flattens the weights: set fsdp_config={'version': 2} or --fsdp_version 2"
+            )
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            logger.warning(
+                "fsdp: Accelerate enables FSDP only on accelerators (CUDA, XPU, ...); these %d CPU processes train "
+                "with DDP (every process holds the whole model)",
+                self.args.world_size,
+            )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """`Trainer.train`; when resuming, also reads back the balance reference of `orbit_drift` saved beside the
@@ -214,6 +232,15 @@ class RelationalTrainer(Trainer):
         return metrics
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """`Trainer._save`; a model sharded by FSDP2 writes its gathered `state_dict` through its own class, so the
+        folder holds the model's code files and an `auto_map` naming them (`training.fsdp.unsharded_class`)."""
+        if state_dict is None or not is_sharded_model(self.model):
+            return super()._save(output_dir, state_dict)
+        # Trainer has no public hook between gathering a sharded model's weights and writing them; `_save` is it
+        with unsharded_class(self.model):
+            return super()._save(output_dir, state_dict)
+
     def _save_balance_reference(self, checkpoint: str) -> None:
         """Write the balance reference beside the checkpoint (staged beside, then renamed)."""
         if not self.args.should_save or self._balance_reference is None:

@@ -25,6 +25,7 @@ from ..algebra import (
     DEFAULT_EPS,
     Degeneracy,
 )
+from ..sharding import full_tensor
 
 ParamDict = dict[int, torch.Tensor]
 Algebra = list[torch.Tensor]  # an element of a group's Lie algebra, as a list of tensors (float64)
@@ -35,10 +36,11 @@ def _is_meta(t: torch.Tensor) -> bool:
 
 
 def _read(slot: TensorSlot, src: ParamDict | None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The slot's view of the live parameter (src None, always a copy: later writes must not alias it) or of the
-    vector `src`, in `dtype` (float64 for finite actions and canonical forms)."""
+    """The slot's view of the live parameter (src None, always a copy: later writes must not alias it; the whole
+    tensor of a sharded parameter, `sharding.full_tensor`) or of the vector `src`, in `dtype` (float64 for finite
+    actions and canonical forms)."""
     if src is None:
-        return slot.get().to(dtype, copy=True)
+        return slot.view(full_tensor(slot.param)).to(dtype, copy=True)
     return slot.view(src[id(slot.param)]).to(dtype)
 
 
@@ -148,8 +150,15 @@ class SymmetryGroup:
         raise NotImplementedError
 
     def balance(self) -> Algebra:
-        """Moment map xi^T(theta): e.g. W_Q^T W_Q - W_K^T W_K for a QK gauge, projected onto the algebra."""
-        return self.adjoint({id(s.param): s.param.detach() for s in self.slots()})
+        """Moment map xi^T(theta): e.g. W_Q^T W_Q - W_K^T W_K for a QK gauge, projected onto the algebra. A sharded
+        parameter is read whole, once (`sharding.full_tensor`)."""
+        values = {id(s.param): full_tensor(s.param) for s in self.slots()}
+        saved = self._cache, self._source
+        self._cache, self._source = {}, values  # the factors of theta are read from `values`, like a delta
+        try:
+            return self.adjoint(values)
+        finally:
+            self._cache, self._source = saved
 
     # --- finite action ---------------------------------------------------------------------------------------
     def random_element(self, generator: torch.Generator, scale: float = 0.3) -> object:

@@ -15,6 +15,7 @@ from ...architectures import (
     get_adapter,
 )
 from ..algebra import Conformal, FullLinear, RotaryCommutant, Subalgebra
+from ..sharding import full_tensor
 from .base import SymmetryGroup, _is_meta
 from .heads import QKGauge, QKNormGainExchange, VOGauge
 from .residual import ResidualReader, ResidualRotation
@@ -25,7 +26,7 @@ from .translations import CentringTranslation, KeyBiasShift, LayerNormBiasShift,
 def _value_clusters(values: torch.Tensor) -> list[list[int]]:
     """Coordinates grouped by equal value (a diagonal gain's commutant is block diagonal on these)."""
     groups: dict[float, list[int]] = {}
-    for i, v in enumerate(values.detach().double().cpu().tolist()):
+    for i, v in enumerate(full_tensor(values).double().cpu().tolist()):
         groups.setdefault(v, []).append(i)
     return sorted(groups.values(), key=lambda c: c[0])
 
@@ -45,7 +46,7 @@ def _qk_algebra(
                     "as for freshly initialised gains"
                 )
         else:
-            gq64, gk64 = gq.detach().double().cpu(), gk.detach().double().cpu()
+            gq64, gk64 = full_tensor(gq).double().cpu(), full_tensor(gk).double().cpu()
             mask = (gq64[:half] == gq64[half:rot]) & (gk64[:half] == gk64[half:rot])
         alg = RotaryCommutant(r, rot, pair_mask=mask, scalings=False, pass_block=False)
         return alg, (

@@ -1,0 +1,49 @@
+"""The speed benchmark's GPU configuration stays ready for a machine with a device: `--gpu --dry-run` builds every
+contender of every GPU size on the meta device and runs one round at a tiny size in bf16 on the CPU; `--gpu` without
+CUDA stops with a message instead of a traceback."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def speed():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import speed
+
+        yield speed
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_gpu_configuration_builds_every_size_and_runs_one_bf16_round_on_cpu(speed):
+    checked = speed.dry_run(speed.GPU_SIZES, [512, 2048], torch.bfloat16, "cpu")
+    assert set(checked["parameters"]) == set(speed.GPU_SIZES)
+    for size, counts in checked["parameters"].items():
+        dims = speed.GPU_SIZES[size]
+        # Llama stores 2 norm gains per layer that the free gauge folds away (README, "Parameter count"; tied head)
+        assert counts["llama"] - counts["relational_free"] == 2 * dims["num_hidden_layers"] * dims["hidden_size"]
+        assert counts["relational_thin_gqa"] < counts["relational_pivot"] < counts["relational_free"]
+    (round_,) = checked["results"].values()
+    assert set(round_) == {"llama", *speed.VARIANTS}
+    for entry in round_.values():
+        for metric in ("train_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+            assert math.isfinite(entry[metric]["median"]) and entry[metric]["median"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is absent")
+def test_gpu_flag_without_cuda_is_a_clear_error(speed, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["speed.py", "--gpu"])
+    with pytest.raises(SystemExit) as stop:
+        speed.main()
+    assert stop.value.code == 2
+    assert "--gpu needs a CUDA device" in capsys.readouterr().err
