@@ -93,8 +93,8 @@ class DataArguments:
         train, val, source = load_texts(self.train_file, self.dataset, self.dataset_config, self.text_column or "text")
         if not (self.train_file or self.dataset):
             print(
-                f"relational-hf {command}: no --train-file or --dataset given: training on the {source} (synthetic, "
-                "not natural language)",
+                f"relational-hf {command}: no --train-file or --dataset given: training on the {source}: synthetic "
+                "text, not natural language",
                 file=sys.stderr,
             )
         return train, val, source
