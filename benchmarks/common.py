@@ -15,8 +15,20 @@ from pathlib import Path
 
 import torch
 
+from relational_hf.lm.corpora import CorpusNotFound, corpus_file, data_dir
+
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: the real corpora: $RELATIONAL_HF_DATA, default ../shared/data beside the project (`relational_hf.lm.corpora`)
+SHARED_DATA = data_dir()
+
+
+def corpus(name: str) -> Path:
+    """The file of corpus `name` (`relational_hf.lm.corpora.CORPORA`); stops the benchmark with a message saying
+    where it was looked for and how to get it where it is absent."""
+    try:
+        return corpus_file(name)
+    except CorpusNotFound as err:
+        raise SystemExit(f"benchmark needs a corpus: {err}") from None
 
 
 def machine() -> dict:

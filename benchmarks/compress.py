@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, SHARED_DATA, machine
+from common import RESULTS, corpus, machine
 
 logger = logging.getLogger("compress")
 
@@ -97,7 +97,7 @@ def protocol_windows(
     """(calibration windows, evaluation windows, protocol description) of the module docstring's protocol."""
     from relational_hf.compress.eval import text_windows
 
-    text = SHARED_DATA / "wikitext-2" / "valid.txt"
+    text = corpus("wikitext-2")
     calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
     evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
     protocol = {

@@ -47,7 +47,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, SHARED_DATA, write_json
+from common import RESULTS, corpus, write_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("convert")
@@ -303,9 +303,7 @@ def run_conversions(
 def shakespeare_ids() -> tuple[torch.Tensor, torch.Tensor]:
     from relational_hf.lm.data import byte_level_tokenizer, encode, split_text
 
-    path = SHARED_DATA / "tinyshakespeare" / "input.txt"
-    if not path.is_file():
-        raise SystemExit(f"Tiny Shakespeare not found at {path}")
+    path = corpus("tinyshakespeare")
     train, val = split_text(path.read_text(encoding="utf-8"), 0.1)
     tok = byte_level_tokenizer()
     return encode(tok, train), encode(tok, val)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import corpus
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.directional import (
@@ -39,7 +40,6 @@ from relational_hf.directional import (
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DATA = PROJECT_ROOT / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
 RESULTS = PROJECT_ROOT / "benchmarks" / "results"
 SWEEP_VALUES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
@@ -100,11 +100,10 @@ def main() -> None:
         "--threads", type=int, default=1, help="intra-op threads (one is fastest for d = 128 on a busy CPU)"
     )
     args = parser.parse_args()
-    if not DATA.is_file():
-        raise SystemExit(f"{DATA} not found: this benchmark reads ../shared/data (see its README)")
+    data = corpus("tinyshakespeare")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    ids = torch.tensor(list(DATA.read_bytes()), dtype=torch.long)
+    ids = torch.tensor(list(data.read_bytes()), dtype=torch.long)
     split = int(0.9 * ids.numel())
     train_ids, val_ids = ids[:split], ids[split:]
 

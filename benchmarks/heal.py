@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, SHARED_DATA, machine
+from common import RESULTS, corpus, machine
 from compress import load_model, protocol_windows, write_atomically
 
 logger = logging.getLogger("heal")
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, window, args.calibration_windows or (4 if args.quick else 16), 4 if args.quick else 12, args.quick,
         args.threads,
     )
-    heal_ids = text_windows(SHARED_DATA / "wikitext-2" / "valid.txt", tokenizer, window=block, n=10**7, split="first")
+    heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
     protocol["healing_text"] = (
         f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
         "the calibration side, disjoint from the evaluation windows)"

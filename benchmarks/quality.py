@@ -62,6 +62,8 @@ from quality_setup import (
     projected_optimizer_status,
 )
 
+from relational_hf.lm import corpora as data_folder
+
 logger = logging.getLogger("quality")
 
 
@@ -147,7 +149,8 @@ def run_corpus(corpus: str, args: argparse.Namespace, budget_name: str) -> dict 
 
     relpath, loader = CORPORA[corpus]
     if not (common.SHARED_DATA / relpath).is_file():
-        logger.warning("skipping %s: %s not found under %s", corpus, relpath, common.SHARED_DATA)
+        name = next(n for n, (rel, _how) in data_folder.CORPORA.items() if rel == relpath)
+        logger.warning("skipping %s: %s", corpus, data_folder.missing_message(name))
         return None
     started = time.monotonic()
     budget = BUDGETS[budget_name]
@@ -429,7 +432,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     corpora = list(CORPORA) if args.corpus == "all" else [args.corpus]
     payloads = [p for c in corpora if (p := run_corpus(c, args, budget_name)) is not None]
     if not payloads:
-        logger.warning("no corpus found under %s: nothing measured", common.SHARED_DATA)
+        logger.warning("no corpus found under %s: nothing measured (see %s)", common.SHARED_DATA, data_folder.DATA_ENV)
     return payloads
 
 

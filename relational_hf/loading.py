@@ -205,6 +205,50 @@ def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = Fal
         raise _hub_errors(source, err) from err
 
 
+def from_pretrained_checked(model_class, location: str, **kwargs):
+    """`model_class.from_pretrained(location, **kwargs)` that refuses, in one line naming the tensors, weights that
+    do not match the model the checkpoint's config describes (Transformers would fill missing tensors with random
+    values and drop extra ones, with only a table on stderr): a local safetensors file that is truncated or corrupt
+    (checked from its header before anything loads), a missing tensor, a tensor the model does not have, a tensor
+    of another shape. A task head that the checkpoint's own architecture lacks (loading a causal LM for sequence
+    classification) may differ, as in Transformers."""
+    from .shards import IGNORED_SUFFIXES, CheckpointReader, is_safetensors_checkpoint, listing
+
+    if is_safetensors_checkpoint(location):
+        CheckpointReader(location)  # OSError naming the file for a truncated or unreadable safetensors file
+    try:
+        model, info = model_class.from_pretrained(location, output_loading_info=True, **kwargs)
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise ValueError(f"{location}: the weights do not match the model its config.json describes: {first}") from None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    same_architecture = type(model).__name__ in (getattr(model.config, "architectures", None) or [])
+
+    def counts(key: str) -> bool:  # a task head of another architecture may be absent or left over
+        return not key.endswith(IGNORED_SUFFIXES) and (same_architecture or key.startswith(f"{prefix}."))
+
+    missing = sorted(k for k in info.get("missing_keys", ()) if counts(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if counts(k))
+    mismatched = sorted(str(item[0] if isinstance(item, tuple) else item) for item in info.get("mismatched_keys", ()))
+    problems = [
+        f"{label} ({len(keys)}): {listing(keys)}"
+        for label, keys in (
+            ("missing tensors", missing),
+            ("unexpected tensors", unexpected),
+            ("other shapes", mismatched),
+        )
+        if keys
+    ]
+    if problems:
+        raise ValueError(
+            f"{location}: the weights do not match the model its config.json describes; {'; '.join(problems)}. "
+            "Was config.json edited (e.g. num_hidden_layers) or a weights file replaced or cut short?"
+        )
+    return model
+
+
 def load_model_from(
     source: ModelSource | str,
     *,
@@ -213,7 +257,8 @@ def load_model_from(
     model_class=None,
 ):
     """Load a model from a `ModelSource` (or anything `resolve_model_source` accepts): a GGUF file is dequantised
-    and rebuilt as a plain model, then cast to `dtype`; a checkpoint loads with `from_pretrained`."""
+    and rebuilt as a plain model, then cast to `dtype`; a checkpoint loads with `from_pretrained`, refusing weights
+    that do not match its config (`from_pretrained_checked`: missing, extra or reshaped tensors, a truncated file)."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(source, ModelSource):
@@ -230,7 +275,9 @@ def load_model_from(
             if torch_dtype != "auto":
                 model = model.to(torch_dtype)
         else:
-            model = model_class.from_pretrained(source.location, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            model = from_pretrained_checked(
+                model_class, source.location, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
     except (OSError, ValueError) as err:
         raise _hub_errors(source, err) from err
     logger.info("loaded %s from %s", type(model).__name__, source)
@@ -258,6 +305,7 @@ __all__ = [
     "ModelSourceNotFound",
     "ModelSourceOffline",
     "check_model_argument",
+    "from_pretrained_checked",
     "load_config_from",
     "load_model_from",
     "load_tokenizer_from",

@@ -179,6 +179,60 @@ def meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
     return model.eval()
 
 
+def listing(names: list[str], shown: int = 6) -> str:
+    """ "a, b, c and 4 more": the first `shown` of `names` for a one-line message."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+#: tensors a checkpoint may hold that no model loads (rotary tables that older Transformers versions saved)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_complete(model: nn.Module, reader: CheckpointReader) -> None:
+    """`ValueError` in one line, naming the tensors, unless the checkpoint holds exactly the persistent tensors of
+    the meta-device `model` its config describes, in their shapes: a missing tensor (of tied tensors one copy
+    suffices), a tensor the model does not have (e.g. a config whose `num_hidden_layers` is smaller than the
+    weights'), or a tensor of another shape. Without this check a layer-by-layer reader would report on the
+    config's model instead of the checkpoint's, or fail deep inside the work."""
+    names = checkpoint_names(model, reader)
+    tied: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tied.setdefault(id(tensor), []).append(name)
+    state = model.state_dict(keep_vars=True)
+    missing = sorted(group[0] for group in tied.values() if not any(name in names for name in group))
+    found = set(names.values())
+    unexpected = sorted(k for k in reader.keys() if k not in found and not k.endswith(IGNORED_SUFFIXES))
+    shapes = sorted(
+        f"{ckpt} {list(reader.shape(ckpt))} (config: {list(state[name].shape)})"
+        for name, ckpt in names.items()
+        if tuple(reader.shape(ckpt)) != tuple(state[name].shape)
+    )
+    problems = [
+        f"{label} ({len(keys)}): {listing(keys)}"
+        for label, keys in (("missing tensors", missing), ("unexpected tensors", unexpected), ("other shapes", shapes))
+        if keys
+    ]
+    if problems:
+        raise ValueError(
+            f"{reader.path}: the weights do not match the model its config.json describes; {'; '.join(problems)}. "
+            "Was config.json edited (e.g. num_hidden_layers) or a weights file replaced or cut short?"
+        )
+
+
+def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False, check: bool = True):
+    """(reader, config, meta-device model) of a local safetensors checkpoint folder, checked to agree
+    (`check_complete`; `check=False`: the caller checks, after its own checks of the model, e.g. that its family is
+    supported): the one way the layer-by-layer readers open a checkpoint."""
+    from transformers import AutoConfig
+
+    reader = CheckpointReader(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = meta_model(config, trust_remote_code=trust_remote_code)
+    if check:
+        check_complete(model, reader)
+    return reader, config, model
+
+
 def checkpoint_names(model: nn.Module, reader: CheckpointReader, prefix: str = "") -> dict[str, str]:
     """state_dict name (under `prefix`) -> checkpoint name, for the model's persistent tensors under `prefix`,
     accepting checkpoints saved without the base-model prefix (e.g. "layers.0..." for "model.layers.0...")."""
@@ -206,7 +260,7 @@ def materialize(
     missing = [k for k in expected if k not in names]
     if missing and strict:
         where = f"{prefix}." if prefix else ""
-        raise KeyError(f"{reader.path}: tensor {where}{missing[0]!r} is missing from the checkpoint")
+        raise ValueError(f"{reader.path}: tensor {where}{missing[0]} is missing from the checkpoint")
     tensors = reader.get(names.values())
     state = {}
     for local, name in names.items():

@@ -15,11 +15,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every Hub request of the session goes to a local Hub-protocol server, configured through the environment before
 # anything imports huggingface_hub (which reads it once, at import): nothing reaches the network.
 hub_server.configure_session()
+from relational_hf.lm.corpora import CorpusNotFound, corpus_file, data_dir, missing_message  # noqa: E402 - after configure_session
+
 # The test models are tiny: one intra-op thread is fastest for them, and immune to a busy machine's other work.
 torch.set_num_threads(1)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
+#: the real corpora: $RELATIONAL_HF_DATA, default ../shared/data beside the project (`relational_hf.lm.corpora`)
+SHARED_DATA = data_dir()
+
+
+def corpus_or_skip(name: str) -> Path:
+    """The file of corpus `name` (`relational_hf.lm.corpora.CORPORA`); the test skips, saying where the corpus was
+    looked for and how to get it, where it is absent."""
+    try:
+        return corpus_file(name)
+    except CorpusNotFound as err:
+        pytest.skip(str(err))
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +55,10 @@ def no_training(monkeypatch, tmp_path):
 
 @pytest.fixture
 def shared_data() -> Path:
-    """The real corpora of ../shared/data (skips with a message where absent)."""
+    """The folder of the real corpora (`relational_hf.lm.corpora.data_dir()`; skips, saying how to get it, where
+    absent)."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder not found next to the project ({SHARED_DATA.name}); see README")
+        pytest.skip(missing_message())
     return SHARED_DATA
 
 

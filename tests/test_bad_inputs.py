@@ -8,6 +8,7 @@ Trainer.train call fails the test), so every check must happen before the expens
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,46 @@ def files(tmp_path_factory) -> dict[str, Path]:
     torch.save(torch.randint(0, 40, (30,)), f["ids"])
     f["a_dir"] = root / "a_dir"
     f["a_dir"].mkdir()
+    np.savez(root / "steps_only.npz", step=np.arange(3))  # an archive without the recorder's arrays
+    f["steps_only"] = root / "steps_only.npz"
+    _broken_checkpoints(root, f, tokenizer)
+    zeroed = tiny_llama()
+    with torch.no_grad():
+        zeroed.model.layers[1].self_attn.k_proj.weight[:8] = 0.0  # key head 0 of layer 1: every rotary pair zero
+    f["zeroed_head"] = root / "zeroed_head"
+    zeroed.save_pretrained(f["zeroed_head"])
     return f
+
+
+def _broken_checkpoints(root: Path, f: dict[str, Path], tokenizer) -> None:
+    """Checkpoints whose weights disagree with their config.json (Llama and relational, vocabulary 259 so that the
+    byte tokenizer fits): a tensor missing, the file cut short, a layer more or fewer in the config."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    for family, model in (
+        ("llama", tiny_model("llama", vocab_size=259, num_key_value_heads=2)),
+        ("rel", tiny_model("relational", vocab_size=259, gauge="pivot")),
+    ):
+        whole = root / f"{family}_whole"
+        model.save_pretrained(whole)
+        tokenizer.save_pretrained(whole)
+        for case in ("missing", "cut", "more_layers", "fewer_layers"):
+            folder = root / f"{family}_{case}"
+            shutil.copytree(whole, folder)
+            weights, config = folder / "model.safetensors", folder / "config.json"
+            if case == "missing":
+                tensors = load_file(weights)
+                del tensors["model.layers.1.mlp.down_proj.weight"]
+                save_file(tensors, weights, metadata={"format": "pt"})
+            elif case == "cut":
+                weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+            else:
+                values = json.loads(config.read_text())
+                values["num_hidden_layers"] = 3 if case == "more_layers" else 1
+                values.pop("layer_types", None)
+                config.write_text(json.dumps(values))
+            f[f"{family}_{case}"] = folder
 
 
 # bad input must be refused before training: any Trainer.train call fails the test (conftest); runs in a fresh cwd
@@ -129,7 +169,7 @@ CASES: list[tuple[str, list[str]]] = [
     (f"{T} --hidden-size 0", ["--hidden-size", ">= 1"]),
     (f"{T} --layers 0", ["--layers", ">= 1"]),
     (f"{T} --heads 0", ["--heads", ">= 1"]),
-    (f"{T} --heads 3", ["--heads 3", "--hidden-size 128"]),
+    (f"{T} --heads 3", ["--heads 3", "--hidden-size 64"]),
     (f"{T} --kv-heads 3", ["--kv-heads 3", "--heads 4"]),
     (f"{T} --kv-heads 8", ["--kv-heads 8", "divide"]),
     (f"{T} --kv-heads 0", ["--kv-heads", ">= 1"]),
@@ -301,7 +341,53 @@ CASES: list[tuple[str, list[str]]] = [
     ("export {root}/missing_model {root}/e", ["missing_model", "no such file or directory"]),
     ("export {model} {foreign}", ["foreign", "not empty"]),
     ("export {model} {root}/e --to gpt2", ["--to", "invalid choice"]),
+    ("export {model} {root}/e --tolerance -1", ["--tolerance", "(0, inf)"]),
+    ("export {model} {root}/e --tolerance nan", ["--tolerance", "finite"]),
+    # --- options that do not apply, sizes beyond what a run can hold ---
+    (f"{T} --text-column body", ["--text-column", "only to --dataset"]),
+    (f"{FT} {{model}} --text-column body", ["--text-column", "only to --dataset"]),
+    (f"{FT} {{model}} --dataset-config wikitext-2-raw-v1", ["--dataset-config", "only to --dataset"]),
+    (f"{T} --max-steps 1000000000000000000", ["--max-steps", "--batch-size", "training sequences"]),
+    (f"{T} --max-steps 100000000000000000000000", ["--max-steps", "training sequences"]),
+    (f"{FT} {{model}} --max-steps 1000000000000000000", ["--max-steps", "training sequences"]),
+    (f"{CV} {{llama}} {{root}}/o --verify-layers -1", ["--verify-layers", ">= 0"]),
+    (f"{DY} {{steps_only}}", ["steps_only.npz", "not a trajectory", "seconds"]),
+    (f"{DY} {{steps_only}} {{junk_npz}}", ["steps_only.npz", "not a trajectory"]),
+    # a zeroed head: named by the streaming converter (the default for a local folder) as by the in-memory one
+    (f"{CV} {{zeroed_head}} {{root}}/zh", ["layer 1, key/value head 0", "W_K rotary pair 0 is zero"]),
+    (f"{CV} {{zeroed_head}} {{root}}/zhw --no-stream", ["layer 1, key/value head 0", "W_K rotary pair 0 is zero"]),
 ]
+
+# --- checkpoints whose weights disagree with their config.json: every command that reads weights names the problem
+# (Transformers alone would fill the missing tensors with random values and go on) ---
+_BROKEN = {
+    "missing": ["missing tensors", "model.layers.1.mlp.down_proj.weight"],
+    "cut": ["model.safetensors", "not a readable safetensors file"],
+    "more_layers": ["missing tensors", "model.layers.2."],
+    "fewer_layers": ["unexpected tensors", "model.layers.1."],
+}
+_READERS = {
+    "finetune": "finetune {ckpt} --train-file {text} --block-size 16 --eval-blocks 1 --output-dir {root}/ft_{name}",
+    "evaluate": "evaluate {ckpt} --text {ids} --window 8",
+    "redundancy": "redundancy {ckpt}",
+    "redundancy-whole": "redundancy {ckpt} --no-stream",
+    "convert": "convert {ckpt} {root}/cv_{name}",
+    "convert-whole": "convert {ckpt} {root}/cvw_{name} --no-stream",
+    "canonicalize": "canonicalize {ckpt} {root}/cn_{name}",
+    "canonicalize-whole": "canonicalize {ckpt} {root}/cnw_{name} --no-stream",
+    "analyze": "analyze {ckpt} --text {text} --seq-len 16 --max-tokens 64 --out {root}/an_{name}",
+    "compress": "compress {ckpt} {root}/cp_{name} --remove 0.2 --calibration {text} --window 16",
+}
+for _family in ("llama", "rel"):
+    for _case, _words in _BROKEN.items():
+        for _command, _line in _READERS.items():
+            if _family == "rel" and _command.startswith("convert"):
+                continue  # convert takes standard checkpoints; a relational one is refused for that
+            _name = f"{_family}_{_case}"
+            CASES.append((_line.replace("{ckpt}", f"{{{_name}}}").replace("{name}", f"{_name}_{_command}"), _words))
+    for _case, _words in _BROKEN.items():
+        if _family == "rel":
+            CASES.append((f"export {{rel_{_case}}} {{root}}/ex_{_case}", _words))
 
 
 def _argv(line: str, files: dict[str, Path]) -> list[str]:
@@ -341,11 +427,12 @@ def test_refusals_change_nothing(files, capsys):
 
 def test_dynamics_out_file_is_named(files, tmp_path, capsys):
     """With a readable trajectory, a --out that is a file is named (checked before any figure is drawn)."""
-    from relational_hf.dynamics.trajectory import TRAJECTORY_NAME
+    from relational_hf.dynamics.trajectory import REQUIRED_FIELDS, TRAJECTORY_NAME
 
     run = tmp_path / "run"
     run.mkdir()
-    np.savez(run / TRAJECTORY_NAME, step=np.arange(3))
+    arrays = {key: np.zeros(3) for key in REQUIRED_FIELDS} | {"step": np.arange(3), "raw_sketch": np.zeros((3, 4))}
+    np.savez(run / TRAJECTORY_NAME, **arrays)
     assert cli.main(["dynamics", str(run), "--out", str(files["a_file"])]) == 2
     assert "--out" in capsys.readouterr().err
 
@@ -368,3 +455,52 @@ def test_singular_head_is_named_by_the_converter():
         model.model.layers[1].self_attn.v_proj.weight[d_h : 2 * d_h] = 0.0
     with pytest.raises(ConversionError, match=r"layer 1, key/value head 1: W_V block has rank 0"):
         to_relational(model)
+
+
+def test_a_config_whose_heads_do_not_divide_the_width_is_refused_as_the_command_line_does():
+    """`AutoConfig.for_model` with 3 heads over a width of 128 used to build a model (head_dim 42) that `train
+    --heads 3` refuses; without an explicit head_dim both refuse now, naming the fields."""
+    from transformers import AutoConfig
+
+    from relational_hf.modeling.configuration_relational import RelationalConfigError
+
+    with pytest.raises(RelationalConfigError, match="num_attention_heads: 3 does not divide hidden_size 128"):
+        AutoConfig.for_model("relational-transformer", vocab_size=512, hidden_size=128, num_hidden_layers=2,
+                             num_attention_heads=3)  # fmt: skip
+    config = AutoConfig.for_model("relational-transformer", vocab_size=512, hidden_size=128, num_hidden_layers=2,
+                                  num_attention_heads=3, head_dim=32)  # fmt: skip
+    assert config.head_dim == 32  # an explicit head width, as Llama allows
+
+
+def test_an_empty_input_is_a_clear_error(files):
+    from relational_hf import RelationalForCausalLM
+
+    model = RelationalForCausalLM.from_pretrained(files["model"])
+    empty = torch.empty(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids holds no token \(shape \(1, 0\)\)"):
+        model.generate(empty, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="input_ids holds no token"):
+        model(input_ids=empty)
+
+
+def test_the_python_api_refuses_weights_that_do_not_match_their_config(files):
+    """The library's loaders (not only the commands) refuse a checkpoint that lacks a tensor, naming it."""
+    from relational_hf.loading import load_model_from
+    from relational_hf.shards import open_checkpoint
+    from relational_hf.symmetry.report import redundancy_report_from_checkpoint
+
+    for loader in (load_model_from, open_checkpoint, redundancy_report_from_checkpoint):
+        with pytest.raises(ValueError, match=r"missing tensors \(1\): model.layers.1.mlp.down_proj.weight"):
+            loader(str(files["llama_missing"]))
+
+
+def test_an_error_of_several_lines_is_printed_on_one(monkeypatch, capsys):
+    from relational_hf.commands import redundancy
+
+    def fails(args):
+        raise RuntimeError("first line\n  second line\n\nthird")
+
+    monkeypatch.setattr(redundancy, "run", fails)
+    assert cli.main(["redundancy", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "relational-hf redundancy: error: first line; second line; third\n"

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import corpus_or_skip
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import relational_hf.convert.relational as conversion
@@ -17,11 +17,10 @@ from relational_hf.convert import ConversionError, to_relational
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder not found next to the project ({SHARED_DATA.name}); see README")
+    wikitext = corpus_or_skip("wikitext-2")
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    text = (SHARED_DATA / "wikitext-2" / "valid.txt").read_text(encoding="utf-8")[:20000]
+    text = wikitext.read_text(encoding="utf-8")[:20000]
     ids = torch.tensor(tokenizer(text)["input_ids"][:512]).unsqueeze(0)
     assert ids.shape[1] == 512
     return model, tokenizer, ids

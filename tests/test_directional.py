@@ -3,11 +3,10 @@ own hidden states and attention weights, the component edits and their exact rev
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import corpus_or_skip
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -36,7 +35,6 @@ from relational_hf.directional import (
 from relational_hf.directional.sites import _ATTENTION_HOOKS, ATTENTION_IMPLEMENTATION, tap_sites
 from relational_hf.directional.statistics import DEGENERATE_TOLERANCE
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 VOCAB = 256  # byte-level ids
 
 
@@ -78,10 +76,9 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 @pytest.fixture(scope="module")
 def trained_llama() -> LlamaForCausalLM:
     """The tiny Llama after 60 AdamW steps (batch 8 x 64) on Tiny Shakespeare bytes (trained, not random, weights)."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare not found; see ../shared/data/README.md")
+    shakespeare = corpus_or_skip("tinyshakespeare")
     torch.manual_seed(0)
-    ids = torch.tensor(list(SHAKESPEARE.read_bytes()[:200_000]), dtype=torch.long)
+    ids = torch.tensor(list(shakespeare.read_bytes()[:200_000]), dtype=torch.long)
     model = tiny_llama().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(60):
@@ -513,7 +510,8 @@ def test_perplexity_is_exp_of_the_mean_token_nll_over_real_targets():
 
 
 def test_sweep_reports_delta_perplexity_and_writes_figures(trained_llama, tmp_path):
-    ids = torch.tensor(list(SHAKESPEARE.read_bytes()[-2048:]), dtype=torch.long).view(-1, 64)[:8]
+    shakespeare = corpus_or_skip("tinyshakespeare")  # present: the fixture trained_llama skipped otherwise
+    ids = torch.tensor(list(shakespeare.read_bytes()[-2048:]), dtype=torch.long).view(-1, 64)[:8]
     sweeps = [sweep_components(trained_llama, ids, "block", c, [0.0, 1.0]) for c in ("parallel", "perpendicular")]
     for s in sweeps:
         assert s.deltas[1] == 0.0  # s = 1 is the unedited model

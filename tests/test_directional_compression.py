@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import corpus_or_skip
 from scipy.stats import spearmanr
 from test_directional import VOCAB, tiny_gpt2, tiny_llama, tiny_relational
 from transformers import LlamaForCausalLM
@@ -23,9 +23,6 @@ from relational_hf.directional import (
     quantize_weights,
 )
 from relational_hf.directional.compression import fake_quantize, weight_matrices
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
-
 
 
 def wide_llama() -> LlamaForCausalLM:
@@ -186,12 +183,11 @@ def test_compression_report_ranks_settings_and_correlates_with_perplexity():
 
 
 def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare not found; see ../shared/data/README.md")
+    shakespeare = corpus_or_skip("tinyshakespeare")
     model_dir = tmp_path / "model"
     tiny_relational().save_pretrained(model_dir)  # no tokenizer saved: the command falls back to UTF-8 bytes
     text = tmp_path / "text.txt"
-    text.write_bytes(SHAKESPEARE.read_bytes()[:4000])
+    text.write_bytes(shakespeare.read_bytes()[:4000])
     args = analyze.Arguments.parse(
         [
             str(model_dir),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import corpus_or_skip
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
@@ -201,16 +201,14 @@ def test_compression_none_is_accepted_and_cannot_be_mixed():
         compression_settings(["int3"])
 
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
 def test_analyze_reports_per_layer_edits_in_json_markdown_and_figure(tmp_path, capsys):
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare not found; see ../shared/data/README.md")
+    shakespeare = corpus_or_skip("tinyshakespeare")
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
     text = tmp_path / "text.txt"
-    text.write_bytes(SHAKESPEARE.read_bytes()[:3000])
+    text.write_bytes(shakespeare.read_bytes()[:3000])
     argv = [str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"), "--max-tokens", "640"]
     argv += ["--seq-len", "64", "--batch-size", "4", "--per-layer-tokens", "128", "--compression", "none"]
     report = analyze.run(analyze.Arguments.parse(argv))

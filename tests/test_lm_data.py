@@ -4,6 +4,7 @@ and the quality benchmark; articles concatenate back to the text, splits fall on
 from __future__ import annotations
 
 import pytest
+from conftest import corpus_or_skip
 
 from relational_hf.lm.data import document_split, split_text, wikitext_documents
 
@@ -49,10 +50,8 @@ def test_document_split_rejects_a_fraction_outside_the_open_interval():
             document_split(text, bad)
 
 
-def test_real_wikitext_articles(shared_data):
-    path = shared_data / "wikitext-2" / "valid.txt"
-    if not path.is_file():
-        pytest.skip("wikitext-2 not in the shared data")
+def test_real_wikitext_articles():
+    path = corpus_or_skip("wikitext-2")
     text = path.read_text(encoding="utf-8")
     docs = wikitext_documents(text)
     assert "".join(docs) == text and len(docs) > 10

@@ -15,7 +15,7 @@ def test_train_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, capsys
         [
             "train",
             "--max-steps",
-            "30",
+            "60",
             "--batch-size",
             "8",
             "--block-size",
@@ -35,7 +35,7 @@ def test_train_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, capsys
     assert "validation perplexity" in printed and "unigram perplexity" in printed
     ppl = float(printed.split("validation perplexity:")[1].split()[0])
     unigram = float(printed.split("unigram perplexity of the corpus:")[1].split(";")[0])
-    assert ppl < unigram  # even 30 steps learn more than token frequencies
+    assert ppl < unigram  # even 60 steps of the default model learn more than token frequencies
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("ada lives by the", return_tensors="pt")["input_ids"]

@@ -64,6 +64,10 @@ def check(args: DynamicsArguments) -> list:
     for path in found:
         try:
             trajectories.append(load_trajectory(path))
+        except ValueError as err:
+            if str(path) in str(err):  # the loader's own message names the file and what is missing
+                raise UsageError(str(err)) from None
+            raise UsageError(f"{path}: not a readable trajectory file ({type(err).__name__}: {err})") from None
         except Exception as err:  # a truncated or foreign file: name it, whatever NumPy raised
             raise UsageError(f"{path}: not a readable trajectory file ({type(err).__name__}: {err})") from None
     output_folder(args.out, "--out")

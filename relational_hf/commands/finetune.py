@@ -24,7 +24,7 @@ import torch
 from transformers import set_seed
 
 from ..errors import UsageError
-from .checks import check_model_argument, dataset_source
+from .checks import check_model_argument
 from .options import (
     CommandArguments,
     LoadDtypeOptions,
@@ -38,7 +38,18 @@ from .options import (
     positional,
     with_default,
 )
-from .runs import DataArguments, RunArguments, check_blocks, check_fsdp, claimed_output
+from .runs import (
+    DataArguments,
+    DivergenceGuard,
+    RunArguments,
+    check_blocks,
+    check_fsdp,
+    check_trained,
+    claimed_output,
+    run_training,
+    start_step,
+    time_limit_note,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +152,8 @@ class FinetuneResult:
     seconds: float
     merged_dir: str | None = None
     main_process: bool = True
+    max_steps: int = 0  # the steps asked for
+    time_limited: bool = False  # --max-minutes stopped the run before max_steps
 
 
 def _load_tokenizer(args: FinetuneArguments):
@@ -184,11 +197,8 @@ def check(args: FinetuneArguments) -> None:
     args.model = check_model_argument(args.model, "MODEL", gguf_file=args.gguf_file)
     if args.tokenizer not in (None, "byte"):
         args.tokenizer = check_model_argument(args.tokenizer, "--tokenizer", model=False)
-    if args.train_file and args.dataset:
-        raise UsageError("give either --train-file or --dataset, not both")
-    if args.dataset_config and not args.dataset:
-        raise UsageError("--dataset-config needs --dataset")
-    dataset_source(args.dataset)
+    args.check_data()
+    args.check_run()
     lora_flags = {"--lora-r": args.lora_r, "--lora-alpha": args.lora_alpha, "--lora-dropout": args.lora_dropout}
     lora_flags["--lora-targets"] = args.lora_targets
     if args.method != "lora":
@@ -268,7 +278,7 @@ def run(args: FinetuneArguments) -> int:
 
 
 def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
-    from ..lm.data import RandomBlockDataset, encode, lm_blocks, load_texts
+    from ..lm.data import RandomBlockDataset, encode, lm_blocks
     from ..lm.metrics import perplexity
     from ..loading import load_config_from, load_model_from, resolve_model_source
     from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_tokenizer, stage_and_swap
@@ -278,7 +288,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
 
     set_seed(args.seed)
     started = time.monotonic()
-    train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
+    train_text, val_text, source = args.load("finetune")
     tokenizer = _load_tokenizer(args)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
@@ -319,19 +329,16 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     resume_from = complete_checkpoint(trainer_dir) if args.resume else None
     report_to = [] if args.report_to in ("none", "") else args.report_to.split(",")
     training_args = args.training_arguments(trainer_dir, report_to=report_to)
+    time_limit, guard = TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started)), DivergenceGuard()
     trainer = RelationalTrainer(
         model=model,
         args=training_args,
         train_dataset=RandomBlockDataset(train_ids, args.block_size, args.train_samples, seed=args.seed),
-        callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
+        callbacks=[time_limit, guard],
     )
-    trainer.train(resume_from_checkpoint=resume_from)
+    run_training(trainer, resume_from, trainer_dir, args)
     ppl_after = perplexity(model, val_blocks, progress=True)
-    if not math.isfinite(ppl_after):
-        raise RuntimeError(
-            f"fine-tuning diverged (validation perplexity {ppl_after}); nothing was saved and {args.output_dir} "
-            "keeps its previous content: lower --learning-rate"
-        )
+    check_trained(model, ppl_after, val_blocks, guard, args, "fine-tuning", trainer_dir, start_step(resume_from))
 
     merged_dir = str(output_dir / "merged") if args.merge else None
     saved = gathered_for_saving(trainer, model)  # every process: under FSDP the shards are gathered to rank 0
@@ -361,6 +368,8 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
         time.monotonic() - started,
         merged_dir,
         main_process,
+        max_steps=args.max_steps,
+        time_limited=time_limit.stopped_at is not None,
     )
 
 
@@ -368,8 +377,9 @@ def format_finetune_result(result: FinetuneResult) -> str:
     """The short human summary of a fine-tuning run."""
     share = 100.0 * result.trainable_parameters / max(1, result.parameters)
     gain = math.log(result.perplexity_before / result.perplexity_after)
+    steps = f"{result.steps:,}" + (f" of {result.max_steps:,}" if result.max_steps else "")
     lines = [
-        f"method: {result.method}; {result.steps} steps in {result.seconds:.0f} s",
+        f"method: {result.method}; {steps} steps in {result.seconds:.0f} s",
         f"parameters: {result.parameters:,} total, {result.trainable_parameters:,} trainable ({share:.2f}%)",
         f"validation perplexity: {result.perplexity_before:.3f} -> {result.perplexity_after:.3f} "
         f"({gain:+.3f} nats/token)",
@@ -377,6 +387,8 @@ def format_finetune_result(result: FinetuneResult) -> str:
     ]
     if result.merged_dir:
         lines.append(f"merged model saved to {result.merged_dir}")
+    if result.time_limited:
+        lines.append(time_limit_note("finetune", result.steps, result.max_steps, result.output_dir))
     return "\n".join(lines)
 
 

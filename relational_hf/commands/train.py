@@ -25,9 +25,19 @@ from transformers import set_seed
 
 from ..errors import UsageError
 from ..modeling import RelationalConfig, RelationalForCausalLM
-from .checks import dataset_source
 from .options import CommandArguments, NonNegativeInt, PositiveInt, int_at_least, option, option_flag, with_default
-from .runs import DataArguments, RunArguments, check_blocks, check_fsdp, claimed_output
+from .runs import (
+    DataArguments,
+    DivergenceGuard,
+    RunArguments,
+    check_blocks,
+    check_fsdp,
+    check_trained,
+    claimed_output,
+    run_training,
+    start_step,
+    time_limit_note,
+)
 
 HELP = "train a relational LM (no arguments: built-in corpus, about 3 minutes on CPU)"
 
@@ -61,7 +71,7 @@ class ModelShapeArguments:
     architecture: Literal["relational", "llama"] = option(
         "relational", "relational-transformer, or Transformers' Llama of the same dimensions as a baseline"
     )
-    hidden_size: PositiveInt = option(128, "residual width d")
+    hidden_size: PositiveInt = option(64, "residual width d")
     layers: PositiveInt = option(4, "decoder layers")
     heads: PositiveInt = option(4, "query heads (must divide --hidden-size)")
     kv_heads: PositiveInt | None = option(None, "key/value heads (GQA, must divide --heads); unset: --heads")
@@ -111,11 +121,8 @@ def check(args: TrainArguments) -> None:
     """Check the flag combinations of `train` before any data is read or model built (each option's range was
     checked when `args` was built): `UsageError` naming the flags. Fills the relational defaults of --gauge and
     --position-encoding."""
-    if args.train_file and args.dataset:
-        raise UsageError("give either --train-file or --dataset, not both")
-    if args.dataset_config and not args.dataset:
-        raise UsageError("--dataset-config needs --dataset")
-    dataset_source(args.dataset)
+    args.check_data()
+    args.check_run()
     if args.architecture == "llama":
         given = [
             flag
@@ -164,6 +171,8 @@ class TrainResult:
     steps: int
     seconds: float
     sample: str
+    max_steps: int = 0  # the steps asked for
+    time_limited: bool = False  # --max-minutes stopped the run before max_steps
 
 
 def model_config(args: TrainArguments, vocab_size: int, pad: int, bos: int, eos: int):
@@ -248,7 +257,6 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
         byte_level_tokenizer,
         encode,
         lm_blocks,
-        load_texts,
         train_bpe_tokenizer,
         unigram_perplexity,
     )
@@ -259,7 +267,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
 
     set_seed(args.seed)
     started = time.monotonic()
-    train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
+    train_text, val_text, source = args.load("train")
     tokenizer = (
         byte_level_tokenizer()
         if args.tokenizer == "byte"
@@ -285,20 +293,12 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
         from ..training import RelationalTrainer
 
         trainer_cls = RelationalTrainer
-    trainer = trainer_cls(
-        model=model,
-        args=training_args,
-        train_dataset=train_set,
-        callbacks=[TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started))],
-    )
-    trainer.train(resume_from_checkpoint=resume_from)
+    time_limit, guard = TimeLimitCallback(args.max_minutes * 60.0 - (time.monotonic() - started)), DivergenceGuard()
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=train_set, callbacks=[time_limit, guard])
+    run_training(trainer, resume_from, trainer_dir, args)
 
     val_ppl = perplexity(model, val_blocks)
-    if not math.isfinite(val_ppl):
-        raise RuntimeError(
-            f"training diverged (validation perplexity {val_ppl}); the model was not saved and {args.output_dir} "
-            "keeps its previous checkpoint: lower --learning-rate"
-        )
+    check_trained(model, val_ppl, val_blocks, guard, args, "training", trainer_dir, start_step(resume_from))
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
     saved = gathered_for_saving(trainer, model)  # every rank: under FSDP the shards are gathered to rank 0
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
@@ -306,7 +306,15 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
         drop_set_aside_checkpoints(trainer_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed) if args.sample_tokens else ""
     return TrainResult(
-        str(args.output_dir), n_params, val_ppl, uni_ppl, trainer.state.global_step, time.monotonic() - started, sample
+        str(args.output_dir),
+        n_params,
+        val_ppl,
+        uni_ppl,
+        trainer.state.global_step,
+        time.monotonic() - started,
+        sample,
+        max_steps=args.max_steps,
+        time_limited=time_limit.stopped_at is not None,
     )
 
 
@@ -332,13 +340,15 @@ def generate_sample(model, tokenizer, prompt_source: str, max_new_tokens: int, s
 def format_result(result: TrainResult, model_name: str) -> str:
     """The short human summary the main job prints."""
     gain = math.log(result.unigram_perplexity / result.val_perplexity)
+    steps = f"{result.steps:,}" + (f" of {result.max_steps:,}" if result.max_steps else "")
     return "\n".join(
         [
-            f"model: {model_name}, {result.parameters:,} parameters; {result.steps} steps in {result.seconds:.0f} s",
+            f"model: {model_name}, {result.parameters:,} parameters; {steps} steps in {result.seconds:.0f} s",
             f"validation perplexity: {result.val_perplexity:.3f}   (unigram perplexity of the corpus: "
-            f"{result.unigram_perplexity:.3f}; {gain:.2f} nats/token better)",
+            f"{result.unigram_perplexity:.3f}; {abs(gain):.2f} nats/token {'better' if gain >= 0 else 'worse'})",
             f"saved to {result.output_dir} (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)",
         ]
+        + ([time_limit_note("train", result.steps, result.max_steps, result.output_dir)] if result.time_limited else [])
         + (["sample:", "  " + result.sample.replace("\n", "\n  ")] if result.sample else [])
     )
 

@@ -35,44 +35,55 @@ def _rank_deficient(blocks: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def pivot_gauge_obstructions(model: nn.Module) -> list[str]:
-    """Messages naming each layer/head/unit where the pivot gauge does not exist (empty when conversion can go on)."""
+def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
+    """Messages naming each head/unit of decoder layer `index` (its adapter roles `layer`, weights loaded) where the
+    pivot gauge does not exist. The streaming converter calls it on each layer as it is read."""
     adapter = get_adapter(model)
     h_kv, d_h = adapter.num_kv_heads(), adapter.head_dim()
     rope = getattr(model.config, "position_encoding", "rope") != "none"
     found: list[str] = []
-    for i, layer in enumerate(adapter.layers()):
-        w = adapter.attention_weights(layer)
-        gain = layer.attention_norm.weight.detach().double() if layer.attention_norm is not None else 1.0
-        k = (w.k.double() * gain).view(h_kv, d_h, -1)
-        v = (w.v.double() * gain).view(h_kv, d_h, -1)
-        for h, rank in _rank_deficient(v):
-            found.append(f"layer {i}, key/value head {h}: W_V block has rank {rank} < head_dim {d_h}")
-        if rope:
-            half = d_h // 2
-            pair_norm = (k[:, :half].square().sum(-1) + k[:, half:].square().sum(-1)).sqrt()  # (H_kv, d_h/2)
-            for h, j in (pair_norm == 0).nonzero().tolist():
-                found.append(f"layer {i}, key/value head {h}: W_K rotary pair {j} is zero")
-        else:
-            for h, rank in _rank_deficient(k):
-                found.append(f"layer {i}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
-        up = layer.mlp.up_proj.weight.detach().double()
-        if layer.mlp_norm is not None:
-            up = up * layer.mlp_norm.weight.detach().double()
-        zero_units = (up.abs().amax(-1) == 0).nonzero().flatten().tolist()
-        if zero_units:
-            shown = ", ".join(map(str, zero_units[:8])) + (", ..." if len(zero_units) > 8 else "")
-            found.append(f"layer {i}: {len(zero_units)} SwiGLU unit(s) with a zero up-projection row ({shown})")
+    w = adapter.attention_weights(layer)
+    gain = layer.attention_norm.weight.detach().double() if layer.attention_norm is not None else 1.0
+    k = (w.k.double() * gain).view(h_kv, d_h, -1)
+    v = (w.v.double() * gain).view(h_kv, d_h, -1)
+    for h, rank in _rank_deficient(v):
+        found.append(f"layer {index}, key/value head {h}: W_V block has rank {rank} < head_dim {d_h}")
+    if rope:
+        half = d_h // 2
+        pair_norm = (k[:, :half].square().sum(-1) + k[:, half:].square().sum(-1)).sqrt()  # (H_kv, d_h/2)
+        for h, j in (pair_norm == 0).nonzero().tolist():
+            found.append(f"layer {index}, key/value head {h}: W_K rotary pair {j} is zero")
+    else:
+        for h, rank in _rank_deficient(k):
+            found.append(f"layer {index}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
+    up = layer.mlp.up_proj.weight.detach().double()
+    if layer.mlp_norm is not None:
+        up = up * layer.mlp_norm.weight.detach().double()
+    zero_units = (up.abs().amax(-1) == 0).nonzero().flatten().tolist()
+    if zero_units:
+        shown = ", ".join(map(str, zero_units[:8])) + (", ..." if len(zero_units) > 8 else "")
+        found.append(f"layer {index}: {len(zero_units)} SwiGLU unit(s) with a zero up-projection row ({shown})")
     return found
 
 
-def check_pivot_gauge_exists(model: nn.Module) -> None:
-    """Raise `ConversionError` naming every layer and head where the pivot gauge does not exist."""
+def pivot_gauge_obstructions(model: nn.Module) -> list[str]:
+    """Messages naming each layer/head/unit where the pivot gauge does not exist (empty when conversion can go on)."""
+    found: list[str] = []
+    for i, layer in enumerate(get_adapter(model).layers()):
+        found += layer_pivot_obstructions(model, i, layer)
+    return found
 
-    found = pivot_gauge_obstructions(model)
+
+def raise_obstructions(found: list[str]) -> None:
+    """`ConversionError` listing `found` (the messages of `layer_pivot_obstructions`), when there are any."""
     if found:
         raise ConversionError(
             "the pivot gauge does not exist for this checkpoint (a pruned or zeroed head?): "
             + "; ".join(found[:10])
             + (f"; and {len(found) - 10} more" if len(found) > 10 else "")
         )
+
+
+def check_pivot_gauge_exists(model: nn.Module) -> None:
+    """Raise `ConversionError` naming every layer and head where the pivot gauge does not exist."""
+    raise_obstructions(pivot_gauge_obstructions(model))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.initialization import no_init_weights
 
@@ -38,19 +38,20 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRotaryEmbedding
 from ..outputs import OutputLock, check_new_output, save_tokenizer, write_new_output
 from ..shards import (
-    CheckpointReader,
     ShardWriter,
+    check_complete,
     checkpoint_names,
     drop_caches,
     is_safetensors_checkpoint,
     materialize,
     materialize_small,
-    meta_model,
+    open_checkpoint,
     parse_dtype,
     parse_size,
     release,
     trim_heap,
 )
+from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     _FIXED_GROUPS,
     ConversionError,
@@ -134,10 +135,9 @@ def stream_to_relational(
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
     check_new_output(out, "OUT", source=src)
-    reader = CheckpointReader(src)
-    config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
-    source = meta_model(config, trust_remote_code=trust_remote_code)
+    reader, config, source = open_checkpoint(src, trust_remote_code=trust_remote_code, check=False)
     _check_supported(source)
+    check_complete(source, reader)
     materialize_small(source, reader)
     adapter = get_adapter(source)
     tie = adapter.head_tied()
@@ -199,6 +199,7 @@ def stream_to_relational(
         dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
             block = materialize(source, reader, src_prefixes[i])  # stored dtype
+            raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer drops them as it goes
             convert_layer(layer, tensors)
@@ -270,9 +271,7 @@ def layerwise_logits(
     0..T-1, no padding. Works for any family the adapters know whose layers take (hidden, position_embeddings)."""
     from tqdm.auto import tqdm
 
-    reader = CheckpointReader(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = meta_model(config, trust_remote_code=trust_remote_code)
+    reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code)
     adapter = get_adapter(model)
     modules = {id(m): n for n, m in model.named_modules()}
     head = adapter.output_head()

@@ -60,6 +60,24 @@ FIELDS = {
     "loss": "(M,) logged training loss (the Trainer's `loss` log, or what a custom loop passed)",
 }
 
+#: arrays every recorded trajectory holds (the recorder writes them for any model); `load_trajectory` refuses a file
+#: without them
+REQUIRED_FIELDS = (
+    "step",
+    "seconds",
+    "raw_sketch",
+    "param_norm",
+    "interval_norm",
+    "interval_vertical_norm",
+    "interval_horizontal_norm",
+    "gradient_norm",
+    "gradient_vertical_norm",
+    "update_norm",
+    "update_vertical_norm",
+    "loss_step",
+    "loss",
+)
+
 #: arrays that are invariant under every symmetry group the canonicalisation fixes (the invariant coordinates)
 DESCRIPTOR_KEYS = ("qk_spectrum", "vo_spectrum", "qk_similarity", "vo_similarity")
 
@@ -169,7 +187,8 @@ def save_trajectory(trajectory: Trajectory, path: str | os.PathLike) -> Path:
 
 def load_trajectory(path: str | os.PathLike) -> Trajectory:
     """Read a trajectory written by `save_trajectory` (a file, or a run folder holding TRAJECTORY_NAME); needs only
-    NumPy."""
+    NumPy. `ValueError` naming the file for an archive without the recorder's arrays (`REQUIRED_FIELDS`) or whose
+    per-record arrays disagree in length."""
     path = Path(path)
     if path.is_dir():
         path = path / TRAJECTORY_NAME
@@ -179,6 +198,16 @@ def load_trajectory(path: str | os.PathLike) -> Trajectory:
     version = metadata.get("format_version", FORMAT_VERSION)
     if version > FORMAT_VERSION:
         raise ValueError(f"{path}: trajectory format {version} is newer than this library's ({FORMAT_VERSION})")
+    missing = [key for key in REQUIRED_FIELDS if key not in arrays]
+    if missing:
+        raise ValueError(f"{path}: not a trajectory of the quotient-dynamics recorder (no {', '.join(missing)} array)")
+    records = arrays["step"].shape[0] if arrays["step"].ndim == 1 else -1
+    short = [k for k, v in arrays.items() if FIELDS.get(k, "").startswith("(R") and v.shape[:1] != (records,)]
+    if records < 1 or short:
+        raise ValueError(
+            f"{path}: inconsistent trajectory: {records} record steps, but {', '.join(short) or 'step'} "
+            "do not have one row per record"
+        )
     return Trajectory(arrays, metadata, path)
 
 
@@ -279,6 +308,7 @@ __all__ = [
     "DESCRIPTOR_KEYS",
     "FIELDS",
     "FORMAT_VERSION",
+    "REQUIRED_FIELDS",
     "TRAJECTORY_NAME",
     "Trajectory",
     "comparable",

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -368,21 +369,44 @@ class BlockDataset(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of the SplitMix64 mixer: a well-spread 64-bit value for every 64-bit input (a bijection)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 class RandomBlockDataset(torch.utils.data.Dataset):
-    """Random windows of a token stream (nanoGPT-style sampling), `length` examples, deterministic in `seed`."""
+    """Random windows of a token stream (nanoGPT-style sampling), `length` examples, deterministic in `seed`.
+
+    Lazy: example `i` starts at a position drawn from (`seed`, `i`) alone (SplitMix64), so nothing is stored per
+    example and memory does not grow with `length` (a run asking for 10^9 steps costs what the steps it runs cost);
+    the same seed gives the same examples in any order, e.g. after `--resume`. The windows are already random, so a
+    sequential sampler over this dataset is as good as a shuffled one."""
 
     def __init__(self, ids: torch.Tensor, block_size: int, length: int, seed: int = 0) -> None:
         if ids.numel() <= block_size:
             raise ValueError(f"text of {ids.numel()} tokens is shorter than one block of {block_size}")
-        gen = torch.Generator().manual_seed(seed)
-        self.ids, self.block_size = ids, block_size
-        self.starts = torch.randint(0, ids.numel() - block_size, (length,), generator=gen)
+        if not 0 <= length <= sys.maxsize:
+            raise ValueError(f"length must be in [0, {sys.maxsize}], got {length}")
+        self.ids, self.block_size, self.length = ids, block_size, int(length)
+        self._key = _splitmix64(int(seed) & _MASK64)
 
     def __len__(self) -> int:
-        return self.starts.numel()
+        return self.length
+
+    def start(self, i: int) -> int:
+        """The first token of example `i` (in [0, len(ids) - block_size))."""
+        return _splitmix64(self._key ^ (int(i) & _MASK64)) % (self.ids.numel() - self.block_size)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        s = int(self.starts[i])
+        if not -self.length <= i < self.length:
+            raise IndexError(f"example {i} of a dataset of {self.length}")
+        s = self.start(i % self.length)
         block = self.ids[s : s + self.block_size]
         return {"input_ids": block, "labels": block}
 

@@ -75,4 +75,5 @@ def perplexity(
     total, count = token_nll(model, input_ids, attention_mask, batch_size, progress)
     if count == 0:
         raise ValueError("no target token to evaluate (sequences shorter than 2 real tokens)")
-    return math.exp(total / count)
+    mean = total / count
+    return math.exp(mean) if mean < 709.0 else (math.inf if mean == mean else math.nan)  # exp overflows past 709

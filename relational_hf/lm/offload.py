@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ..loading import from_pretrained_checked
 from ..shards import parse_dtype
 from .metrics import perplexity
 
@@ -42,7 +43,7 @@ def load_offloaded(
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = from_pretrained_checked(AutoModelForCausalLM, str(path), **kwargs)
     except BaseException:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)

@@ -199,6 +199,12 @@ class RelationalConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
+            if isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+                if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                    raise RelationalConfigError(
+                        f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size "
+                        f"{self.hidden_size}; choose a divisor, or give head_dim explicitly"
+                    )
             self.head_dim = max(1, self.hidden_size // self.num_attention_heads)
         if self.qk_rank is None:
             self.qk_rank = self.head_dim

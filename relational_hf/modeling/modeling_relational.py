@@ -539,13 +539,17 @@ class RelationalModel(RelationalPreTrainedModel):
 
 
 def _check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear ValueError for token ids outside [0, vocab_size) instead of an index error inside torch.
+    """Raise a clear ValueError for token ids outside [0, vocab_size), or for no token at all, instead of an index or
+    reshape error inside torch.
 
     `vocab_size` is the embedding's current row count, so it follows `resize_token_embeddings`. The check reads the
     ids' min and max (a device synchronisation), so the forward runs it in eager mode only: under `torch.compile` an
     out-of-range id fails inside the embedding lookup as in any Transformers model."""
     if input_ids.numel() == 0:
-        return
+        raise ValueError(
+            f"input_ids holds no token (shape {tuple(input_ids.shape)}): the model needs at least one token per "
+            "sequence (for generate(), a prompt such as the BOS token)."
+        )
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high

@@ -20,6 +20,10 @@ Guarantees (see the README section "What is guaranteed on failure"):
   `recover_output_dir` (run at the start of every write) finishes or undoes a swap a crash interrupted, the same way.
 - **Atomic files.** `atomic_write_text` / `atomic_write_bytes` write a single file through a temporary sibling,
   fsynced and renamed over it: a reader never sees half a file.
+- **A full disk said so.** A save that runs out of space (whatever the writer raised: an OSError, safetensors' or
+  tokenizers' error, torch's errno-less zip-writer failure on a file system with no space left) ends with one
+  `DiskFullError` (an OSError, errno ENOSPC) whose message starts "no space left on device" and says what was kept
+  (`reporting_disk_full`); the old output is untouched, as for any failed save.
 - **Complete trainer checkpoints.** The Trainer writes `trainer_state.json` last into `checkpoint-N/`;
   `complete_checkpoint` accepts a checkpoint only when that file parses and the weights it needs are present, and
   `set_aside_incomplete_checkpoints` renames the others to `incomplete-checkpoint-N` (and, when a fresh run starts
@@ -28,7 +32,15 @@ Guarantees (see the README section "What is guaranteed on failure"):
 """
 
 from .checkpoints import normalize_tokenizer_config, save_checkpoint, save_tokenizer
-from .files import HASH_LIMIT, atomic_write_bytes, atomic_write_text, fingerprint
+from .files import (
+    HASH_LIMIT,
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_text,
+    fingerprint,
+    is_disk_full,
+    reporting_disk_full,
+)
 from .folders import (
     MARKER,
     TRAINER_DIR,
@@ -53,6 +65,7 @@ from .folders import (
 from .trainer_state import (
     checkpoint_is_complete,
     complete_checkpoint,
+    discard_run_checkpoints,
     drop_set_aside_checkpoints,
     set_aside_incomplete_checkpoints,
 )
@@ -60,6 +73,7 @@ from .trainer_state import (
 __all__ = [
     "HASH_LIMIT",
     "MARKER",
+    "DiskFullError",
     "TRAINER_DIR",
     "OutputLock",
     "atomic_write_bytes",
@@ -68,9 +82,11 @@ __all__ = [
     "check_owned_names",
     "checkpoint_is_complete",
     "complete_checkpoint",
+    "discard_run_checkpoints",
     "drop_set_aside_checkpoints",
     "fingerprint",
     "holds_full_checkpoint",
+    "is_disk_full",
     "is_project_output",
     "normalise_output_dir",
     "normalize_tokenizer_config",
@@ -80,6 +96,7 @@ __all__ = [
     "record_files",
     "recover_output_dir",
     "remove_if_unused",
+    "reporting_disk_full",
     "save_checkpoint",
     "save_tokenizer",
     "set_aside_incomplete_checkpoints",

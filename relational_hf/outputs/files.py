@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 #: files up to this size are fingerprinted by their SHA-256, larger ones by size and modification time
@@ -26,14 +29,82 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+#: how the writers we use say "disk full" when they drop the errno: Python and Rust (safetensors, tokenizers) texts
+_FULL_DISK_TEXTS = ("no space left on device", "os error 28", "storagefull", "disk quota exceeded", "os error 122")
+#: torch's zip writer reports a failed write without the errno; with this little space left, the disk was full
+_TORCH_WRITE_FAILURES = ("inline_container", "pytorchstreamwriter", "file write failed")
+_LOW_SPACE = 4 * 2**20
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes free to this user on the file system holding `path` (its nearest existing ancestor); None if unknown."""
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def is_disk_full(err: BaseException, folder: str | os.PathLike | None = None) -> bool:
+    """True when `err` (or an exception it was raised from) says the device is full (ENOSPC, EDQUOT, or the text
+    safetensors, tokenizers or Python give for it), or is torch's errno-less write failure while the file system of
+    `folder` has almost no space left."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(current).lower()
+        if any(words in text for words in _FULL_DISK_TEXTS):
+            return True
+        if folder is not None and any(words in text for words in _TORCH_WRITE_FAILURES):
+            free = free_bytes(folder)
+            if free is not None and free < _LOW_SPACE:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class DiskFullError(OSError):
+    """A save that ran out of space (errno ENOSPC), reported in one line that says so and what was kept."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+def disk_full_error(folder: str | os.PathLike, kept: str) -> DiskFullError:
+    """The one message of a full disk: where the save was going, how much space is free, what was kept."""
+    free = free_bytes(folder)
+    room = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
+    return DiskFullError(f"no space left on device while writing {folder}{room}. {kept}; free some space and rerun")
+
+
+@contextlib.contextmanager
+def reporting_disk_full(folder: str | os.PathLike, kept: str) -> Iterator[None]:
+    """Turn any error of the block that means a full disk (`is_disk_full`) into `disk_full_error(folder, kept)` (one
+    line, "no space left on device"); other errors pass unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, DiskFullError) or not is_disk_full(err, folder):
+            raise
+        raise disk_full_error(folder, kept) from None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` through a temporary sibling that is fsynced and renamed over it; creates the parent
     folder. A reader sees the old file or the new one, never half of one; a failure leaves the old file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{TAG}-tmp-{secrets.token_hex(4)}")
+    kept = f"{path.name} was not changed" if path.exists() else f"{path.name} was not written"
     try:
-        with open(tmp, "wb") as handle:
+        with reporting_disk_full(path, kept), open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
@@ -68,4 +139,16 @@ def fingerprint(path: str | os.PathLike) -> dict:
     return {"size": stat.st_size, "sha256": digest.hexdigest()}
 
 
-__all__ = ["HASH_LIMIT", "TAG", "atomic_write_bytes", "atomic_write_text", "fingerprint", "fsync_dir"]
+__all__ = [
+    "HASH_LIMIT",
+    "TAG",
+    "DiskFullError",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "disk_full_error",
+    "fingerprint",
+    "free_bytes",
+    "fsync_dir",
+    "is_disk_full",
+    "reporting_disk_full",
+]

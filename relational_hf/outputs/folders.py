@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import UsageError
-from .files import TAG, atomic_write_bytes, atomic_write_text, fingerprint, fsync_dir
+from .files import TAG, atomic_write_bytes, atomic_write_text, fingerprint, fsync_dir, reporting_disk_full
 from .trainer_state import complete_checkpoint, set_aside_incomplete_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -410,6 +410,21 @@ def _carry_over(out: Path, staging: Path, written: set[str], overwrite: bool, le
         _link(out / rel, staging / rel)
 
 
+def _write_staging(
+    out: Path, staging: Path, write: Callable[[Path], None], command: str, kind: str, overwrite: bool, token: str
+) -> None:
+    """Fill `staging`: the new output (`write`), the carried files of `out`, then the marker (last: a staging folder
+    with the marker is complete), all fsynced."""
+    write(staging)
+    written = set(_files(staging))
+    manifest = {rel: fingerprint(staging / rel) for rel in written if not (staging / rel).is_symlink()}
+    if out.is_dir():
+        legacy = (out / MARKER).is_file() and "files" not in read_marker(out)
+        _carry_over(out, staging, written, overwrite, legacy)
+    write_marker(staging, command, kind, manifest, token)
+    _fsync_tree(staging)
+
+
 def stage_and_swap(
     output_dir: str | os.PathLike,
     write: Callable[[Path], None],
@@ -426,16 +441,11 @@ def stage_and_swap(
     recover_output_dir(out)
     token = secrets.token_hex(6)
     staging = _sibling(out, f"staging-{token}")
-    staging.mkdir()
+    kept = f"{out.name} was not changed" if out.exists() else f"{out.name} was not created"
     try:
-        write(staging)
-        written = set(_files(staging))
-        manifest = {rel: fingerprint(staging / rel) for rel in written if not (staging / rel).is_symlink()}
-        if out.is_dir():
-            legacy = (out / MARKER).is_file() and "files" not in read_marker(out)
-            _carry_over(out, staging, written, overwrite, legacy)
-        write_marker(staging, command, kind, manifest, token)  # last: a staging folder with the marker is complete
-        _fsync_tree(staging)
+        with reporting_disk_full(out, kept):  # a full disk: one line that says so, whatever the writer raised
+            staging.mkdir()
+            _write_staging(out, staging, write, command, kind, overwrite, token)
     except Exception:  # a failed write (disk full, an error in `write`, a refusal): the old output was never touched
         shutil.rmtree(staging, ignore_errors=True)
         raise

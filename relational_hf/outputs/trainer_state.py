@@ -68,6 +68,24 @@ def drop_set_aside_checkpoints(trainer_dir: str | os.PathLike) -> None:
                 shutil.rmtree(folder)
 
 
+def discard_run_checkpoints(trainer_dir: str | os.PathLike, after_step: int) -> list[str]:
+    """A run that failed (diverged) leaves no checkpoint of its own: remove the `checkpoint-N` folders with N >
+    `after_step` (the step it started or resumed from), then give the checkpoints that its start set aside as
+    superseded their names back, so that `--resume` finds the previous run again. Returns the removed names."""
+    trainer_dir = Path(trainer_dir)
+    removed = []
+    for step, folder in _checkpoints(trainer_dir):
+        if step > after_step:
+            shutil.rmtree(folder)
+            removed.append(folder.name)
+    if trainer_dir.is_dir():
+        for folder in sorted(trainer_dir.iterdir()):
+            match = re.match(r"^superseded-(checkpoint-\d+)$", folder.name)
+            if folder.is_dir() and match and not (trainer_dir / match.group(1)).exists():
+                os.rename(folder, trainer_dir / match.group(1))
+    return removed
+
+
 def complete_checkpoint(trainer_dir: str | os.PathLike) -> str:
     """The newest complete trainer checkpoint under `trainer_dir` (for --resume); `UsageError` when there is none."""
     trainer_dir = Path(trainer_dir)
@@ -80,6 +98,7 @@ def complete_checkpoint(trainer_dir: str | os.PathLike) -> str:
 __all__ = [
     "checkpoint_is_complete",
     "complete_checkpoint",
+    "discard_run_checkpoints",
     "drop_set_aside_checkpoints",
     "set_aside_incomplete_checkpoints",
 ]

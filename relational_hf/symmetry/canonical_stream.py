@@ -40,9 +40,11 @@ from ..outputs import OutputLock, check_new_output, save_tokenizer, write_output
 from ..shards import (
     CheckpointReader,
     ShardWriter,
+    check_complete,
     checkpoint_names,
     is_safetensors_checkpoint,
     meta_model,
+    open_checkpoint,
     parse_dtype,
     parse_size,
     trim_heap,
@@ -256,7 +258,6 @@ def stream_canonicalize(
     empty unless `overwrite` (then only the files relational-hf wrote there are replaced, in one swap, and every
     other file is kept); a failed run leaves `out` as it was."""
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
     src, out = Path(src), Path(out)
     out_dtype = parse_dtype(dtype)
@@ -264,11 +265,10 @@ def stream_canonicalize(
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
     check_new_output(out, "OUT", source=src, overwrite=overwrite)
-    reader = CheckpointReader(src)
-    config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+    reader, config, stored = open_checkpoint(src, trust_remote_code=trust_remote_code, check=False)  # layout on disk
     pivot = isinstance(config, RelationalConfig) and config.gauge == "pivot"
-    stored = meta_model(config, trust_remote_code=trust_remote_code)  # the layout on disk
     get_adapter(stored)  # "unsupported: <class>" before anything else
+    check_complete(stored, reader)
     if pivot:
         free_config = copy.deepcopy(config)
         free_config.gauge = "free"

@@ -252,20 +252,16 @@ def redundancy_report_from_checkpoint(
     shards, released after use). Same numbers as loading the model and calling `redundancy_report`; memory is one
     layer's attention."""
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
     from ..shards import (
-        CheckpointReader,
         materialize,
         materialize_small,
-        meta_model,
+        open_checkpoint,
         release,
         trim_heap,
     )
 
-    reader = CheckpointReader(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = meta_model(config, trust_remote_code=trust_remote_code)
+    reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code)
     materialize_small(model, reader)
     groups, notes = symmetry_groups(model)
     entries = [GroupEntry(g.key, g.name, g.layer, g.dimension(), g.description) for g in groups]

@@ -28,6 +28,7 @@ from ..hub.reference_cards import (
     parameter_table,
     reference_card,
 )
+from ..lm.corpora import data_path, missing_message
 from ..lm.data import (
     RandomBlockDataset,
     byte_level_tokenizer,
@@ -56,10 +57,11 @@ def build_reference(
 ) -> ReferenceResult:
     """Train the reference model `spec` describes, measure it, save checkpoint + tokenizer + README.md (the card) to
     `output_dir` (default checkpoints/<name>), also write the card to `card_path` and the numbers next to it as
-    JSON. The text is read from `project_root / spec.text_file`."""
-    path = Path(project_root) / spec.text_file
+    JSON. The text is read from `spec.text_file` (relative to `project_root`; under ../shared/data: from
+    `relational_hf.lm.corpora.data_dir()`)."""
+    path = data_path(spec.text_file, project_root)  # the data folder follows RELATIONAL_HF_DATA
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: reference corpus not found (see ../shared/data/README.md)")
+        raise FileNotFoundError(f"{path}: reference corpus not found; {missing_message()}")
     set_seed(spec.seed)
     started = time.monotonic()
     text = path.read_text(encoding="utf-8")
