@@ -221,6 +221,12 @@ def text_file(text: str) -> Path:
     return path
 
 
+def text_or_safetensors_file(text: str) -> Path:
+    """An argparse type: a `.safetensors` file (existence only; its reader checks it) or a UTF-8 text file."""
+    path = existing_file(text)
+    return path if path.suffix == ".safetensors" else text_file(text)
+
+
 def text_or_ids_file(text: str) -> Path:
     """An argparse type: a `.pt` tensor of token ids (existence only) or a UTF-8 text file."""
     path = existing_file(text)
@@ -404,4 +410,5 @@ __all__ = [
     "require",
     "text_file",
     "text_or_ids_file",
+    "text_or_safetensors_file",
 ]

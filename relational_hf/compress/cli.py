@@ -5,6 +5,12 @@ calibration text (--calibration, default: the WikiText-2-style built-in corpus o
 --calibration-windows windows of --window tokens. OUT must not exist or be empty: the model, its tokenizer and
 `compression_report.json` are staged in a sibling folder and swapped into place at the end
 (`relational_hf.outputs.write_new_output`).
+
+--heal-steps N repairs the compressed model with N LoRA steps. By default (--heal-loss kd) it distils from SRC: KL to
+SRC's next-token distributions on text SRC samples itself (--heal-samples rows of --heal-length tokens, seed
+--heal-seed), which is written into OUT as `heal_text.safetensors`; pass that file as --heal-text to a later run to
+reuse it. --heal-text FILE.txt distils on that text instead; --heal-loss lm trains on the language-model loss
+(on --heal-text, default: the calibration windows), which also adapts the model to that text.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ from ..lm.data import load_texts
 from ..lm.metrics import perplexity
 from ..loading import add_model_source_arguments, load_model, load_tokenizer, save_tokenizer
 from ..outputs import write_new_output
-from ..validate import fraction_closed_open, fraction_open, int_at_least, nonnegative_int, positive_int, text_file
+from ..validate import (
+    fraction_closed_open,
+    fraction_open,
+    int_at_least,
+    nonnegative_int,
+    positive_int,
+    text_file,
+    text_or_safetensors_file,
+)
 from .api import METHODS
+from .distill import TEACHER_TEXT_NAME, TEXT_DEFAULTS, load_teacher_text, model_fingerprint, save_teacher_text
 from .eval import text_windows
+from .heal import HEAL_LOSSES
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +60,25 @@ def add_compress_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     )  # fmt: skip
     parser.add_argument("--eval-windows", type=positive_int, default=20, help="evaluation windows (default: 20)")
     parser.add_argument("--window", type=int_at_least(2), default=512, help="tokens per window (default: 512)")
-    parser.add_argument("--heal-steps", type=nonnegative_int, default=0, help="LoRA recovery steps after compression")
+    parser.add_argument("--heal-steps", type=nonnegative_int, default=0, help="LoRA repair steps after compression")
     parser.add_argument(
-        "--heal-text", type=text_file, default=None,
-        help="text to heal on (default: the calibration windows; a longer text avoids overfitting them)",
+        "--heal-loss", choices=HEAL_LOSSES, default=None,
+        help="kd: distil from SRC (default); lm: language-model loss on --heal-text (default: the calibration windows)",
     )  # fmt: skip
+    parser.add_argument(
+        "--heal-text", type=text_or_safetensors_file, default=None,
+        help=f"text to heal on: a text file, or the {TEACHER_TEXT_NAME} of an earlier run (default for kd: text SRC "
+        "generates; for lm: the calibration windows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--heal-samples", type=positive_int, default=None,
+        help=f"kd: rows of text SRC generates (default: {TEXT_DEFAULTS['samples']})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--heal-length", type=int_at_least(2), default=None,
+        help=f"kd: tokens per generated row (default: {TEXT_DEFAULTS['length']})",
+    )  # fmt: skip
+    parser.add_argument("--heal-seed", type=nonnegative_int, default=None, help="kd: seed of the generated text (default: 0)")
     parser.add_argument(
         "--correction", choices=("local", "dense", "none"), default="local", help="MLP down-projection refit target"
     )
@@ -69,8 +99,16 @@ def _windows(source: Path | str, tokenizer, window: int, n: int) -> torch.Tensor
 def _check_paths(args: argparse.Namespace) -> None:
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise UsageError(f"OUT {args.out} exists and is not an empty folder; refusing to overwrite it")
-    if args.heal_text is not None and not args.heal_steps:
-        raise UsageError("--heal-text needs --heal-steps N (N >= 1)")
+    generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
+    if not args.heal_steps:
+        given = [f for f in ("heal_loss", "heal_text", *generation) if getattr(args, f) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
+    args.heal_loss = args.heal_loss or "kd"
+    if generation and (args.heal_loss != "kd" or args.heal_text is not None):
+        flag = "--" + generation[0].replace("_", "-")
+        reason = "--heal-text gives the text" if args.heal_text is not None else "--heal-loss lm generates none"
+        raise UsageError(f"{flag} sets the text SRC generates for --heal-loss kd; {reason}")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
 
@@ -88,12 +126,28 @@ def run_compress(args: argparse.Namespace) -> int:
         train_text, _, _ = load_texts(None, None, None, "text")
         calibration_text = train_text
     calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows)
-    heal_data = None
-    if args.heal_text is not None:
+    heal_data, text_settings = None, None
+    if args.heal_text is not None and args.heal_text.suffix == ".safetensors":
+        try:
+            heal_data, text_settings = load_teacher_text(args.heal_text)
+        except ValueError as err:
+            raise UsageError(f"--heal-text: {err}") from None
+        if int(heal_data.max()) >= len(tokenizer):
+            raise UsageError(f"--heal-text {args.heal_text}: token ids beyond the tokenizer of SRC ({len(tokenizer)})")
+    elif args.heal_text is not None:
         heal_data = text_windows(str(args.heal_text), tokenizer, window=args.window, n=1_000_000)
         if heal_data.shape[0] < 1:
             raise UsageError(f"--heal-text {args.heal_text}: shorter than one window of {args.window} tokens (--window)")
     model = load_model(args).eval()
+    if text_settings is not None and text_settings.get("source") != model_fingerprint(model):
+        raise UsageError(f"--heal-text {args.heal_text} was generated by another model than SRC; generate it anew")
+    if args.heal_steps and args.heal_loss == "kd" and heal_data is None:
+        from .distill import teacher_text
+
+        options = {k: getattr(args, f"heal_{k}") for k in ("samples", "length", "seed")}
+        heal_data, text_settings = teacher_text(
+            model, tokenizer, progress=True, **{k: v for k, v in options.items() if v is not None}
+        )
     evaluation = None
     eval_before = None
     if args.eval_file is not None:
@@ -106,11 +160,16 @@ def run_compress(args: argparse.Namespace) -> int:
         method=args.method,
         calibration=calibration,
         heal_steps=args.heal_steps,
+        heal_loss=args.heal_loss,
         heal_data=heal_data,
         progress=True,
         **({"correction": args.correction, "slice_fraction": args.slice_fraction} if args.method == "relational" else {}),
     )
     report["source"] = str(args.src)
+    if "heal" in report and text_settings is not None:
+        report["heal"]["text"] = text_settings | {"file": TEACHER_TEXT_NAME}
+    elif "heal" in report and args.heal_text is not None:
+        report["heal"]["text"] = {"file": Path(args.heal_text).name, "tokens": int(heal_data.numel())}
     if evaluation is not None:
         report["eval_file"] = Path(args.eval_file).name
         report["eval_windows"] = list(evaluation.shape)
@@ -120,6 +179,8 @@ def run_compress(args: argparse.Namespace) -> int:
     def write(folder: Path) -> None:
         compressed.save_pretrained(folder)
         save_tokenizer(tokenizer, folder)
+        if "heal" in report and text_settings is not None:
+            save_teacher_text(folder / TEACHER_TEXT_NAME, heal_data, text_settings)
         (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
     out: Path = args.out
@@ -131,6 +192,8 @@ def run_compress(args: argparse.Namespace) -> int:
     )
     if evaluation is not None:
         summary += f"; {Path(args.eval_file).name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
+    if "heal" in report:
+        summary += f" (after {args.heal_steps} {args.heal_loss} healing steps)"
     print(summary + f"\nsaved to {out} (report: {out / REPORT_NAME})")
     return 0
 
