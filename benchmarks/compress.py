@@ -2,7 +2,7 @@
 
 Model: `relational_hf.pretrained.smollm2_checkpoint()` (SmolLM2-135M-Instruct, fp32, tied head), on the CPU.
 Text: WikiText-2 validation (`../shared/data/wikitext-2/valid.txt`), cut by `relational_hf.compress.eval.text_windows`
-at the ` = Title = ` heading closest to the 90% mark (whole documents on each side, `training.reference.document_split`):
+at the ` = Title = ` heading closest to the 90% mark (whole documents on each side, `relational_hf.lm.data.document_split`):
 calibration = the first `--calibration-windows` non-overlapping windows of `--window` tokens from the start of the
 first 90% of the documents; evaluation = the first `--eval-windows` windows of the last 10% of the documents
 (held out, never seen in calibration). Perplexity = exp(mean next-token NLL over every predicted token of the

@@ -22,7 +22,7 @@ from common import RESULTS, summary, sync, timed, write_json
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
-from relational_hf.modeling.modeling_relational import weight_cache
+from relational_hf.modeling.modeling_gauge import weight_cache
 
 logger = logging.getLogger("speed")
 

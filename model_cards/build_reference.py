@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from relational_hf.training.reference import PRESETS, build_reference
+from relational_hf.training.reference_models import PRESETS, build_reference
 
 HERE = Path(__file__).resolve().parent
 

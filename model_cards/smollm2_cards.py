@@ -83,9 +83,9 @@ def build_converted(args: argparse.Namespace) -> dict[str, Any]:
 
     from relational_hf.convert import to_relational
     from relational_hf.hub import build_model_card
-    from relational_hf.loading import save_tokenizer
+    from relational_hf.lm.data import encode, lm_blocks
+    from relational_hf.outputs import save_tokenizer
     from relational_hf.pretrained import smollm2_checkpoint
-    from relational_hf.training.data import encode, lm_blocks
 
     torch.set_num_threads(args.threads)
     source = smollm2_checkpoint()

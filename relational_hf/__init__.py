@@ -18,7 +18,19 @@ register()
 __version__ = "0.1.0"
 
 
-_SUBPACKAGES = ("symmetry", "directional", "convert", "compress", "training", "hub", "dynamics", "architectures", "lm")
+_SUBPACKAGES = (
+    "architectures",
+    "commands",
+    "compress",
+    "convert",
+    "directional",
+    "dynamics",
+    "hub",
+    "lm",
+    "outputs",
+    "symmetry",
+    "training",
+)
 
 
 def __getattr__(name: str):

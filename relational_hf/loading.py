@@ -11,34 +11,44 @@ plain_model_from_gguf`), so it saves, converts and trains like any other checkpo
 same source. Errors say what is wrong with the source itself: a local path that does not exist, a Hub id that is
 not in the local cache while offline, a GGUF architecture or a model type that Transformers cannot build.
 
-Commands wire it with two calls: `add_model_source_arguments(parser)` next to their positional MODEL argument,
-and `load_model(args)` / `load_tokenizer(args)` (or `load_model_and_tokenizer(args)`) where they load.
+Commands check their model argument first (`check_model_argument`, before anything is loaded), then load with
+`resolve_model_source` and `load_model_from` / `load_tokenizer_from` / `load_config_from`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import UsageError
-from .validate import looks_like_local_path
 
 logger = logging.getLogger(__name__)
 
 #: --dtype choices; "auto" keeps the dtype the checkpoint was saved in
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-#: tokenizer classes that are Transformers' generic fast tokenizer under another name (v5 saves "TokenizersBackend",
-#: which Transformers 4.x does not know); written as the name every version understands
-_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend",)
-_GENERIC_TOKENIZER_NAME = "PreTrainedTokenizerFast"
-#: keys Transformers 5 writes into tokenizer_config.json that describe how it was loaded, not the tokenizer
-_LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only")
+#: a Hub repository id: `name` or `namespace/name`
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def looks_like_local_path(text: str) -> bool:
+    """True when `text` can only be meant as a local path, not a Hub id (`name` or `namespace/name`): it exists, is
+    absolute, starts with ".", "/" or "~", holds a backslash or "..", names a weights/config file (.gguf,
+    .safetensors, .json, .bin, .pt), is no valid Hub id, or its first component is an existing local folder
+    ("checkpoints/run1" where ./checkpoints exists)."""
+    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "/", "~")) or "\\" in text:
+        return True
+    if ".." in text or not _HUB_ID.match(text):
+        return True
+    if text.lower().endswith((".gguf", ".safetensors", ".json", ".bin", ".pt")):
+        return True
+    head = text.split("/", 1)[0]
+    return "/" in text and os.path.isdir(head)
 
 
 class ModelSourceError(UsageError):
@@ -66,28 +76,6 @@ class ModelSource:
         if self.gguf_file is None:
             return self.location
         return str(Path(self.location) / self.gguf_file) if self.local else f"{self.location} (GGUF {self.gguf_file})"
-
-
-def add_model_source_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> argparse.ArgumentParser:
-    """Add `--gguf-file NAME` and (unless `dtype` is False, for a command whose --dtype means something else)
-    `--dtype` to a command whose positional argument names the model."""
-    parser.add_argument(
-        "--gguf-file",
-        default=None,
-        metavar="NAME",
-        help="load this GGUF file from the model folder or Hub repo (Transformers' GGUF loader, needs the gguf "
-        "package); the model is dequantised and rebuilt as a plain fp32 checkpoint. A path ending in .gguf can "
-        "also be given directly as the model",
-    )
-    if not dtype:
-        return parser
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=list(DTYPES),
-        help="dtype the model is loaded in (default: %(default)s; auto: the dtype stored in the checkpoint)",
-    )
-    return parser
 
 
 def _gguf_names(folder: Path) -> list[str]:
@@ -203,59 +191,16 @@ def _model_type(source: ModelSource) -> str | None:
         return None
 
 
-def _source_of(args: argparse.Namespace) -> ModelSource:
-    """The ModelSource named by a command's arguments: the positional `model` (or `src`) and `--gguf-file`."""
-    cached = getattr(args, "_model_source", None)
-    if cached is not None:
-        return cached
-    name = getattr(args, "model", None)
-    if name is None:
-        name = getattr(args, "src", None)
-    if name is None:
-        raise ModelSourceError("no model given")
-    source = resolve_model_source(name, getattr(args, "gguf_file", None))
-    args._model_source = source
-    return source
-
-
-def load_model(args: argparse.Namespace, model_class=None):
-    """The model named by a command's arguments (see the module docstring), in eval mode, in `args.dtype`
-    (default fp32). `model_class` defaults to AutoModelForCausalLM."""
-    return load_model_from(
-        _source_of(args),
-        dtype=getattr(args, "dtype", "float32"),
-        trust_remote_code=getattr(args, "trust_remote_code", False),
-        model_class=model_class,
-    )
-
-
-def load_tokenizer(args: argparse.Namespace):
-    """The tokenizer of the model named by a command's arguments; raises OSError / ValueError where it has none
-    (as AutoTokenizer does), so commands can fall back as they already do."""
-    return load_tokenizer_from(_source_of(args), trust_remote_code=getattr(args, "trust_remote_code", False))
-
-
-def load_model_and_tokenizer(args: argparse.Namespace, model_class=None):
-    """(model, tokenizer) from the same source; the tokenizer is None, with a logged warning, where the source has
-    none (e.g. checkpoints trained with the byte-level tokenizer)."""
-    model = load_model(args, model_class)
-    try:
-        tokenizer = load_tokenizer(args)
-    except (OSError, ValueError, TypeError) as err:
-        logger.warning("no tokenizer loads from %s (%s)", _source_of(args), err)
-        tokenizer = None
-    return model, tokenizer
-
-
-def load_config(args: argparse.Namespace):
-    """Only the configuration of the model named by a command's arguments (for counting on the meta device)."""
+def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = False):
+    """Only the configuration of a model source (for counting on the meta device)."""
     from transformers import AutoConfig
 
-    source = _source_of(args)
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
     try:
         if source.gguf_file is not None:
             return AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
-        return AutoConfig.from_pretrained(source.location, trust_remote_code=getattr(args, "trust_remote_code", False))
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise _hub_errors(source, err) from err
 
@@ -306,55 +251,16 @@ def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = 
         raise _hub_errors(source, err) from err
 
 
-def save_tokenizer(tokenizer, out: str | os.PathLike) -> list[str]:
-    """`tokenizer.save_pretrained(out)`, then make `tokenizer_config.json` name a class every Transformers version
-    loads without remote code: Transformers 5's generic fast tokenizer is saved as "TokenizersBackend", which 4.x
-    does not know, and written here as "PreTrainedTokenizerFast" (the same class in 5.x); keys that record how the
-    tokenizer was loaded (`is_local`, `local_files_only`) are dropped. Returns the files written."""
-    files = [str(f) for f in tokenizer.save_pretrained(out)]
-    normalize_tokenizer_config(out)
-    return files
-
-
-def normalize_tokenizer_config(folder: str | os.PathLike) -> None:
-    """Rewrite `folder/tokenizer_config.json` as `save_tokenizer` describes (atomically; no-op without the file)."""
-    path = Path(folder) / "tokenizer_config.json"
-    if not path.is_file():
-        return
-    config = json.loads(path.read_text(encoding="utf-8"))
-    changed = False
-    if config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
-        config["tokenizer_class"] = _GENERIC_TOKENIZER_NAME
-        changed = True
-    for key in _LOAD_TIME_TOKENIZER_KEYS:
-        if key in config:
-            del config[key]
-            changed = True
-    auto_map = config.get("auto_map")
-    if isinstance(auto_map, dict) and "AutoTokenizer" not in auto_map:
-        del config["auto_map"]  # a model's auto_map copied into the tokenizer config names no tokenizer code
-        changed = True
-    if changed:
-        staged = path.with_name(f".{path.name}.tmp")
-        staged.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(staged, path)
-
-
 __all__ = [
     "DTYPES",
     "ModelSource",
     "ModelSourceError",
     "ModelSourceNotFound",
     "ModelSourceOffline",
-    "add_model_source_arguments",
     "check_model_argument",
-    "load_config",
-    "load_model",
-    "load_model_and_tokenizer",
+    "load_config_from",
     "load_model_from",
-    "load_tokenizer",
     "load_tokenizer_from",
-    "normalize_tokenizer_config",
+    "looks_like_local_path",
     "resolve_model_source",
-    "save_tokenizer",
 ]

@@ -95,16 +95,18 @@ def _stored_tensors(model: nn.Module):
     for name, p in model.named_parameters(remove_duplicate=True):
         if first_time(p):
             yield name, p
+    persistent = set(model.state_dict(keep_vars=True))  # a buffer is stored when the model's state holds it
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
-            if buf is None or buf_name in module._non_persistent_buffers_set:
+            qualified = f"{module_name}.{buf_name}" if module_name else buf_name
+            if buf is None or qualified not in persistent:
                 continue
             if not (buf.is_floating_point() or buf.is_complex()):
                 continue  # layout: indices, masks
             if isinstance(module, GaugeFixedLinear) and buf_name == "fixed_value":
                 continue  # gauge constants, not data
             if first_time(buf):
-                yield (f"{module_name}.{buf_name}" if module_name else buf_name), buf
+                yield qualified, buf
 
 
 def stored_parameters(model: nn.Module) -> dict:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -75,7 +73,8 @@ def plain_model_from_gguf(location: str | os.PathLike, gguf_file: str, *, model_
     config._name_or_path = ""
     state = loaded.state_dict()
     del loaded
-    model = _model_class_for(config, model_class)(config)
+    build = getattr(model_class, "from_config", None)  # an Auto class builds the concrete class of the config
+    model = build(config) if build is not None else model_class(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:
@@ -94,45 +93,28 @@ def plain_llama_from_gguf(gguf_path: str | os.PathLike):
     return model, tokenizer
 
 
-def _model_class_for(config, model_class=None):
-    """The concrete class for `config`: looked up in an Auto class's mapping, or `model_class` itself."""
-    from transformers import AutoModelForCausalLM
-
-    model_class = model_class or AutoModelForCausalLM
-    mapping = getattr(model_class, "_model_mapping", None)
-    return mapping[type(config)] if mapping is not None else model_class
-
-
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of SmolLM2-135M-Instruct as an fp32 Hugging Face checkpoint, built from the GGUF file on first use.
 
-    The folder is written beside its final place and renamed into it, so an interrupted build never leaves a
-    folder that looks complete.
+    The folder is written beside its final place and moved into it (`relational_hf.outputs`), so an interrupted
+    build never leaves a folder that looks complete; a second process building at the same time waits for the first.
     """
     target = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf_path = smollm2_gguf_path()
     logger.info("building %s from %s (once)", target, gguf_path)
-    from .loading import save_tokenizer
+    from .outputs import OutputLock, save_tokenizer, write_new_output
 
     model, tokenizer = plain_llama_from_gguf(gguf_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual mode
-    try:
-        model.save_pretrained(staging)
-        save_tokenizer(tokenizer, staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # not a concurrent builder finishing first
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
+
+    with OutputLock(target, wait=True) as lock:  # a second builder waits, then finds the finished folder
+        if not (target / "model.safetensors").is_file():
+            write_new_output(target, write, command="pretrained", kind="cache", flag="cache", lock=lock)
     return target
 
 

@@ -3,9 +3,9 @@
 `CheckpointReader` opens one file or the shards of `model.safetensors.index.json` with `safetensors.safe_open` per
 request, so no mapping of the whole checkpoint stays resident; `meta_model` builds a model on the meta device and
 `materialize` / `release` load and drop one submodule's tensors; `ShardWriter` writes tensors as they come into
-shards named and indexed like `save_pretrained`. Staged outputs (`staging_dir`, `publish`) are renamed into place
-only when complete. Used by streaming conversion (`relational_hf.convert.streaming`) and streaming analysis
-(`relational_hf.symmetry.report`).
+shards named and indexed like `save_pretrained` (into a staging folder of `relational_hf.outputs`).
+`checkpoint_files` is the one reader of `model.safetensors.index.json`. Used by streaming conversion
+(`relational_hf.convert.streaming`), canonicalisation and analysis (`relational_hf.symmetry`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import struct
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -66,45 +65,37 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPE_NAMES[name]
 
 
-def add_stream_arguments(parser, stream_help: str, shard_help: str = "largest output shard (e.g. 2GB)") -> None:
-    """The flags every command that can stream a safetensors checkpoint shares: --stream / --no-stream (default
-    None: stream a local safetensors folder), --dtype of the saved weights and --max-shard-size."""
-    stream = parser.add_mutually_exclusive_group()
-    stream.add_argument("--stream", dest="stream", action="store_const", const=True, default=None, help=stream_help)
-    stream.add_argument(
-        "--no-stream", dest="stream", action="store_const", const=False, help="load the whole model (fp32)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="dtype of the saved weights (auto: SRC's dtype when streaming, float32 otherwise)",
-    )
-    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help=shard_help)
+def parse_size(value: int | str, name: str = "max_shard_size") -> int:
+    """Bytes from an int, a string of digits, or a size such as "5GB", "500MB", "2GiB" (Transformers' parser), > 0;
+    ValueError naming `name` otherwise."""
+    from transformers.utils.hub import convert_file_size_to_int
 
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "5GB", "500MB", "2GiB"."""
-    if isinstance(value, int):
-        size = value
-    else:
-        text = value.strip().upper()
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-        for unit, factor in units.items():
-            if text.endswith(unit):
-                try:
-                    size = int(float(text[: -len(unit)]) * factor)
-                except ValueError:
-                    raise ValueError(f"max_shard_size: cannot read {value!r} (e.g. 5GB, 500MB)") from None
-                break
-        else:
-            try:
-                size = int(text)
-            except ValueError:
-                raise ValueError(f"max_shard_size: cannot read {value!r} (e.g. 5GB, 500MB)") from None
-    if size <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {value!r}")
+    text = value.strip() if isinstance(value, str) else value
+    try:
+        size = int(text) if isinstance(text, str) and text.isdigit() else convert_file_size_to_int(text)
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"{name}: cannot read the size {value!r} (e.g. 5GB, 500MB, 2GiB)") from None
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{name}: a size must be positive, got {value!r}")
     return size
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[str], dict[str, str] | None]:
+    """(weight file names, weight map) of a local safetensors checkpoint folder: the shards named by
+    `model.safetensors.index.json` with its tensor -> shard map, or ["model.safetensors"] and None. Raises
+    FileNotFoundError when there is neither, ValueError for an index without a weight map."""
+    path = Path(path)
+    index = path / SAFE_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index (no weight_map): {err}") from None
+        return files, weight_map
+    if (path / SAFE_WEIGHTS_NAME).is_file():
+        return [SAFE_WEIGHTS_NAME], None
+    raise FileNotFoundError(f"{path}: no {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,18 +114,9 @@ class CheckpointReader:
 
         self.path = Path(path)
         self._safe_open = safe_open
+        files, weight_map = checkpoint_files(self.path)
         index = self.path / SAFE_INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{index}: not a safetensors index (no weight_map): {err}") from None
-        elif (self.path / SAFE_WEIGHTS_NAME).is_file():
-            weight_map = None
-        else:
-            raise FileNotFoundError(f"{self.path}: no {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME}")
         self._info: dict[str, tuple[str, str, tuple[int, ...]]] = {}
-        files = sorted(set(weight_map.values())) if weight_map is not None else [SAFE_WEIGHTS_NAME]
         for name in files:
             file = self.path / name
             if not file.is_file():
@@ -272,8 +254,7 @@ def materialize_small(model: nn.Module, reader: CheckpointReader) -> None:
     for local, name in small.items():
         owner, _, attr = local.rpartition(".")
         module = model.get_submodule(owner)
-        old = module._parameters[attr]
-        module._parameters[attr] = nn.Parameter(tensors[name], requires_grad=old.requires_grad)
+        module.register_parameter(attr, nn.Parameter(tensors[name], requires_grad=params[local].requires_grad))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,30 +356,3 @@ class ShardWriter:
 
 def _int_bits(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.bool else torch.iinfo(dtype).bits
-
-
-def staging_dir(out: Path) -> Path:
-    """A fresh hidden sibling of `out` to stage a checkpoint in (renamed to `out` when complete)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.parent / f".{out.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
-    stage.mkdir()
-    return stage
-
-
-def check_output_dir(out: Path) -> None:
-    """Refuse an existing OUT that is not an empty folder (nothing is overwritten or deleted)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new output folder (nothing was written)")
-
-
-def publish(stage: Path, out: Path) -> None:
-    """Rename the completed `stage` folder to `out` (an empty `out` folder is replaced)."""
-    check_output_dir(out)
-    if out.is_dir():
-        out.rmdir()
-    os.replace(stage, out)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Streaming conversion
-# ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from relational_hf import cli
+from relational_hf.commands import main as cli
 from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
 from relational_hf.outputs import MARKER
 
@@ -294,7 +294,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("compress {model} {root}/c --remove 0.2 --calibration {binary}", ["--calibration", "weights.bin"]),
     ("compress {model} {root}/c --remove 0.2 --eval {latin1}", ["--eval", "latin1.txt"]),
     ("compress {model} {root}/c --remove 0.2 --method slice --slice-fraction 0.1", ["--slice-fraction", "relational"]),
-    ("compress {model} {foreign} --remove 0.2", ["OUT", "not an empty folder"]),
+    ("compress {model} {foreign} --remove 0.2", ["OUT", "not empty"]),
     ("compress {root}/missing_model {root}/c --remove 0.2", ["missing_model", "no such file or directory"]),
     ("compress {model} {root}/c --remove 0.2 --method prune", ["--method", "invalid choice"]),
     # --- export ---
@@ -336,7 +336,7 @@ def test_refusals_change_nothing(files, capsys):
     assert not (files["root"] / "never").exists()
     # refused after the output was claimed (the data is checked then): the new folder and its lock file are gone
     assert cli.main(_argv(f"{T} --train-file {{tiny}} --output-dir {{root}}/claimed", files)) == 2
-    assert not (files["root"] / "claimed").exists() and not (files["root"] / ".claimed.lock").exists()
+    assert not (files["root"] / "claimed").exists() and not (files["root"] / ".claimed.relational-hf-lock").exists()
 
 
 def test_dynamics_out_file_is_named(files, tmp_path, capsys):

@@ -15,8 +15,8 @@ from tiny_models import stored_tensors
 from transformers import AutoModelForCausalLM
 
 import relational_hf  # noqa: F401  (registers the architecture)
-from relational_hf import cli
 from relational_hf.architectures import UnsupportedModelError
+from relational_hf.commands import main as cli
 from relational_hf.outputs import MARKER
 from relational_hf.symmetry import apply_random_symmetry, canonical_stream, canonicalize
 from relational_hf.symmetry.canonical_stream import REPORT_NAME, stream_canonicalize

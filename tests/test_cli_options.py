@@ -1,6 +1,7 @@
-"""The options of `train` and `finetune` are dataclasses parsed with Transformers' HfArgumentParser: every option
-with a range is refused out of range in one line that names its flag, the range and the value; --help documents
-every option; the dash and underscore spellings parse alike; the options reach TrainingArguments unchanged."""
+"""Every command's options are dataclasses parsed with Transformers' HfArgumentParser (`relational_hf.commands`):
+every option with a range is refused out of range in one line that names its flag, the range and the value, on the
+command line and in Python alike; --help documents every option; the dash and underscore spellings parse alike; the
+options of `train` and `finetune` reach TrainingArguments unchanged."""
 
 from __future__ import annotations
 
@@ -9,17 +10,35 @@ import typing
 
 import pytest
 
-from relational_hf import cli
+from relational_hf.commands import main as cli
+from relational_hf.commands.finetune import FinetuneArguments
+from relational_hf.commands.options import EachInterval, Interval, NonEmpty, OneOf, TextFile, option_flag
+from relational_hf.commands.runs import RunArguments
+from relational_hf.commands.train import TrainArguments
 from relational_hf.errors import UsageError
-from relational_hf.training.arguments import RunArguments
-from relational_hf.training.finetune import FinetuneArguments, ModelSourceArguments, finetune_argument_parser
-from relational_hf.training.pretrain import TrainArguments, train_argument_parser
-from relational_hf.validate import Interval, NonEmpty, TextFile, option_flag
+
+
+def _positionals(options: type) -> list[str]:
+    """Placeholder values for the positional arguments a command needs before its options."""
+    if options.POSITIONALS is None:
+        return []
+    return [
+        "placeholder"
+        for field in dataclasses.fields(options.POSITIONALS)
+        if field.metadata.get("nargs") != "*" and (field.default is None or field.metadata.get("nargs") == "+")
+    ]
+
 
 #: command -> (its options dataclass, the arguments that come before its options)
-COMMANDS = {"train": (TrainArguments, []), "finetune": (FinetuneArguments, ["some-model-folder"])}
-#: fields of FinetuneArguments that argparse declares by hand (MODEL is positional; loading's shared flags)
-HAND_DECLARED = {field.name for field in dataclasses.fields(ModelSourceArguments)}
+COMMANDS = {
+    name: (cli.command_module(name).Arguments, _positionals(cli.command_module(name).Arguments))
+    for name in cli.COMMANDS
+}
+#: the positional fields, which are checked by each command (model sources, folders), not by a range
+POSITIONAL = {
+    name: {f.name for f in dataclasses.fields(options.POSITIONALS)} if options.POSITIONALS else set()
+    for name, (options, _) in COMMANDS.items()
+}
 
 
 def _rule_of(options: type, name: str):
@@ -45,7 +64,7 @@ def _checked_options() -> list[tuple[str, str, object]]:
     for command, (options, _) in COMMANDS.items():
         for field in dataclasses.fields(options):
             rule = _rule_of(options, field.name)
-            if rule is not None and field.name not in HAND_DECLARED:
+            if rule is not None and field.name not in POSITIONAL[command] and not isinstance(rule, (OneOf, EachInterval)):
                 found.append((command, field.name, rule))
     return found
 
@@ -58,14 +77,15 @@ pytestmark = pytest.mark.usefixtures("no_training")
 
 
 def test_every_numeric_option_has_a_range():
-    """Each int / float option of both commands carries an `Interval` (nothing reaches the Trainer unchecked)."""
+    """Each int / float option of every command carries an `Interval` (nothing reaches the work unchecked)."""
     for command, (options, _) in COMMANDS.items():
         hints = typing.get_type_hints(options)
         for field in dataclasses.fields(options):
             kind = hints[field.name]
             if int in (kind, *typing.get_args(kind)) or float in (kind, *typing.get_args(kind)):
-                assert isinstance(_rule_of(options, field.name), Interval), f"{command} {option_flag(field.name)}"
-    assert len(CHECKED) >= 30
+                rule = _rule_of(options, field.name)
+                assert isinstance(rule, (Interval, EachInterval)), f"{command} {option_flag(field.name)}"
+    assert len(CHECKED) >= 60
 
 
 @pytest.mark.parametrize("command,name,rule", CHECKED, ids=[f"{c} {option_flag(n)}" for c, n, _ in CHECKED])
@@ -98,27 +118,37 @@ def test_the_same_ranges_hold_for_options_built_in_python(command, name, rule):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_parses_the_same_way(command):
+    """One convention: the command's options are the fields of its dataclass, and its defaults parse to an
+    instance equal to the dataclass built in Python with the same positional values."""
+    options, before = COMMANDS[command]
+    parsed = options.parse(before)
+    positional = {name: getattr(parsed, name) for name in POSITIONAL[command]}
+    assert parsed == options(**positional)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_documents_every_option(command, capsys):
     options, _ = COMMANDS[command]
     assert cli.main([command, "--help"]) == 0
     printed = capsys.readouterr().out
     squeezed = "".join(printed.split())  # argparse wraps lines, also at hyphens
     for field in dataclasses.fields(options):
-        if field.name in HAND_DECLARED:
+        if field.name in POSITIONAL[command]:
+            assert field.metadata["metavar"] in printed, field.name
             continue
         assert f"{option_flag(field.name)} " in printed or f"{option_flag(field.name)}\n" in printed, field.name
         text = field.metadata["help"].replace("%%", "%")
         assert "".join(text.split()) in squeezed, f"{command} {option_flag(field.name)}: help text missing"
 
 
-@pytest.mark.parametrize("command,parser", [("train", train_argument_parser), ("finetune", finetune_argument_parser)])
-def test_dash_and_underscore_spellings_parse_alike(command, parser):
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_dash_and_underscore_spellings_parse_alike(command):
     options, before = COMMANDS[command]
     dashed = ["--batch-size", "3", "--learning-rate", "0.01", "--output-dir", "run", "--resume", "--max-steps", "7"]
     underscored = ["--" + arg[2:].replace("-", "_") if arg.startswith("--") else arg for arg in dashed]
-    parse = parser()
-    a = options.from_namespace(parse.parse_args([*before, *dashed]))
-    b = options.from_namespace(parse.parse_args([*before, *underscored]))
+    a = options.parse([*before, *dashed])
+    b = options.parse([*before, *underscored])
     assert a == b
     assert (a.batch_size, a.learning_rate, a.output_dir, a.resume, a.max_steps) == (3, 0.01, "run", True, 7)
 

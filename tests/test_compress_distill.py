@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from relational_hf.cli import main
+from relational_hf.commands.main import main
 from relational_hf.compress import compress_model
 from relational_hf.compress.distill import (
     TEACHER_TEXT_NAME,

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
-from relational_hf.cli import main
+from relational_hf.commands.main import main
 from relational_hf.compress import LowRankOptions, compress_model, compress_relational, qk_truncate, vo_truncate
 from relational_hf.compress.lowrank import layer_kind_parameters, value_grams
 from relational_hf.convert import to_relational
@@ -270,7 +270,7 @@ def test_slice_method_meets_the_size():
 def test_cli_compresses_a_checkpoint(tmp_path, capsys):
     """`relational-hf compress SRC OUT --remove` writes a loadable smaller model, its tokenizer and a JSON report
     whose stored count matches the saved model; no temporary folder is left beside OUT."""
-    from relational_hf.training.data import byte_level_tokenizer
+    from relational_hf.lm.data import byte_level_tokenizer
 
     src = tmp_path / "src"
     config = LlamaConfig(

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
-from relational_hf.modeling.modeling_relational import GaugeFixedLinear
+from relational_hf.modeling import GaugeFixedLinear
 
 VOCAB = 61
 BASE = dict(

@@ -1,6 +1,6 @@
 """Checkpoints and configs of the relational classes: the compact gauge layout (a saved model stores its parameters
-and small pivot tensors, nothing else), loading of the legacy int64 layout, strict loading (missing / unexpected
-tensors are errors naming them), and configs: every value Llama accepts for a shared field saves and loads,
+and small pivot tensors, nothing else), strict loading (missing / unexpected tensors are errors naming them), and
+configs: every value Llama accepts for a shared field saves and loads,
 validation on assignment, NaN refused."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.modeling import GaugeFixedLinear
 from relational_hf.modeling.configuration_relational import RelationalConfigError
-from relational_hf.modeling.modeling_relational import GaugeFixedLinear
 
 VOCAB = 61
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4)
@@ -91,57 +91,6 @@ def test_converted_smollm2_layers_are_not_larger_on_disk_than_the_source(smollm2
     assert out < src, (out, src)
 
 
-# ---- legacy layout ------------------------------------------------------------------------------------------------
-
-
-def save_legacy(model: RelationalForCausalLM, folder) -> None:
-    """Write `model` as the project did before the compact layout: int64 fixed_index / free_index and float32
-    fixed_value buffers per gauge-fixed module, no pivots."""
-    model.save_pretrained(folder)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    for name, module in model.named_modules():
-        if isinstance(module, GaugeFixedLinear):
-            state.pop(f"{name}.pivots")
-            for buffer in ("fixed_index", "free_index", "fixed_value"):
-                state[f"{name}.{buffer}"] = getattr(module, buffer).clone().contiguous()
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_legacy_layout_checkpoint_loads_with_identical_logits(variant, tmp_path):
-    model = model_for(**VARIANTS[variant])
-    save_legacy(model, tmp_path / "old")
-    assert (tmp_path / "old" / "model.safetensors").stat().st_size > data_bytes(tmp_path / "old" / "model.safetensors")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "old")
-    x = ids()
-    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
-    # and saved again it is in the compact layout
-    loaded.save_pretrained(tmp_path / "new")
-    assert (tmp_path / "new" / "model.safetensors").stat().st_size < (
-        tmp_path / "old" / "model.safetensors"
-    ).stat().st_size
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "new")
-    torch.testing.assert_close(again(x).logits, model(x).logits, rtol=0, atol=0)
-
-
-def test_legacy_checkpoint_with_merged_pivot_values_loads_the_same_function(tmp_path):
-    """A legacy checkpoint could hold non-canonical pivot values (a LoRA merge writes them): it loads with the same
-    function, moved back into the canonical gauge."""
-    model = model_for(num_key_value_heads=2)
-    v_proj = model.model.layers[1].self_attn.v_proj
-    with torch.no_grad():
-        v_proj.set_layout(v_proj.fixed_index.clone(), v_proj.fixed_value + 0.05 * torch.randn_like(v_proj.fixed_value))
-    assert not v_proj.is_canonical
-    x = ids()
-    expected = model(x).logits
-    save_legacy(model, tmp_path / "old")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "old")
-    torch.testing.assert_close(loaded(x).logits, expected, rtol=1e-4, atol=1e-5)
-    assert all(m.is_canonical for m in loaded.modules() if isinstance(m, GaugeFixedLinear))
-
-
 def test_noncanonical_layout_is_exact_in_state_dict_and_regauged_by_save_pretrained(tmp_path):
     model = model_for()
     up = model.model.layers[0].mlp.up_proj
@@ -199,15 +148,6 @@ def test_an_extra_tensor_is_an_error_naming_it(tmp_path):
     state["model.layers.0.mlp.extra"] = torch.zeros(3)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected tensors \(1\): model\.layers\.0\.mlp\.extra"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
-
-
-def test_a_legacy_layout_missing_one_of_its_tensors_is_an_error_naming_it(tmp_path):
-    save_legacy(model_for(), tmp_path)
-    state = load_file(tmp_path / "model.safetensors")
-    del state["model.layers.0.self_attn.v_proj.fixed_value"]
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_proj\.fixed_value"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

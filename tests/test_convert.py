@@ -3,7 +3,6 @@ refusals, principal-gauge slicing, and the `convert` command's checkpoint."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
@@ -19,10 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 
 import relational_hf
 from relational_hf.architectures import UnsupportedModelError
+from relational_hf.commands.main import main
 from relational_hf.convert import (
     ConversionError,
-    add_convert_arguments,
-    run_convert,
     to_relational,
 )
 
@@ -190,14 +188,12 @@ def test_convert_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, caps
     source.save_pretrained(tmp_path / "src")
     ids = torch.randint(0, VOCAB, (600,), generator=torch.Generator().manual_seed(0))
     torch.save(ids, tmp_path / "calibration.pt")
-    parser = add_convert_arguments(argparse.ArgumentParser())
-    exact = parser.parse_args([str(tmp_path / "src"), str(tmp_path / "exact")])
-    assert run_convert(exact) == 0
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "exact")]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exact")
     probe = token_ids()
     assert (loaded(probe).logits - source(probe).logits).abs().max().item() < 1e-4
-    sliced = parser.parse_args(
-        [
+    sliced = [
+            "convert",
             str(tmp_path / "src"),
             str(tmp_path / "sliced"),
             "--slice",
@@ -206,9 +202,8 @@ def test_convert_command_saves_a_checkpoint_the_auto_classes_load(tmp_path, caps
             str(tmp_path / "calibration.pt"),
             "--seq-len",
             "32",
-        ]
-    )
-    assert run_convert(sliced) == 0
+    ]
+    assert main(sliced) == 0
     report = json.loads((tmp_path / "sliced" / "conversion_report.json").read_text())
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sliced")
     assert reloaded.config.hidden_size == 24

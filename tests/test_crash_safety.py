@@ -1,5 +1,6 @@
 """Nothing is lost: a save killed at any stage leaves a loadable checkpoint, one run per directory, resume picks a
-complete trainer checkpoint, user files survive, LoRA never lands beside full weights, pushes carry no pickles."""
+complete trainer checkpoint, user files survive (whatever their names, and also when written during a save), LoRA
+never lands beside full weights, pushes carry no pickles."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relational_hf import RelationalConfig, RelationalForCausalLM, cli, outputs
+from relational_hf import RelationalConfig, RelationalForCausalLM, outputs
+from relational_hf.commands import main as cli
 from relational_hf.errors import UsageError
 from relational_hf.lm.data import generate_corpus
-from relational_hf.outputs import MARKER, OutputLock, recover_output_dir, stage_and_swap
+from relational_hf.outputs import MARKER, OutputLock, folders, recover_output_dir, stage_and_swap
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,19 +78,25 @@ def _fail_on_call(monkeypatch, owner, name, n=1):
 
 
 def _use_two_renames(monkeypatch):
-    monkeypatch.setattr(outputs, "exchange", lambda a, b: False)
+    monkeypatch.setattr(folders, "exchange", lambda a, b: False)
 
 
 STAGES = {
     # stage name: (set-up of the crash, which checkpoint the directory must hold after recovery)
     "while writing": (lambda mp, new: mp.setattr(new, "save_pretrained", _raise_midway(new)), "old"),
-    "before fsync": (lambda mp, new: _fail_on_call(mp, outputs, "_fsync_tree"), "old"),
-    "at the exchange": (lambda mp, new: _fail_on_call(mp, outputs, "exchange"), "old"),
-    "after the exchange": (lambda mp, new: _fail_on_call(mp, shutil, "rmtree"), "new"),
+    "before fsync": (lambda mp, new: _fail_on_call(mp, folders, "_fsync_tree"), "old"),
+    "at the exchange": (lambda mp, new: _fail_on_call(mp, folders, "exchange"), "old"),
+    "after the exchange": (lambda mp, new: _fail_on_call(mp, folders, "_retire"), "new"),
+    "retiring the old": (lambda mp, new: _fail_on_call(mp, os, "unlink", 2), "new"),
     "renaming the old away": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, os, "rename", 1)), "old"),
     "renaming the new in": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, os, "rename", 2)), "new"),
-    "deleting the old": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, shutil, "rmtree")), "new"),
+    "deleting the old": (lambda mp, new: (_use_two_renames(mp), _fail_on_call(mp, folders, "_retire")), "new"),
 }
+
+
+def _siblings(out: Path) -> list[Path]:
+    """The project's staging / old folders beside `out`."""
+    return sorted(out.parent.glob(f".{out.name}.relational-hf-*"))
 
 
 def _raise_midway(model):
@@ -110,9 +118,9 @@ def test_a_save_killed_at_any_stage_leaves_a_loadable_checkpoint(stage, two_mode
     with pytest.raises(Crash):
         save(new, out)
     monkeypatch.undo()
-    # at the moment of the crash a complete checkpoint exists: NAME, or during the two-rename window .NAME.old
-    # or the finished staging folder
-    candidates = [out, out.with_name(f".{out.name}.old"), out.with_name(f".{out.name}.staging")]
+    # at the moment of the crash a complete checkpoint exists: NAME, or during the two-rename window the old folder
+    # or the finished staging folder beside it
+    candidates = [out, *_siblings(out)]
     assert any(loads(p) in (old_fp, new_fp) for p in candidates if p.is_dir())
     recover_output_dir(out)  # what every command does first
     assert loads(out) == (old_fp if expected == "old" else new_fp)
@@ -138,7 +146,7 @@ def test_a_save_killed_by_a_signal_between_the_renames(two_models, tmp_path):
     script = (
         LIGHT_IMPORT
         + f"""
-outputs.exchange = lambda a, b: False
+outputs.folders.exchange = lambda a, b: False
 real, calls = os.rename, []
 def rename(a, b):
     calls.append(a)
@@ -152,18 +160,75 @@ outputs.stage_and_swap({str(out)!r}, write)
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 9, done.stderr
-    assert not out.exists() and loads(out.with_name(".run.old")) == old_fp  # the old one is whole, beside
+    (old,) = [p for p in _siblings(out) if "-old-" in p.name]
+    assert not out.exists() and loads(old) == old_fp  # the old one is whole, beside
     recover_output_dir(out)
     assert loads(out) == new_fp and (out / "notes.txt").is_file()
 
 
-def test_an_unchanged_save_replaces_checkpoint_files_and_keeps_the_rest(two_models):
+def test_a_save_replaces_only_the_files_it_wrote_before_whatever_their_names(two_models):
+    """Ownership by manifest: a file the last save wrote and nobody changed since is replaced or removed; a file the
+    user added is kept even when its name looks like a checkpoint file; a file of ours the user edited is kept."""
     out, _old_fp, new, new_fp = two_models
-    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale shard of an older save")
+
+    def with_extra(folder):
+        new.save_pretrained(folder)
+        (folder / "extra_report.json").write_text("{}")
+        (folder / "edited.json").write_text("{}")
+
+    save(new, out)
+    stage_and_swap(out, with_extra)
+    assert set(outputs.owned_files(out)) >= {"config.json", "model.safetensors", "extra_report.json", "edited.json"}
+    for name in ("model-00009-of-00009.safetensors", "tokenizer-notes.md", "vocab.csv", "model-best.safetensors"):
+        (out / name).write_bytes(b"the user's")
+    (out / "edited.json").write_text('{"edited": "by the user"}')
     save(new, out)
     assert loads(out) == new_fp
-    assert not (out / "model-00009-of-00009.safetensors").exists()  # a checkpoint artefact: replaced
+    assert not (out / "extra_report.json").exists()  # ours and unchanged: superseded
+    assert (out / "edited.json").read_text() == '{"edited": "by the user"}'  # ours once, but edited since: kept
+    for name in ("model-00009-of-00009.safetensors", "tokenizer-notes.md", "vocab.csv", "model-best.safetensors"):
+        assert (out / name).read_bytes() == b"the user's", name
     assert (out / "notes.txt").read_text() == "my notes" and (out / MARKER).is_file()
+
+
+def test_a_save_refuses_to_replace_a_file_it_did_not_write_unless_overwrite(two_models):
+    out, old_fp, new, new_fp = two_models
+    (out / "config.json").write_text('{"written": "by the user"}')  # a name the save writes, no longer ours
+    with pytest.raises(UsageError, match="config.json.*--overwrite"):
+        save(new, out)
+    assert (out / "config.json").read_text() == '{"written": "by the user"}' and _siblings(out) == []
+    stage_and_swap(out, new.save_pretrained, overwrite=True)
+    assert loads(out) == new_fp and (out / "notes.txt").is_file()
+
+
+def test_files_written_into_the_folder_during_a_save_survive_it(two_models, monkeypatch):
+    """Another program writes into the output folder while a save runs (after the carry-over, before the swap): its
+    files end up in the new folder."""
+    out, _old_fp, new, new_fp = two_models
+    real = folders._fsync_tree
+
+    def meanwhile(folder):
+        real(folder)
+        (out / "written-during-the-save.txt").write_text("late")
+        (out / "notes.txt").write_text("my notes, edited during the save")
+
+    monkeypatch.setattr(folders, "_fsync_tree", meanwhile)
+    save(new, out)
+    assert loads(out) == new_fp
+    assert (out / "written-during-the-save.txt").read_text() == "late"
+    assert (out / "notes.txt").read_text() == "my notes, edited during the save"
+    assert _siblings(out) == []
+
+
+def test_a_users_folder_named_like_a_swap_folder_is_never_touched(two_models):
+    out, _old_fp, new, _new_fp = two_models
+    for name in (f".{out.name}.old", f".{out.name}.staging", f".{out.name}.partial-1"):
+        (out.parent / name).mkdir()
+        (out.parent / name / "precious.txt").write_text("mine")
+    save(new, out)
+    recover_output_dir(out)
+    for name in (f".{out.name}.old", f".{out.name}.staging", f".{out.name}.partial-1"):
+        assert (out.parent / name / "precious.txt").read_text() == "mine"
 
 
 def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path, capsys):
@@ -269,9 +334,9 @@ def test_a_diverged_run_does_not_replace_the_previous_checkpoint(tmp_path, small
     out = tmp_path / "run"
     save(tiny(1), out)
     before = loads(out)
-    from relational_hf.training import pretrain
+    from relational_hf.lm import metrics
 
-    monkeypatch.setattr(pretrain, "perplexity", lambda model, blocks: float("nan"))
+    monkeypatch.setattr(metrics, "perplexity", lambda model, blocks, **kwargs: float("nan"))
     argv = ["train", "--train-file", str(small_text), "--output-dir", str(out), *TINY_TRAIN, "--max-steps", "2"]
     assert cli.main(argv) == 2
     assert "diverged" in capsys.readouterr().err
@@ -376,14 +441,16 @@ def test_new_only_outputs_refuse_a_non_empty_folder_and_leave_nothing_on_failure
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("precious")
-    with pytest.raises(UsageError, match="OUT .* not an empty folder"):
+    with pytest.raises(UsageError, match="OUT .* is not empty"):
         outputs.write_new_output(foreign, model.save_pretrained, command="convert", kind="relational")
     assert [p.name for p in foreign.iterdir()] == ["thesis.tex"] and (foreign / "thesis.tex").read_text() == "precious"
     (tmp_path / "empty").mkdir()
     for name in ("empty", "new"):
         out = outputs.write_new_output(tmp_path / name, model.save_pretrained, command="compress", kind="relational")
         assert loads(out) == fingerprint(model)
-        assert outputs.read_marker(out) == {"command": "compress", "kind": "relational"}
+        marker = outputs.read_marker(out)
+        assert (marker["command"], marker["kind"]) == ("compress", "relational")
+        assert set(marker["files"]) == {p.name for p in out.iterdir()} - {MARKER}  # every file it wrote, listed
 
     def crash(folder):
         model.save_pretrained(folder)

@@ -140,7 +140,7 @@ def hooks(model: torch.nn.Module) -> list:
 
 
 def test_parallel_and_perpendicular_parts_reconstruct_y_and_perpendicular_is_orthogonal_at_every_site(model):
-    from relational_hf.modeling.modeling_relational import parallel_component
+    from relational_hf.modeling.modeling_directional import parallel_component
 
     ids, mask = batch()
     updates = collect_updates(model, ids, attention_mask=mask)

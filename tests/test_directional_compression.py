@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from pathlib import Path
@@ -14,15 +13,14 @@ from scipy.stats import spearmanr
 from test_directional import VOCAB, tiny_gpt2, tiny_llama, tiny_relational
 from transformers import LlamaForCausalLM
 
+from relational_hf.commands import analyze
 from relational_hf.directional import (
     COMPRESSION_SETTINGS,
-    add_analyze_arguments,
     compress,
     compression_error,
     compression_report,
     prune_weights,
     quantize_weights,
-    run_analyze,
 )
 from relational_hf.directional.compression import fake_quantize, weight_matrices
 
@@ -194,8 +192,7 @@ def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
     tiny_relational().save_pretrained(model_dir)  # no tokenizer saved: the command falls back to UTF-8 bytes
     text = tmp_path / "text.txt"
     text.write_bytes(SHAKESPEARE.read_bytes()[:4000])
-    parser = add_analyze_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(
+    args = analyze.Arguments.parse(
         [
             str(model_dir),
             "--text",
@@ -215,7 +212,7 @@ def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
             "wanda-2:4",
         ]
     )
-    report = run_analyze(args)
+    report = analyze.run(args)
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["decomposition"].keys() == report["decomposition"].keys() and len(saved["decomposition"]) == 5
     assert len(saved["sweeps"]) == 10 and saved["compression"]["ranking_perpendicular"]
@@ -225,7 +222,7 @@ def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "value_exclude_self" in printed and "Spearman" in printed
     with pytest.raises(ValueError, match="allowed settings"):
-        run_analyze(parser.parse_args([str(model_dir), "--text", str(text), "--compression", "int3"]))
+        analyze.run(analyze.Arguments.parse([str(model_dir), "--text", str(text), "--compression", "int3"]))
 
 
 def test_every_listed_setting_compresses_as_its_name_says():

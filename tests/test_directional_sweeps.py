@@ -4,7 +4,6 @@ post-processed), per-layer sweeps edit one layer only, and the tables keep their
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -14,6 +13,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.commands import analyze
+from relational_hf.commands.analyze import compression_settings
 from relational_hf.directional import (
     CleanPass,
     compress,
@@ -25,7 +26,6 @@ from relational_hf.directional import (
     sweep_layers,
     sweep_per_layer,
 )
-from relational_hf.directional.analyze import add_analyze_arguments, compression_settings, run_analyze
 from relational_hf.directional.replay import replay_blocks
 from relational_hf.directional.tables import format_number, markdown_table
 
@@ -211,10 +211,9 @@ def test_analyze_reports_per_layer_edits_in_json_markdown_and_figure(tmp_path, c
     tiny_llama().save_pretrained(model_dir)
     text = tmp_path / "text.txt"
     text.write_bytes(SHAKESPEARE.read_bytes()[:3000])
-    parser = add_analyze_arguments(argparse.ArgumentParser())
     argv = [str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"), "--max-tokens", "640"]
     argv += ["--seq-len", "64", "--batch-size", "4", "--per-layer-tokens", "128", "--compression", "none"]
-    report = run_analyze(parser.parse_args(argv))
+    report = analyze.run(analyze.Arguments.parse(argv))
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "compression" not in saved  # --compression none skips it
     assert [(s["site"], s["component"], s["values"]) for s in saved["per_layer"]] == [
@@ -237,16 +236,16 @@ def test_analyze_reports_per_layer_edits_in_json_markdown_and_figure(tmp_path, c
         "clean_pass", "decomposition", "all_layer_edits", "per_layer_edits"
     }  # fmt: skip
     assert not list((tmp_path / "out").glob(".*.partial"))  # staged files were renamed into place
-    skipped = run_analyze(parser.parse_args([*argv, "--no-per-layer", "--out", str(tmp_path / "b")]))
+    skipped = analyze.run(analyze.Arguments.parse([*argv, "--no-per-layer", "--out", str(tmp_path / "b")]))
     assert "per_layer" not in skipped and not (tmp_path / "b" / "per_layer.png").exists()
     with pytest.raises(ValueError, match="--per-layer-values takes numbers or the single word 'none'"):
-        run_analyze(parser.parse_args([*argv, "--per-layer-values", "zero"]))
-    with pytest.raises(ValueError, match="--per-layer-tokens must be a positive integer"):
-        run_analyze(parser.parse_args([*argv, "--per-layer-tokens", "0"]))
+        analyze.run(analyze.Arguments.parse([*argv, "--per-layer-values", "zero"]))
+    with pytest.raises(ValueError, match="--per-layer-tokens: must be an integer >= 1"):
+        analyze.run(analyze.Arguments.parse([*argv, "--per-layer-tokens", "0"]))
 
 
 def test_an_interrupted_analysis_leaves_the_finished_stages_on_disk(tmp_path, monkeypatch):
-    import relational_hf.directional.analyze as analyze_module
+    import relational_hf.directional.analysis as analyze_module
 
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
@@ -257,10 +256,9 @@ def test_an_interrupted_analysis_leaves_the_finished_stages_on_disk(tmp_path, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(analyze_module, "sweep_per_layer", interrupted)
-    parser = add_analyze_arguments(argparse.ArgumentParser())
     argv = [str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"), "--max-tokens", "256"]
     with pytest.raises(KeyboardInterrupt):
-        run_analyze(parser.parse_args([*argv, "--seq-len", "32", "--compression", "none", "--sites", "block"]))
+        analyze.run(analyze.Arguments.parse([*argv, "--seq-len", "32", "--compression", "none", "--sites", "block"]))
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["complete"] is False and saved["sweeps"] and "per_layer" not in saved
     assert "All-layer edits" in (tmp_path / "out" / "report.md").read_text()

@@ -5,7 +5,6 @@ a random symmetry move is invisible in the invariant coordinates and large in th
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import numpy as np
@@ -16,6 +15,7 @@ from tiny_models import periodic_data, tiny_relational
 from transformers import Trainer, TrainingArguments
 
 from relational_hf import RelationalForCausalLM
+from relational_hf.commands.main import main
 from relational_hf.dynamics import (
     TRAJECTORY_NAME,
     ParameterSketch,
@@ -24,7 +24,6 @@ from relational_hf.dynamics import (
     coordinate_distances,
     final_distances,
     load_trajectory,
-    run_dynamics,
     save_trajectory,
 )
 from relational_hf.symmetry import ProjectedOptimizer, UpdateProjector, apply_random_symmetry
@@ -185,7 +184,7 @@ def test_sketch_is_a_fixed_linear_map_that_roughly_keeps_distances():
 def test_dynamics_command_writes_the_figures_and_summary(runs, tmp_path, capsys):
     folders = [runs["adamw"][2], runs["projected"][2]]
     out = tmp_path / "plots"
-    assert run_dynamics(argparse.Namespace(runs=[str(f) for f in folders], out=out)) == 0
+    assert main(["dynamics", *[str(f) for f in folders], "--out", str(out)]) == 0
     names = {p.name for p in out.iterdir()}
     assert {"trajectories.png", "distance.png", "vertical_share.png", "summary.json"} <= names
     assert "seed_distances.png" not in names  # two different settings: no seed pair to compare
@@ -195,7 +194,7 @@ def test_dynamics_command_writes_the_figures_and_summary(runs, tmp_path, capsys)
         trajectory = load_trajectory(folder)
         trajectory.metadata.update(group="one setting", label=f"seed {i}")
         save_trajectory(trajectory, tmp_path / "runs" / f"seed{i}" / TRAJECTORY_NAME)
-    assert run_dynamics(argparse.Namespace(runs=[str(tmp_path / "runs")], out=tmp_path / "seeds")) == 0
+    assert main(["dynamics", str(tmp_path / "runs"), "--out", str(tmp_path / "seeds")]) == 0
     assert (tmp_path / "seeds" / "seed_distances.png").is_file()
 
 

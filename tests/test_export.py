@@ -11,7 +11,7 @@ from checkpoint_helpers import first_layers, run_without_plugin
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from relational_hf.cli import main
+from relational_hf.commands.main import main
 from relational_hf.convert import ExportError, export_checkpoint, to_llama, to_relational
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
 
@@ -126,14 +126,14 @@ def test_non_empty_output_is_refused_and_left_alone(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(ValueError, match="not empty"):
         export_checkpoint(_relational(), out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "user data"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
 
 
 def test_cli_export_loads_with_no_plugin_and_no_remote_code(tmp_path):
-    from relational_hf.training.data import byte_level_tokenizer
+    from relational_hf.lm.data import byte_level_tokenizer
 
     model = _relational(num_key_value_heads=2, qk_rank=4)
     src, out = tmp_path / "relational", tmp_path / "llama"

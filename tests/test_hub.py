@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -17,7 +16,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from relational_hf.hub import add_push_arguments, build_model_card, push_checkpoint, run_push
+from relational_hf.commands.main import main
+from relational_hf.hub import build_model_card, push_checkpoint
 
 # huggingface_hub streams LFS uploads through an httpx argument that httpx deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -207,15 +207,13 @@ def test_cli_push_uses_the_token_without_logging_it(hub_server, llama_checkpoint
     secret = "hf_cliOnlySecret7d41b2c9e0a8f635"
     caplog.set_level(logging.DEBUG)
     caplog.set_level(logging.DEBUG, logger="huggingface_hub")
-    parser = add_push_arguments(argparse.ArgumentParser())
-    args = parser.parse_args([str(llama_checkpoint), "tiny", "--token", secret, "--message", "from the CLI"])
-    assert run_push(args) == 0
+    assert main(["push", str(llama_checkpoint), "tiny", "--token", secret, "--message", "from the CLI"]) == 0
 
     assert secret in hub_server.tokens_seen and FAKE_TOKEN not in hub_server.tokens_seen
     assert hub_server.head("test-user/tiny").title == "from the CLI"  # the bare name went under the token's user
     hub_server.fail_commits = True
     with pytest.raises(RuntimeError) as failure:
-        run_push(parser.parse_args([str(llama_checkpoint), "test-user/other", "--token", secret]))
+        main(["--debug", "push", str(llama_checkpoint), "test-user/other", "--token", secret])
     assert "Uploading" in caplog.text and "local hub:" in caplog.text  # logs were captured down to debug level
     for text in (
         caplog.text,

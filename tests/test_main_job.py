@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relational_hf import cli
+from relational_hf.commands import main as cli
 from relational_hf.lm.data import byte_level_tokenizer, generate_corpus, split_text, unigram_perplexity
 
 

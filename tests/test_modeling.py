@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,7 +85,10 @@ def test_save_and_load_roundtrip_gives_identical_logits(model, tmp_path):
     assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_relational.RelationalForCausalLM"
-    assert (tmp_path / "modeling_relational.py").is_file() and (tmp_path / "configuration_relational.py").is_file()
+    # every code file of the model family travels (the model file imports its siblings relatively)
+    code = {p.name for p in Path(relational_hf.modeling.__file__).parent.glob("*.py")} - {"__init__.py"}
+    assert {"modeling_relational.py", "configuration_relational.py", "modeling_gauge.py"} <= code
+    assert code <= {p.name for p in tmp_path.glob("*.py")}
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     low = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
@@ -429,7 +433,7 @@ def test_inference_weight_cache_follows_parameter_updates():
 
 
 def test_gauge_fixed_weight_follows_a_new_layout_and_its_gradient_is_the_free_entries_of_the_full_one():
-    from relational_hf.modeling.modeling_relational import GaugeFixedLinear
+    from relational_hf.modeling import GaugeFixedLinear
 
     lin = GaugeFixedLinear(6, 4, 2)
     torch.nn.init.normal_(lin.weight)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from relational_hf import cli
+from relational_hf.commands import main as cli
 from relational_hf.lm.data import byte_level_tokenizer, generate_corpus
 from relational_hf.lm.metrics import perplexity
-from relational_hf.loading import save_tokenizer
+from relational_hf.outputs import save_tokenizer
 
 WINDOW = 32
 

@@ -12,7 +12,7 @@ from tiny_models import VOCAB, periodic_data, tiny_relational
 from transformers import AutoModelForCausalLM
 
 from relational_hf import RelationalForCausalLM
-from relational_hf.modeling.modeling_relational import GaugeFixedLinear
+from relational_hf.modeling import GaugeFixedLinear
 from relational_hf.training import RelationalTrainer, RelationalTrainingArguments
 from relational_hf.training.peft_support import (
     GaugeFixedLoraLinear,

@@ -118,7 +118,7 @@ GIVEN_PYTHON = {
 def _given_checkpoint(folder: Path, env: dict) -> None:
     """CKPT: a tiny relational checkpoint with the project's byte-level tokenizer."""
     from relational_hf import RelationalConfig, RelationalForCausalLM
-    from relational_hf.training.data import byte_level_tokenizer
+    from relational_hf.lm.data import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     config = RelationalConfig(
@@ -132,7 +132,7 @@ def _given_checkpoint(folder: Path, env: dict) -> None:
 
 def _given_text(folder: Path, env: dict) -> None:
     """data.txt: a text file (the project's generated corpus)."""
-    from relational_hf.training.data import generate_corpus
+    from relational_hf.lm.data import generate_corpus
 
     (folder / "data.txt").write_text(generate_corpus(300, seed=1), encoding="utf-8")
 

@@ -3,7 +3,6 @@ layers through the CLI, a converted tokenizer that loads without the plugin, and
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -12,15 +11,15 @@ import torch
 from checkpoint_helpers import first_layers, run_without_plugin, truncated_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer, ResNetConfig
 
-from relational_hf.cli import build_parser, main
+from relational_hf.commands.main import build_parser, main
 from relational_hf.directional import compression_error
 from relational_hf.loading import (
     ModelSource,
     ModelSourceError,
     ModelSourceNotFound,
     ModelSourceOffline,
-    load_model_and_tokenizer,
     load_model_from,
+    load_tokenizer_from,
     resolve_model_source,
 )
 
@@ -52,12 +51,8 @@ def converted(gguf_two_layers, tmp_path_factory):
     return out
 
 
-def _namespace(model: str, gguf_file: str | None = None, dtype: str = "float32") -> argparse.Namespace:
-    return argparse.Namespace(model=model, gguf_file=gguf_file, dtype=dtype, trust_remote_code=False)
-
-
 def test_folder_source_loads_model_and_tokenizer_in_the_requested_dtype(smollm2_dir):
-    model, tokenizer = load_model_and_tokenizer(_namespace(str(smollm2_dir), dtype="bfloat16"))
+    model, tokenizer = load_model_from(str(smollm2_dir), dtype="bfloat16"), load_tokenizer_from(str(smollm2_dir))
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
     assert next(model.parameters()).dtype == torch.bfloat16
     ids = tokenizer(TEXT)["input_ids"]

@@ -3,7 +3,6 @@ the source dtype kept, a save_pretrained-style index, atomic output, and the sam
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from tiny_models import stored_tensors
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import relational_hf  # noqa: F401  (registers the architecture)
-from relational_hf.convert import ConversionError, add_convert_arguments, run_convert, streaming, to_relational
+from relational_hf.commands.main import main
+from relational_hf.convert import ConversionError, streaming, to_relational
 from relational_hf.convert.streaming import layerwise_logits, stream_to_relational
 from relational_hf.symmetry.report import (
     redundancy_report,
@@ -137,7 +137,7 @@ def test_an_existing_output_folder_is_refused_and_left_untouched(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(ValueError, match="not empty"):
         stream_to_relational(src, out, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     with pytest.raises(ValueError, match="dtype"):
@@ -149,19 +149,18 @@ def test_an_existing_output_folder_is_refused_and_left_untouched(tmp_path):
 
 def test_convert_command_streams_safetensors_and_keeps_bf16(tmp_path, capsys):
     src = _save(_source("qwen2", False), tmp_path / "src", torch.bfloat16)
-    parser = add_convert_arguments(argparse.ArgumentParser())
-    assert run_convert(parser.parse_args([str(src), str(tmp_path / "streamed")])) == 0
+    assert main(["convert", str(src), str(tmp_path / "streamed")]) == 0
     assert "layer by layer" in capsys.readouterr().out
-    assert run_convert(parser.parse_args([str(src), str(tmp_path / "fp32"), "--dtype", "float32"])) == 0
-    assert run_convert(parser.parse_args([str(src), str(tmp_path / "memory"), "--no-stream"])) == 0
+    assert main(["convert", str(src), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "memory"), "--no-stream"]) == 0
     streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed")
     fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
     memory = AutoModelForCausalLM.from_pretrained(tmp_path / "memory")
     assert streamed.dtype == torch.bfloat16 and fp32.dtype == torch.float32 == memory.dtype
     for key, tensor in memory.state_dict().items():  # streamed fp32 == in-memory fp32 checkpoint
         assert torch.allclose(fp32.state_dict()[key], tensor, rtol=1e-6, atol=1e-7), key
-    with pytest.raises((SystemExit, ValueError), match="no-stream|--calibration"):
-        run_convert(parser.parse_args([str(src), str(tmp_path / "x"), "--stream", "--slice", "0.2"]))
+    assert main(["convert", str(src), str(tmp_path / "x"), "--stream", "--slice", "0.2"]) == 2
+    assert "--calibration" in capsys.readouterr().err
 
 
 def test_layerwise_logits_equal_the_full_forward(tmp_path):
@@ -210,8 +209,8 @@ def test_meta_report_sets_apart_what_a_tied_final_gain_decides():
 
 
 def test_big_model_evaluation_offloads_layers_and_keeps_the_perplexity(tmp_path):
-    from relational_hf.convert.streaming import offloaded_perplexity
-    from relational_hf.training.metrics import perplexity
+    from relational_hf.lm.metrics import perplexity
+    from relational_hf.lm.offload import offloaded_perplexity
 
     source = _source("llama", False)
     source.save_pretrained(tmp_path / "src")

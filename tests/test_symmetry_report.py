@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
@@ -13,14 +12,13 @@ from test_symmetry_zoo import (
     perturb,
 )
 
+from relational_hf.commands.main import main
 from relational_hf.symmetry import (
-    add_redundancy_arguments,
     apply_random_symmetry,
     head_descriptors,
     plot_head_similarity,
     plot_redundancy_by_layer,
     redundancy_report,
-    run_redundancy,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,9 +70,8 @@ def test_plots_write_png_files(tmp_path):
 
 def test_redundancy_command_on_a_saved_checkpoint(tmp_path, capsys):
     build("relational_free").save_pretrained(tmp_path / "ckpt")
-    parser = add_redundancy_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(
-        [
+    args = [
+            "redundancy",
             str(tmp_path / "ckpt"),
             "--png",
             str(tmp_path / "r.png"),
@@ -82,14 +79,12 @@ def test_redundancy_command_on_a_saved_checkpoint(tmp_path, capsys):
             str(tmp_path / "r.json"),
             "--heatmap-dir",
             str(tmp_path / "maps"),
-        ]
-    )
-    assert run_redundancy(args) == 0
+    ]
+    assert main(args) == 0
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["redundant_dimensions"] == 912  # 32 QK + 256 VO + 128 MLP + 496 residual
     assert (tmp_path / "r.png").exists() and len(list((tmp_path / "maps").glob("*.png"))) == 2
     assert "Redundancy of `RelationalForCausalLM`" in capsys.readouterr().out
-    meta = parser.parse_args([str(tmp_path / "ckpt"), "--meta"])
-    assert run_redundancy(meta) == 0
+    assert main(["redundancy", str(tmp_path / "ckpt"), "--meta"]) == 0
     out = capsys.readouterr().out  # config alone: the residual rotation (tied head, final gain) is listed apart
     assert "redundant (gauge) dimensions: 416" in out and "at most 496 more" in out

@@ -9,8 +9,9 @@ from tiny_models import VOCAB, periodic_data, tiny_llama, tiny_relational
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from relational_hf.directional import decompose
+from relational_hf.directional.suppression import ParallelSuppression
 from relational_hf.symmetry import ProjectedOptimizer
-from relational_hf.training import ParallelSuppression, RelationalTrainer, RelationalTrainingArguments
+from relational_hf.training import RelationalTrainer, RelationalTrainingArguments
 from relational_hf.training.trainer import STATE_NAME
 
 #: real lengths of the padded sequences: the first four hold 45 tokens, the last four 18, so a micro-batch mean is not

@@ -1,6 +1,6 @@
 """Fine-tune a causal LM checkpoint, fully or with LoRA, with optional projected updates and parallel suppression.
 
-A thin front over `relational_hf.training.finetune` (`finetune_argument_parser`, `run_finetune`).
+A thin front over `relational_hf.commands.finetune`; `relational-hf finetune` runs the same code with the same flags.
 Examples:
     python training_scripts/finetune.py checkpoints/relational-default --tokenizer byte \\
         --train-file ../shared/data/tinyshakespeare/input.txt --method lora --merge
@@ -10,7 +10,7 @@ Examples:
 
 import sys
 
-from relational_hf.training.finetune import main
+from relational_hf.commands.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Pre-train a relational transformer (or a Llama baseline) from scratch.
 
-A thin front over `relational_hf.training.pretrain`; `relational-hf train` runs the same code.
+A thin front over `relational_hf.commands.train`; `relational-hf train` runs the same code with the same flags.
 Examples:
     python training_scripts/pretrain.py                                   # built-in corpus, about 3 minutes on CPU
     python training_scripts/pretrain.py --train-file ../shared/data/tinyshakespeare/input.txt --max-minutes 30
@@ -10,7 +10,7 @@ Examples:
 
 import sys
 
-from relational_hf.training.pretrain import main
+from relational_hf.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,39 +1,47 @@
 """Publish a checkpoint to the Hugging Face Hub with a generated model card.
 
-A thin front over `relational_hf.hub.push_checkpoint` (as `relational-hf push`) that can also measure the
+A thin front over `relational_hf.hub.push_checkpoint` (with the options of `relational-hf push`) that can also measure the
 checkpoint's perplexity on a text first and put it into the card's model-index
-(`relational_hf.hub.reference.card_for_checkpoint`). Tokens come from --token, HF_TOKEN or `hf auth login`
+(`relational_hf.hub.reference_cards.card_for_checkpoint`). Tokens come from --token, HF_TOKEN or `hf auth login`
 and never appear in logs or in the card. Example:
     python training_scripts/push_to_hub.py checkpoints/relational-default me/relational-small \\
         --eval-text ../shared/data/tinyshakespeare/input.txt --dataset-id karpathy/tiny_shakespeare
 """
 
-import argparse
 import logging
 import sys
+from dataclasses import dataclass
 
-from relational_hf.hub import add_push_arguments, push_checkpoint
+from relational_hf.commands.options import CommandArguments, PositiveInt, option
+from relational_hf.commands.push import PushOptions, PushPaths
+from relational_hf.commands.push import check as check_push
+from relational_hf.hub import push_checkpoint
 from relational_hf.hub.card import stored_parameters
-from relational_hf.hub.reference import card_for_checkpoint
+from relational_hf.hub.reference_cards import card_for_checkpoint
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = add_push_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    card = parser.add_argument_group("model card")
-    card.add_argument("--eval-text", default=None, help="UTF-8 text to measure perplexity on before publishing")
-    card.add_argument(
-        "--dataset-id", default=None, help="Hub id of the data set (card metadata), e.g. Salesforce/wikitext"
-    )
-    card.add_argument("--dataset-name", default=None, help="readable name of the evaluation text (default: file name)")
-    card.add_argument("--base-model", default=None, help="Hub id of the model this one derives from (card metadata)")
-    card.add_argument("--license", default="apache-2.0", help="license identifier for the card (default: %(default)s)")
-    card.add_argument("--block-size", type=int, default=256, help="tokens per evaluation block (default: %(default)s)")
-    card.add_argument("--eval-blocks", type=int, default=64, help="evaluation blocks at most (default: %(default)s)")
-    return parser
+@dataclass
+class CardOptions:
+    _argument_group_name = "model card"
+
+    eval_text: str | None = option(None, "UTF-8 text to measure perplexity on before publishing", metavar="FILE")
+    dataset_id: str | None = option(None, "Hub id of the data set (card metadata), e.g. Salesforce/wikitext")
+    dataset_name: str | None = option(None, "readable name of the evaluation text (default: file name)")
+    base_model: str | None = option(None, "Hub id of the model this one derives from (card metadata)")
+    license: str = option("apache-2.0", "license identifier for the card")
+    block_size: PositiveInt = option(256, "tokens per evaluation block")
+    eval_blocks: PositiveInt = option(64, "evaluation blocks at most")
+
+
+@dataclass
+class PushToHubArguments(CommandArguments, CardOptions, PushOptions, PushPaths):
+    POSITIONALS = PushPaths
+    PARSER_GROUPS = (PushOptions, CardOptions)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = PushToHubArguments.parse(argv, description=__doc__.splitlines()[0])
+    check_push(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     card, measured = card_for_checkpoint(
         args.checkpoint_dir,

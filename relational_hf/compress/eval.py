@@ -85,7 +85,7 @@ def perplexity_on_windows(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 4, progress: bool = False
 ) -> float:
     """exp of the mean next-token NLL over every predicted token of `windows` (n, T) (each window on its own, no
-    context carried over), through the project's `training.metrics.perplexity`."""
+    context carried over), through the project's `relational_hf.lm.metrics.perplexity`."""
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long:
         raise ValueError("windows must be a LongTensor of shape (n, T)")
     if batch_size < 1:

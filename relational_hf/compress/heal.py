@@ -54,8 +54,8 @@ def heal(
     parameters, final training loss, seconds)."""
     from peft import get_peft_model
 
+    from ..lm.data import RandomBlockDataset
     from ..training.arguments import RelationalTrainingArguments
-    from ..training.data import RandomBlockDataset
     from ..training.peft_support import RELATIONAL_LORA_TARGETS, merge_and_unload, relational_lora_config
     from ..training.trainer import RelationalTrainer
 

@@ -22,15 +22,11 @@ logits of the relational and the Llama model on random tokens must agree to `tol
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
 import math
 import os
-import shutil
-import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -284,11 +280,6 @@ def to_llama(
     return (llama, report) if return_report else llama
 
 
-def _refuse_non_empty(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty: choose a new output folder (nothing was written)")
-
-
 def export_checkpoint(
     model: nn.Module,
     out: str | os.PathLike,
@@ -296,71 +287,31 @@ def export_checkpoint(
     to: str = "llama",
     tokenizer=None,
     tolerance: float = 1e-4,
+    lock=None,
 ) -> ExportReport:
     """Export `model` (see `to_llama`) and write it to the new or empty folder `out` with `tokenizer` (if given)
-    and `export_report.json`. The folder is written beside `out` and renamed into place, so an interrupted export
-    leaves nothing that looks like a checkpoint; a non-empty `out` is refused before any work."""
+    and `export_report.json`, through `relational_hf.outputs.write_new_output` (staged beside, moved into place when
+    complete; `lock`: the caller's `OutputLock` on `out`): an interrupted export leaves nothing that looks like a
+    checkpoint; a non-empty `out` is refused before any work."""
+    from ..outputs import check_new_output, save_tokenizer, write_new_output
+
     if to not in EXPORT_TARGETS:
         raise ExportError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}")
-    out = Path(out)
-    _refuse_non_empty(out)
+    check_new_output(out, "OUT")
     llama, report = to_llama(model, tolerance=tolerance, return_report=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual mode
-    try:
-        llama.save_pretrained(staging)
+
+    def write(folder: Path) -> None:
+        llama.save_pretrained(folder)
         if tokenizer is not None:
-            from ..loading import save_tokenizer
+            save_tokenizer(tokenizer, folder)
+        (folder / "export_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
 
-            save_tokenizer(tokenizer, staging)
-        (staging / "export_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        _refuse_non_empty(out)
-        if out.is_dir():
-            out.rmdir()  # empty: replaced by the finished folder
-        staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+    write_new_output(out, write, command="export", kind=to, lock=lock)
     return report
-
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `relational-hf export SRC OUT --to llama`."""
-    parser.add_argument("src", metavar="SRC", help="a relational checkpoint: local folder or Hub id")
-    parser.add_argument("out", metavar="OUT", type=Path, help="new (or empty) output folder")
-    parser.add_argument(
-        "--to", choices=EXPORT_TARGETS, default="llama", help="target architecture (default: %(default)s)"
-    )
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| accepted (fp32)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="passed to from_pretrained")
-    return parser
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """Load SRC (fp32), export it as `export_checkpoint` describes, copy SRC's tokenizer, print the report."""
-    from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
-
-    _refuse_non_empty(args.out)  # before loading anything
-    source = resolve_model_source(args.src)
-    model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
-    try:
-        tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-        sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
-    report = export_checkpoint(model, args.out, to=args.to, tokenizer=tokenizer, tolerance=args.tolerance)
-    sys.stdout.write(report.to_markdown())
-    sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
-    return 0
 
 
 __all__ = [
     "EXPORT_TARGETS",
-    "add_export_arguments",
-    "run_export",
     "ExportError",
     "ExportReport",
     "export_checkpoint",

@@ -18,6 +18,11 @@ from torch import nn
 
 from ..architectures import get_adapter
 
+
+class ConversionError(ValueError):
+    """A model the converter cannot convert (no pivot gauge at some head), or a converted model that failed the
+    converter's own checks (logits or parameter count)."""
+
 RELATIVE_RANK_TOL = 1e-7
 
 
@@ -63,7 +68,6 @@ def pivot_gauge_obstructions(model: nn.Module) -> list[str]:
 
 def check_pivot_gauge_exists(model: nn.Module) -> None:
     """Raise `ConversionError` naming every layer and head where the pivot gauge does not exist."""
-    from .relational import ConversionError
 
     found = pivot_gauge_obstructions(model)
     if found:

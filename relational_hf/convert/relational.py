@@ -27,15 +27,12 @@ from ..architectures import UnsupportedModelError, get_adapter
 from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
+from .preflight import ConversionError, check_pivot_gauge_exists
 from .slicing import SliceReport, slice_relational
 
 logger = logging.getLogger(__name__)
 
 _FIXED_GROUPS = ("qk_gauge", "vo_gauge", "mlp_scale")
-
-
-class ConversionError(ValueError):
-    """The converted model failed the converter's own checks (logits or parameter count)."""
 
 
 @dataclass
@@ -355,7 +352,6 @@ def to_relational(
     attends to the full context): a warning is issued and the check runs on sequences inside the window.
     """
     _check_supported(model)
-    from .preflight import check_pivot_gauge_exists
 
     check_pivot_gauge_exists(model)  # names the layer and head of a rank-deficient block
     if not 0.0 <= slice_fraction < 1.0:

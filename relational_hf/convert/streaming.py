@@ -12,8 +12,8 @@ row blocks. Memory is one layer's working set, independent of depth.
 Output names and layout come from the relational model itself: a `RelationalDecoderLayer` is loaded with the
 converted weights and its `state_dict()` is written under the layer's prefix in `RelationalForCausalLM`, so the
 file holds exactly what `save_pretrained` of the in-memory model would (source dtype kept on disk unless `dtype`
-is given). The output is staged in a hidden sibling folder and renamed at the end: a failed or interrupted run
-leaves no folder that looks like a checkpoint.
+is given). The output is written through `relational_hf.outputs` (staged beside, moved into place when complete): a
+failed or interrupted run leaves no folder that looks like a checkpoint.
 
 Streaming analysis (`redundancy_report_from_checkpoint` in `relational_hf.symmetry.report`) uses the same reader
 and the meta-device model (`meta_model`, `materialize`), both in `relational_hf.shards`.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -35,15 +34,12 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.initialization import no_init_weights
 
 from ..architectures import get_adapter
-from ..lm.offload import load_offloaded, offloaded_perplexity  # noqa: F401  (public here before the split)
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRotaryEmbedding
-from ..shards import (  # noqa: F401  (names public here before the split)
-    SAFE_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
+from ..outputs import OutputLock, check_new_output, save_tokenizer, write_new_output
+from ..shards import (
     CheckpointReader,
     ShardWriter,
-    check_output_dir,
     checkpoint_names,
     drop_caches,
     is_safetensors_checkpoint,
@@ -52,9 +48,7 @@ from ..shards import (  # noqa: F401  (names public here before the split)
     meta_model,
     parse_dtype,
     parse_size,
-    publish,
     release,
-    staging_dir,
     trim_heap,
 )
 from .relational import (
@@ -114,6 +108,7 @@ def stream_to_relational(
     trust_remote_code: bool = False,
     copy_tokenizer: bool = True,
     progress: bool = True,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
     """Convert the safetensors checkpoint folder `src` (Llama / Mistral / Qwen2) to a relational checkpoint `out`
     one decoder layer at a time; returns the ConversionReport (also written to out/conversion_report.json).
@@ -125,8 +120,8 @@ def stream_to_relational(
     `dtype` (None: the source's dtype on disk). Embedding and head are copied in row blocks (head x final gain when
     untied). Shards of at most `max_shard_size` bytes ("5GB"), named and indexed like `save_pretrained`; config,
     generation config, the code files for trust_remote_code and the tokenizer (`copy_tokenizer`) are written
-    beside. Everything is staged in a hidden sibling folder renamed to `out` at the end; `out` must not exist or be
-    empty (FileExistsError otherwise), and a failure removes the staging folder and leaves `out` untouched."""
+    beside. Everything is written through `relational_hf.outputs.write_new_output` (`lock`: the caller's lock on
+    `out`): `out` must not exist or be empty (`UsageError` otherwise), and a failure leaves `out` untouched."""
     from tqdm.auto import tqdm
 
     src, out = Path(src), Path(out)
@@ -138,7 +133,7 @@ def stream_to_relational(
         raise ValueError(f"verify_length must be >= 1, got {verify_length}")
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
-    check_output_dir(out)
+    check_new_output(out, "OUT", source=src)
     reader = CheckpointReader(src)
     config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     source = meta_model(config, trust_remote_code=trust_remote_code)
@@ -176,11 +171,11 @@ def stream_to_relational(
     verify = _verify_indices(len(src_layers), verify_layers)
     header_reserve = 4096 + 2 * sum(len(k) + 160 for k in expected)
 
-    stage = staging_dir(out)
     written: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    worst = (0.0, 1.0, 0.0)
+    results: dict = {"worst": (0.0, 1.0, 0.0)}
     start = time.perf_counter()
-    try:
+
+    def write(stage: Path) -> None:
         writer = ShardWriter(stage, max_shard_bytes, header_reserve)
 
         def emit(name: str, tensor: torch.Tensor) -> None:
@@ -213,7 +208,7 @@ def stream_to_relational(
                 result = relative_difference(
                     _layer_outputs(block, hidden, src_rotary), _layer_outputs(layer, hidden, dst_rotary)
                 )
-                worst = max(worst, result, key=lambda r: r[2])
+                results["worst"] = max(results["worst"], result, key=lambda r: r[2])
                 if not result[2] <= tolerance:
                     raise ConversionError(
                         f"layer {i}: converted layer's outputs differ from the source layer's by {result[0]:.3g} = "
@@ -240,15 +235,15 @@ def stream_to_relational(
                 f"streamed tensors do not match RelationalForCausalLM's parameters (e.g. {mismatch[0]!r})"
             )
         writer.finish(sum(p.numel() for p in target.parameters()))
-        report = _report(source, target, tie, worst, length, tolerance, notes)
+        report = _report(source, target, tie, results["worst"], length, tolerance, notes)
         _write_metadata(target, rconfig, write_dtype, stage)
         if copy_tokenizer:
             _copy_tokenizer(src, stage, trust_remote_code)
         (stage / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-        publish(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+        results["report"] = report
+
+    write_new_output(out, write, command="convert", kind="relational", lock=lock)
+    report, worst = results["report"], results["worst"]
     logger.info(
         "streamed %s (%d layers) to %s in %.1f s; max relative layer difference %.3g",
         report.source_class,
@@ -362,27 +357,7 @@ def _copy_tokenizer(src: Path, directory: Path, trust_remote_code: bool) -> None
     except (OSError, ValueError, TypeError):
         logger.info("no tokenizer at %s; the converted checkpoint has none", src)
         return
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
 
 
-__all__ = [
-    "CheckpointReader",
-    "ShardWriter",
-    "check_output_dir",
-    "drop_caches",
-    "checkpoint_names",
-    "is_safetensors_checkpoint",
-    "layerwise_logits",
-    "load_offloaded",
-    "offloaded_perplexity",
-    "materialize",
-    "materialize_small",
-    "meta_model",
-    "parse_dtype",
-    "parse_size",
-    "publish",
-    "release",
-    "staging_dir",
-    "trim_heap",
-    "stream_to_relational",
-]
+__all__ = ["layerwise_logits", "stream_to_relational"]

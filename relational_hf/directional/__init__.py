@@ -6,11 +6,11 @@ reference z and the perpendicular rest, measure it, edit it, and use it to diagn
 - `edits`, `evaluation`: `scale_components` and the perplexity sweeps (all layers at once, or one layer at a time);
 - `replay`: `CleanPass`, the unedited pass kept so that an edit of layer l reruns only layers l..L-1;
 - `compression`: compressors and the layer-local counterfactual error;
-- `plots`, `analyze`: figures and the `relational-hf analyze` command.
+- `plots`, `analysis`: figures and the whole analysis `relational-hf analyze` runs (`directional_analysis`).
 """
 
 from ..lm.data import lm_blocks as token_blocks
-from .analyze import add_analyze_arguments, run_analyze
+from .analysis import directional_analysis
 from .compression import (
     COMPRESSION_SETTINGS,
     CompressionReport,
@@ -51,13 +51,13 @@ __all__ = [
     "LayerSweepResult",
     "LayerStatistics",
     "SweepResult",
-    "add_analyze_arguments",
     "collect_updates",
     "compress",
     "compression_error",
     "compression_report",
     "decompose",
     "decompose_dataset",
+    "directional_analysis",
     "perplexity",
     "plot_compression",
     "plot_parallel_profile",
@@ -65,7 +65,6 @@ __all__ = [
     "plot_sweeps",
     "prune_weights",
     "quantize_weights",
-    "run_analyze",
     "scale_components",
     "sweep_all",
     "sweep_components",

@@ -27,7 +27,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..architectures import get_adapter
 from ..modeling import GaugeFixedLinear
-from ..modeling.modeling_relational import parallel_component
+from ..modeling.modeling_directional import parallel_component
 from .decompose import model_device, unpack_batch
 from .replay import CleanPass
 from .sites import first_input, main_output, replace_first_input

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..modeling.modeling_relational import scale_parallel
+from ..modeling.modeling_directional import scale_parallel
 from .sites import EDIT_SITES, AttentionState, attention_hooks, check_sites, select_layers, tap_sites
 
 

@@ -16,13 +16,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..architectures import LayerRoles, get_adapter
-from ..modeling.modeling_relational import repeat_kv
+from ..modeling.modeling_relational import eager_attention_parts
 
 #: Sites whose updates `decompose` measures (DESIGN.md section 3).
 SITES: tuple[str, ...] = ("residual_attention", "residual_mlp", "block", "value", "value_exclude_self")
@@ -113,45 +112,23 @@ def directional_attention_forward(
     """Eager attention o_t = sum_s A_ts v_s, A = softmax(q k^T * scaling + mask), with the hooks of `module` applied.
 
     query (B, H, T, r), key (B, H_kv, S, r), value (B, H_kv, S, d_h); returns (output (B, T, H, d_h), A).
-    Same operations in the same order as Transformers' eager kernels, so without hooks the result is bit-identical.
+    The kernel is the model's own eager attention (`modeling_relational.eager_attention_parts`: the same operations
+    in the same order as Transformers' eager kernels), so without hooks the result is bit-identical.
     """
-    groups = query.shape[1] // key.shape[1]
-    keys = repeat_kv(key, groups)  # (B, H, S, r)
-    values = repeat_kv(value, groups)  # (B, H, S, d_h)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling  # (B, H, T, S)
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    state = AttentionState(weights, values, torch.matmul(weights, values))  # output (B, H, T, d_h)
+    weights, values, output = eager_attention_parts(
+        query, key, value, attention_mask, scaling, dropout, module.training
+    )
+    state = AttentionState(weights, values, output)  # output (B, H, T, d_h)
     for hook in list(_ATTENTION_HOOKS.get(module, ())):
         state = hook(state) or state
     return state.output.transpose(1, 2).contiguous(), state.weights
 
 
 def _register_attention_implementation() -> None:
-    """Make `ATTENTION_IMPLEMENTATION` a valid attention implementation (eager-style additive masks)."""
-    if ATTENTION_IMPLEMENTATION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_IMPLEMENTATION, directional_attention_forward)
-        AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, eager_mask)
-
-
-def _configs(model: nn.Module, modules: Iterable[nn.Module]) -> list:
-    """Every distinct config that selects an attention kernel for `modules`, parents before their sub-configs."""
-    found: list = []
-
-    def visit(config) -> None:
-        if config is None or any(config is seen for seen in found):
-            return
-        found.append(config)
-        for key in getattr(config, "sub_configs", {}) or {}:
-            visit(getattr(config, key, None))
-
-    visit(getattr(model, "config", None))
-    for module in modules:
-        visit(getattr(module, "config", None))
-    return found
+    """Make `ATTENTION_IMPLEMENTATION` a valid attention implementation (eager-style additive masks); registering
+    again replaces the entry with the same functions."""
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, directional_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, eager_mask)
 
 
 @contextmanager
@@ -163,20 +140,19 @@ def attention_hooks(model: nn.Module, hooks: Iterable[tuple[nn.Module, Attention
     plain result); on exit the hooks are removed and each config's attention implementation is restored exactly.
     """
     _register_attention_implementation()
-    attention_modules = [roles.attention for roles in get_adapter(model).layers()]
-    configs = _configs(model, attention_modules)
-    saved = [(config, config._attn_implementation) for config in configs]
+    get_adapter(model)  # a model no adapter knows is refused before anything changes
+    # no public getter exists: the config property every Transformers attention layer reads to pick its kernel
+    saved = model.config._attn_implementation
     installed: list[tuple[nn.Module, AttentionHook]] = []
     try:
         for module, hook in hooks:
             _ATTENTION_HOOKS.setdefault(module, []).append(hook)
             installed.append((module, hook))
-        for config in configs:
-            config._attn_implementation = ATTENTION_IMPLEMENTATION
+        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
         yield
     finally:
-        for config, implementation in saved:  # parents first: a parent's setter also resets its sub-configs
-            config._attn_implementation = implementation
+        if model.config._attn_implementation != saved:
+            model.set_attn_implementation(saved)
         for module, hook in reversed(installed):  # remove our own entries only (the same hook may be nested)
             registered = _ATTENTION_HOOKS[module]
             del registered[len(registered) - 1 - registered[::-1].index(hook)]

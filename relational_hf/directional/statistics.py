@@ -1,7 +1,7 @@
 """What is measured on an update: the per-vector quantities of DESIGN.md section 3 and their per-layer summaries.
 
 For an update y and its reference z (row vectors, last dimension), with y_par = alpha z, alpha = y.z / |z|^2 and
-y_perp = y - y_par (the split lives in `modeling_relational.parallel_component`):
+y_perp = y - y_par (the split lives in `modeling_directional.parallel_component`):
 - parallel ratio |y_par| / |y_perp|, averaged over the vectors that are not degenerate: a vector with
   |y_perp| <= 1e-5 |y| (y along z to float precision, or y = 0; e.g. the first token at the value site, where
   o_0 = v_0) has no meaningful ratio and is counted apart;
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..modeling.modeling_relational import parallel_coefficient, parallel_component
+from ..modeling.modeling_directional import parallel_coefficient, parallel_component
 
 _TINY = torch.finfo(torch.float64).tiny
 #: |y_perp| <= DEGENERATE_TOLERANCE * |y|: the ratio |y_par|/|y_perp| is not defined to float precision

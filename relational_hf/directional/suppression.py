@@ -1,7 +1,7 @@
 """Soft parallel suppression (DESIGN.md section 3): the auxiliary loss lambda * mean cos^2(y, z) over chosen sites.
 
 For an update y and its reference z, cos^2(y, z) = |y_par|^2 / |y|^2 with y_par = alpha z, alpha = y.z / |z|^2
-(`modeling_relational.parallel_coefficient`, the one home of the split). The updates are read by the directional
+(`modeling_directional.parallel_coefficient`, the one home of the split). The updates are read by the directional
 toolkit's hooks (`relational_hf.directional.sites.tap_sites`), so any model an architecture adapter knows is
 supported:
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..architectures import get_adapter
-from ..modeling.modeling_relational import parallel_coefficient
+from ..modeling.modeling_directional import parallel_coefficient
 from .sites import tap_sites
 from .statistics import select_tokens, vector_statistics
 

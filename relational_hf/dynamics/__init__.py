@@ -5,10 +5,9 @@ and how much of its motion is pure gauge.
                `QuotientRecorder` behind it; `ParameterSketch`, the fixed random sketch of parameters;
 - `trajectory` the file of one run (`load_trajectory` needs no model) and the quantities computed from it:
                path lengths, gauge share, distances between runs;
-- `plots`      the figures; `cli` the `relational-hf dynamics RUN_DIR [RUN_DIR ...]` command's hooks.
+- `plots`      the figures (`relational-hf dynamics` draws them).
 """
 
-from .cli import add_dynamics_arguments, run_dynamics
 from .plots import plot_all, plot_distance_travelled, plot_seed_distances, plot_trajectories, plot_vertical_share
 from .recorder import DEFAULT_EVERY, ParameterSketch, QuotientRecorder, QuotientTrajectoryCallback, uses_projection
 from .trajectory import (
@@ -30,7 +29,6 @@ __all__ = [
     "QuotientRecorder",
     "QuotientTrajectoryCallback",
     "Trajectory",
-    "add_dynamics_arguments",
     "coordinate_distances",
     "descriptor_vector",
     "final_distances",
@@ -42,7 +40,6 @@ __all__ = [
     "plot_trajectories",
     "plot_vertical_share",
     "relative_distance",
-    "run_dynamics",
     "save_trajectory",
     "uses_projection",
 ]

@@ -18,7 +18,7 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
-from ..modeling.modeling_relational import GAUGE_LAYOUT_BUFFERS
+from ..modeling.modeling_gauge import GAUGE_LAYOUT_BUFFERS
 
 TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),

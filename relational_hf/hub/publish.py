@@ -1,4 +1,4 @@
-"""Publishing a checkpoint directory to the Hugging Face Hub, and the `relational-hf push` command.
+"""Publishing a checkpoint directory to the Hugging Face Hub (`relational-hf push` runs `push_checkpoint`).
 
 `push_checkpoint` checks the directory, stages it (symbolic links, so the user's directory is never
 modified) with the model card as README.md, creates the repository if needed and uploads everything
@@ -9,11 +9,8 @@ of hundreds of files or over 100 MB of small files into several commits). Any fa
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import json
 import logging
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,7 +19,6 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, get_token
 
-from ..validate import existing_dir, nonempty_str
 from .card import build_model_card, read_config
 
 logger = logging.getLogger(__name__)
@@ -77,12 +73,15 @@ def validate_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
         found = sorted(p.name for p in path.glob("*.bin"))
         hint = f" (found {', '.join(found)}: re-save with save_pretrained(), which writes safetensors)" if found else ""
         raise ValueError(f"{path} has no *.safetensors weights{hint}")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
-        missing = sorted(shard for shard in shards if not (path / shard).is_file())
-        if missing:
-            raise ValueError(f"{path} is missing weight shards listed in {index.name}: {', '.join(missing)}")
+    from ..shards import SAFE_INDEX_NAME, checkpoint_files
+
+    try:
+        files, _ = checkpoint_files(path)
+    except FileNotFoundError:
+        return path  # safetensors weights under other names: Transformers decides whether it loads them
+    missing = sorted(shard for shard in files if not (path / shard).is_file())
+    if missing:
+        raise ValueError(f"{path} is missing weight shards listed in {SAFE_INDEX_NAME}: {', '.join(missing)}")
     return path
 
 
@@ -166,58 +165,4 @@ def push_checkpoint(
     return str(commit.commit_url)
 
 
-def repo_id_arg(text: str) -> str:
-    """An argparse type: a Hub repository id, `name` or `namespace/name` (letters, digits, '-', '_', '.')."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(text)
-    except HFValidationError as err:
-        raise argparse.ArgumentTypeError(f"not a valid Hub repository id {text!r}: {err}") from None
-    return text
-
-
-def url_arg(text: str) -> str:
-    """An argparse type: an http(s) URL."""
-    if not re.match(r"^https?://[^\s/]+", text):
-        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}")
-    return text.rstrip("/")
-
-
-def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the arguments of `relational-hf push CKPT_DIR REPO_ID [--private] [--endpoint URL] [--token T] [--message M]`."""
-    parser.add_argument(
-        "checkpoint_dir",
-        type=existing_dir,
-        help="directory written by save_pretrained() (config.json + *.safetensors)",
-    )
-    parser.add_argument(
-        "repo_id", type=repo_id_arg, help="namespace/name on the Hub; a bare name goes under your account"
-    )
-    parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument(
-        "--endpoint", type=url_arg, default=None, help="Hub URL (default: HF_ENDPOINT, else the public Hub)"
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help="access token (default: HF_TOKEN, else the stored `hf auth login`); "
-        "prefer those, a token on the command line is visible to other users of the machine",
-    )
-    parser.add_argument(
-        "--message", type=nonempty_str, default=None, help=f"commit message (default: {DEFAULT_COMMIT_MESSAGE!r})"
-    )
-    return parser
-
-
-def run_push(args: argparse.Namespace) -> int:
-    """Run `relational-hf push` with arguments parsed by a parser set up by `add_push_arguments`; 0 on success."""
-    push_checkpoint(
-        args.checkpoint_dir,
-        args.repo_id,
-        private=args.private,
-        endpoint=args.endpoint,
-        token=args.token,
-        commit_message=args.message,
-    )
-    return 0
+__all__ = ["DEFAULT_COMMIT_MESSAGE", "is_excluded", "push_checkpoint", "validate_checkpoint_dir"]

@@ -2,8 +2,7 @@
 
 - `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
 - `metrics`: token NLL and perplexity of a causal LM, the next-token KL between two of them.
-- `offload`: Accelerate's big-model loading with disk offload; `evaluate_cli`: the `relational-hf evaluate`
-  command (perplexity, device map, peak RSS).
+- `offload`: Accelerate's big-model loading with disk offload, device-map summaries and peak memory.
 
 The package sits below `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer, no PEFT).
 """
@@ -12,6 +11,7 @@ from .data import (
     BlockDataset,
     RandomBlockDataset,
     byte_level_tokenizer,
+    check_text_file,
     document_split,
     encode,
     generate_corpus,
@@ -28,6 +28,7 @@ __all__ = [
     "BlockDataset",
     "RandomBlockDataset",
     "byte_level_tokenizer",
+    "check_text_file",
     "document_split",
     "encode",
     "generate_corpus",

@@ -7,21 +7,70 @@ so the main job needs no download and carries no copied text.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import math
+import os
 import random
 import re
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
-from ..validate import check_text_file
 
 logger = logging.getLogger(__name__)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+_TEXT_CHUNK = 1 << 20
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_text_file(path: str | os.PathLike, flag: str | None = None) -> Path:
+    """Raise `UsageError` unless `path` is a readable, non-empty UTF-8 text file without NUL bytes; returns it.
+
+    The whole file is decoded incrementally, so an invalid byte anywhere is found, with its offset."""
+    path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
+    if not path.exists():
+        raise UsageError(f"{where}: no such file or directory")
+    if not path.is_file():
+        raise UsageError(f"{where}: not a regular file")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, empty = 0, True
+    try:
+        with path.open("rb") as handle:
+            while chunk := handle.read(_TEXT_CHUNK):
+                empty = False
+                nul = chunk.find(b"\0")
+                if nul >= 0:
+                    raise UsageError(
+                        f"{where}: binary file (NUL byte at offset {offset + nul}); a UTF-8 text file is needed"
+                    )
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as err:
+                    raise UsageError(
+                        f"{where}: not valid UTF-8 (byte 0x{chunk[err.start]:02x} at offset {offset + err.start}); "
+                        "convert it to UTF-8 text"
+                    ) from None
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"{where}: not valid UTF-8 (truncated sequence at the end); convert it to UTF-8 text"
+        ) from None
+    except PermissionError:
+        raise UsageError(f"{where}: permission denied") from None
+    if empty:
+        raise UsageError(f"{where}: the file is empty")
+    return path
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Built-in corpus

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -64,3 +67,14 @@ def offloaded_perplexity(
     model = load_offloaded(path, max_memory=max_memory, offload_folder=offload_folder, dtype=dtype)
     device_map = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     return perplexity(model, input_ids, batch_size=batch_size, progress=progress), device_map
+
+
+def device_map_summary(device_map: dict[str, str]) -> dict[str, int]:
+    """How many modules of a device map sit on each device ({} for a model loaded whole: everything on its device)."""
+    return dict(sorted(Counter(str(v) for v in device_map.values()).items()))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes; Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -7,15 +7,12 @@ Where things are:
                `symmetry_groups(model)` (groups/builder.py), built through the architecture adapter;
 - `report`     `redundancy_report(model)` and its plots; `invariants` the G_QK / G_VO descriptors;
 - `canonical`  `canonicalize(model)` and `apply_random_symmetry(model)`; `canonical_stream` its streaming form
-               `stream_canonicalize(src, out)` (one layer at a time from safetensors shards), `canonical_cli` the
-               `relational-hf canonicalize` command;
-- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`;
-- `cli`        the `relational-hf redundancy` command's hooks.
+               `stream_canonicalize(src, out)` (one layer at a time from safetensors shards);
+- `projection` `ProjectedOptimizer`, `UpdateProjector`, `vertical_horizontal_split`, `orbit_balance`, `orbit_drift`.
 """
 
 from .canonical import CanonicalizationReport, apply_random_symmetry, canonicalize
 from .canonical_stream import stream_canonicalize
-from .cli import add_redundancy_arguments, run_redundancy
 from .groups import SymmetryGroup, symmetry_groups
 from .invariants import HeadDescriptors, head_descriptors
 from .projection import (
@@ -42,7 +39,6 @@ __all__ = [
     "RedundancyReport",
     "SymmetryGroup",
     "UpdateProjector",
-    "add_redundancy_arguments",
     "apply_random_symmetry",
     "canonicalize",
     "head_descriptors",
@@ -52,7 +48,6 @@ __all__ = [
     "plot_redundancy_by_layer",
     "redundancy_report",
     "redundancy_report_from_config",
-    "run_redundancy",
     "stream_canonicalize",
     "symmetry_groups",
     "vertical_horizontal_split",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling.modeling_relational import max_volume_rows
+from ..modeling.modeling_gauge import max_volume_rows
 
 #: relative regulariser added to the Gram eigenvalues (keeps rank-deficient heads finite)
 DEFAULT_EPS = 1e-9
@@ -44,18 +44,12 @@ def sylvester_factor(
 def sylvester_apply(
     factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor
 ) -> torch.Tensor:
-    """`sylvester_solve` from `sylvester_factor`'s result."""
+    """X with S X + X T = Y, for symmetric PSD S (..., n, n), T (..., m, m) given by `sylvester_factor` of their
+    eigendecompositions S = U diag(l) U^T, T = V diag(m) V^T: X = U [(U^T Y V)_ij / (l_i + m_j + eps')] V^T,
+    eps' = eps (tr S/n + tr T/m)."""
     us, ut_t, ut, denom = factors
     inner = us.transpose(-1, -2) @ y.double() @ ut
     return us @ (inner / denom) @ ut_t
-
-
-def sylvester_solve(
-    s_eig: tuple[torch.Tensor, torch.Tensor], t_eig: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """X with S X + X T = Y, for symmetric PSD S (..., n, n), T (..., m, m) given by their eigendecompositions
-    S = U diag(l) U^T, T = V diag(m) V^T: X = U [(U^T Y V)_ij / (l_i + m_j + eps')] V^T, eps' = eps (tr S/n + tr T/m)."""
-    return sylvester_apply(sylvester_factor(s_eig, t_eig, eps), y)
 
 
 def lyapunov_factor(
@@ -68,15 +62,10 @@ def lyapunov_factor(
 
 
 def lyapunov_apply(factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-    """`lyapunov_skew_solve` from `lyapunov_factor`'s result."""
+    """Skew Omega with (C Omega + Omega C) / 2 = Y for a skew Y and symmetric PSD C = U diag(c) U^T given by
+    `lyapunov_factor`: Omega = U [2 (U^T Y U)_ij / (c_i + c_j + eps')] U^T."""
     uc, uc_t, denom = factors
     return uc @ (2 * (uc_t @ y.double() @ uc) / denom) @ uc_t
-
-
-def lyapunov_skew_solve(c_eig: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor, eps: float) -> torch.Tensor:
-    """Skew Omega with (C Omega + Omega C) / 2 = Y for a skew Y and symmetric PSD C = U diag(c) U^T:
-    Omega = U [2 (U^T Y U)_ij / (c_i + c_j + eps')] U^T."""
-    return lyapunov_apply(lyapunov_factor(c_eig, eps), y)
 
 
 def skew(m: torch.Tensor) -> torch.Tensor:

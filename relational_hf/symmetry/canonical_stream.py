@@ -36,17 +36,15 @@ from torch import nn
 
 from ..architectures import UnsupportedModelError, get_adapter
 from ..modeling import RelationalConfig
+from ..outputs import OutputLock, check_new_output, save_tokenizer, write_output
 from ..shards import (
     CheckpointReader,
     ShardWriter,
-    check_output_dir,
     checkpoint_names,
     is_safetensors_checkpoint,
     meta_model,
     parse_dtype,
     parse_size,
-    publish,
-    staging_dir,
     trim_heap,
 )
 from .canonical import CanonicalizationReport, _copy_relational_layer, canonicalize_groups
@@ -82,16 +80,16 @@ def _owners(model: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, str
     """(module, attribute, is_parameter) of every place `tensor` is registered (tied weights: several)."""
     found = []
     for module in model.modules():
-        found += [(module, k, True) for k, v in module._parameters.items() if v is tensor]
-        found += [(module, k, False) for k, v in module._buffers.items() if v is tensor]
+        found += [(module, k, True) for k, v in module.named_parameters(recurse=False) if v is tensor]
+        found += [(module, k, False) for k, v in module.named_buffers(recurse=False) if v is tensor]
     return found
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
     old = _tensor_names(model)[name]
     new = nn.Parameter(value, requires_grad=False) if isinstance(old, nn.Parameter) else value
-    for module, attr, is_param in _owners(model, old):
-        (module._parameters if is_param else module._buffers)[attr] = new
+    for module, attr, _is_param in _owners(model, old):
+        setattr(module, attr, new)  # Module.__setattr__ replaces the registered parameter or buffer
 
 
 def _load(model: nn.Module, reader: CheckpointReader, names: list[str], ckpt: dict[str, str]) -> None:
@@ -219,7 +217,7 @@ def _write_part(writer: ShardWriter, model: nn.Module, part: _Part, dtypes: dict
 
 def _write_metadata(src: Path, config, dtype: torch.dtype, stage: Path, trust_remote_code: bool) -> None:
     """config.json (dtype updated), generation_config.json, code files and the tokenizer of `src`."""
-    from ..loading import load_tokenizer_from, save_tokenizer
+    from ..loading import load_tokenizer_from
 
     config = copy.deepcopy(config)
     config.dtype = str(dtype).split(".")[1]
@@ -244,6 +242,7 @@ def stream_canonicalize(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: bool = True,
+    lock: OutputLock | None = None,
 ) -> CanonicalizationReport:
     """Write the canonical representative of the orbit of the safetensors checkpoint folder `src` (any model the
     adapters know whose groups act inside one layer, the residual rotation aside: Llama / Mistral / Qwen2 / Qwen3,
@@ -253,23 +252,18 @@ def stream_canonicalize(
 
     Tensors are written in `dtype` (None: each in its stored dtype), in shards of at most `max_shard_size` named and
     indexed like `save_pretrained`, with config, generation config, code files and tokenizer beside. The output is
-    staged beside `out` and renamed into place when complete: `out` must be new or empty unless `overwrite` (then
-    its checkpoint files are replaced in one swap, `relational_hf.outputs.stage_and_swap`, other files kept); a
-    failed run leaves `out` as it was."""
+    written through `relational_hf.outputs.write_output` (`lock`: the caller's lock on `out`): `out` must be new or
+    empty unless `overwrite` (then only the files relational-hf wrote there are replaced, in one swap, and every
+    other file is kept); a failed run leaves `out` as it was."""
     from tqdm.auto import tqdm
     from transformers import AutoConfig
-
-    from ..outputs import normalise_output_dir, stage_and_swap, write_marker
 
     src, out = Path(src), Path(out)
     out_dtype = parse_dtype(dtype)
     max_shard_bytes = parse_size(max_shard_size)
     if not is_safetensors_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a local checkpoint folder with config.json and safetensors weights")
-    if overwrite:
-        out = normalise_output_dir(out, "OUT")
-    else:
-        check_output_dir(out)
+    check_new_output(out, "OUT", source=src, overwrite=overwrite)
     reader = CheckpointReader(src)
     config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     pivot = isinstance(config, RelationalConfig) and config.gauge == "pivot"
@@ -364,19 +358,9 @@ def stream_canonicalize(
             trim_heap()
         writer.finish(total)
         _write_metadata(src, config, write_dtype, stage, trust_remote_code)
-        (stage / REPORT_NAME).write_text(json.dumps(_report_dict(report), indent=2))
+        (stage / REPORT_NAME).write_text(json.dumps(report_dict(report), indent=2))
 
-    if overwrite:
-        stage_and_swap(out, write, command="canonicalize", kind="full")
-    else:
-        stage = staging_dir(out)
-        try:
-            write(stage)
-            write_marker(stage, "canonicalize", "full")
-            publish(stage, out)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
+    write_output(out, write, command="canonicalize", kind="full", overwrite=overwrite, lock=lock)
     logger.info("canonicalised %s into %s: %s", src, out, str(report).splitlines()[0])
     return report
 
@@ -412,7 +396,7 @@ def _copy_layer(
     _copy_relational_layer(src_roles, dst_roles)
 
 
-def _report_dict(report: CanonicalizationReport) -> dict:
+def report_dict(report: CanonicalizationReport) -> dict:
     return {
         "groups": report.groups,
         "degeneracies": [
@@ -422,4 +406,4 @@ def _report_dict(report: CanonicalizationReport) -> dict:
     }
 
 
-__all__ = ["REPORT_NAME", "stream_canonicalize"]
+__all__ = ["REPORT_NAME", "report_dict", "stream_canonicalize"]

@@ -36,7 +36,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from ..architectures import get_adapter
-from ..modeling.modeling_relational import GaugeFixedLinear
+from ..modeling import GaugeFixedLinear
 
 #: Every linear map of a relational (or Llama-family) decoder layer, by module name.
 RELATIONAL_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -120,6 +120,7 @@ def store_full_weight(module: GaugeFixedLinear, w: torch.Tensor) -> None:
 
 def register_gauge_fixed_lora(config: LoraConfig) -> LoraConfig:
     """Register `GaugeFixedLoraLinear` for `GaugeFixedLinear` targets on `config` (in place); returns it."""
+    # PEFT's documented way to give LoRA a custom layer type; it has no public name yet (a leading underscore)
     config._register_custom_module({GaugeFixedLinear: GaugeFixedLoraLinear})
     return config
 

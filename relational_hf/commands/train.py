@@ -1,62 +1,35 @@
-"""Train a small causal LM from scratch: the project's main job (`relational-hf train`).
+"""Train a small causal LM from scratch: the project's main job.
 
-With no arguments it trains a relational transformer on the built-in generated corpus with a byte-level
-tokenizer for at most about 3 minutes on 2 CPU cores, prints validation perplexity next to the corpus's unigram
-perplexity, saves a checkpoint and tokenizer that the Auto classes load, and prints a short sample.
-Every flag and the data are checked before training; the output directory is claimed, locked and written as
-`relational_hf.outputs` describes (never a foreign non-empty folder without --overwrite, never a half-written one).
+    relational-hf train [--train-file FILE | --dataset NAME] [--architecture relational|llama] [--max-minutes M] ...
+
+With no arguments it trains a relational transformer on the built-in generated corpus with a byte-level tokenizer
+for at most about 3 minutes on 2 CPU cores, prints validation perplexity next to the corpus's unigram perplexity,
+saves a checkpoint and tokenizer that the Auto classes load, and prints a short sample. Every flag and the data are
+checked before training; the output directory is claimed, locked and written as `relational_hf.outputs` describes
+(never a foreign non-empty folder without --overwrite, never a half-written one).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
+import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from transformers import TrainerCallback, set_seed
+from transformers import set_seed
 
 from ..errors import UsageError
-from ..lm.data import (
-    RandomBlockDataset,
-    byte_level_tokenizer,
-    encode,
-    lm_blocks,
-    load_texts,
-    train_bpe_tokenizer,
-    unigram_perplexity,
-)
-from ..lm.metrics import perplexity
-from ..loading import save_tokenizer
 from ..modeling import RelationalConfig, RelationalForCausalLM
-from ..outputs import (
-    TRAINER_DIR,
-    OutputLock,
-    complete_checkpoint,
-    drop_set_aside_checkpoints,
-    normalise_output_dir,
-    prepare_output_dir,
-    remove_if_unused,
-    stage_and_swap,
-)
-from ..validate import check_dataset_source, int_at_least, option_flag
-from .arguments import (
-    CommandArguments,
-    DataArguments,
-    NonNegativeInt,
-    PositiveInt,
-    RunArguments,
-    option,
-    with_default,
-)
+from .checks import dataset_source
+from .options import CommandArguments, NonNegativeInt, PositiveInt, int_at_least, option, option_flag, with_default
+from .runs import DataArguments, RunArguments, check_blocks, claimed_output
+
+HELP = "train a relational LM (no arguments: built-in corpus, about 3 minutes on CPU)"
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +53,7 @@ class TrainDataArguments(DataArguments):
 
 
 @dataclass
-class ModelShapeArguments(CommandArguments):
+class ModelShapeArguments:
     """The model `train` builds (`model_config`)."""
 
     _argument_group_name = "model"
@@ -112,17 +85,12 @@ class TrainRunArguments(RunArguments):
 
 
 @dataclass
-class TrainArguments(TrainRunArguments, ModelShapeArguments, TrainDataArguments):
+class TrainArguments(CommandArguments, TrainRunArguments, ModelShapeArguments, TrainDataArguments):
     """Every option of `relational-hf train` and `training_scripts/pretrain.py` in one checked instance; the
-    command line shows them in the groups data, model and training. `validate_train_args` checks the
+    command line shows them in the groups data, model and training. `check` tests the
     combinations."""
 
     PARSER_GROUPS = (TrainDataArguments, ModelShapeArguments, TrainRunArguments)
-
-
-def train_argument_parser(**kwargs) -> argparse.ArgumentParser:
-    """The parser of `relational-hf train` (`TrainArguments.argument_parser`); `kwargs` go to the parser."""
-    return TrainArguments.argument_parser(**kwargs)
 
 
 # config field -> the flag that sets it, for config errors reported at the command line
@@ -139,7 +107,7 @@ _CONFIG_FLAGS = {
 }
 
 
-def validate_train_args(args: TrainArguments) -> None:
+def check(args: TrainArguments) -> None:
     """Check the flag combinations of `train` before any data is read or model built (each option's range was
     checked when `args` was built): `UsageError` naming the flags. Fills the relational defaults of --gauge and
     --position-encoding."""
@@ -147,7 +115,7 @@ def validate_train_args(args: TrainArguments) -> None:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
         raise UsageError("--dataset-config needs --dataset")
-    check_dataset_source(args.dataset)
+    dataset_source(args.dataset)
     if args.architecture == "llama":
         given = [
             flag
@@ -197,24 +165,6 @@ class TrainResult:
     sample: str
 
 
-class TimeLimitCallback(TrainerCallback):
-    """Stops training once the wall-clock budget is spent (the model is still evaluated and saved)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.start = seconds, time.monotonic()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() - self.start > self.seconds:
-            control.should_training_stop = True
-        return control
-
-
-def last_checkpoint(trainer_dir: Path) -> str:
-    """The newest complete trainer checkpoint under `trainer_dir` (for --resume); `UsageError` when there is none
-    (`relational_hf.outputs.complete_checkpoint`)."""
-    return complete_checkpoint(trainer_dir)
-
-
 def model_config(args: TrainArguments, vocab_size: int, pad: int, bos: int, eos: int):
     """The model configuration the flags describe (relational, or Transformers' Llama with the same dimensions)."""
     intermediate = args.intermediate_size or 3 * args.hidden_size
@@ -254,20 +204,6 @@ def build_model(args: TrainArguments, vocab_size: int, tokenizer) -> torch.nn.Mo
     return RelationalForCausalLM(config)
 
 
-def save_atomically(
-    model, tokenizer, output_dir: str | os.PathLike, *, command: str = "train", kind: str = "full"
-) -> None:
-    """Save model + tokenizer with `relational_hf.outputs.stage_and_swap`: written beside, fsynced, swapped in;
-    a crash at any point leaves a complete old or new checkpoint, and the trainer checkpoints and the user's
-    other files in the folder are kept."""
-
-    def write(folder: Path) -> None:
-        model.save_pretrained(folder)
-        save_tokenizer(tokenizer, folder)  # a tokenizer_config every Transformers version loads
-
-    stage_and_swap(output_dir, write, command=command, kind=kind)
-
-
 _RESUME_FIELDS = (*_CONFIG_FLAGS, "model_type", "gauge", "position_encoding", "value_parallel_removal")
 
 
@@ -290,52 +226,34 @@ def check_resume_config(config, checkpoint: Path) -> None:
         )
 
 
-def check_blocks(ids: torch.Tensor, block_size: int, what: str, extra: int = 0) -> None:
-    """`UsageError` unless the token stream `ids` holds at least one --block-size block plus `extra` tokens (checked
-    before training: random training windows need one token more than a block)."""
-    if ids.numel() < block_size + extra:
-        raise UsageError(
-            f"{what} has {ids.numel()} tokens, fewer than {block_size + extra} (one --block-size block of {block_size}"
-            f"{' plus one' if extra else ''}): use more text or a smaller --block-size"
-        )
-
-
-def is_main_process() -> bool:
-    """True outside torchrun/accelerate and on the global rank 0 (the process that claims and writes the output)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-@contextmanager
-def claimed_output(args: RunArguments, command: str, kind: str) -> Iterator[Path]:
-    """Check, lock and mark `args.output_dir` for the whole run (`relational_hf.outputs`); other ranks only check."""
-    out = normalise_output_dir(args.output_dir)
-    if not is_main_process():
-        yield out
-        return
-    with OutputLock(out):
-        existed = out.exists()
-        prepared = prepare_output_dir(out, overwrite=args.overwrite, resume=args.resume, command=command, kind=kind)
-        try:
-            yield prepared
-        except BaseException:
-            if not existed:  # a run that failed before writing anything leaves no empty folder behind
-                remove_if_unused(prepared)
-            raise
-
-
-def run_train(args: TrainArguments | argparse.Namespace) -> TrainResult:
-    """Train, evaluate, save and sample as the options say (a `TrainArguments`, or the parsed command line);
-    returns the measured figures. Every option, the output directory and the data are checked before training
-    starts."""
-    if not isinstance(args, TrainArguments):
-        args = TrainArguments.from_namespace(args)
-    validate_train_args(args)
+def train(args: TrainArguments) -> TrainResult:
+    """Train, evaluate, save and sample as the options say; returns the measured figures. Every option, the output
+    directory and the data are checked before training starts."""
+    check(args)
     with claimed_output(args, "train", "full") as out:
         return _train(args, out)
 
 
+def run(args: TrainArguments) -> int:
+    print(format_result(train(args), args.architecture))
+    return 0
+
+
 def _train(args: TrainArguments, out: Path) -> TrainResult:
     from transformers import Trainer
+
+    from ..lm.data import (
+        RandomBlockDataset,
+        byte_level_tokenizer,
+        encode,
+        lm_blocks,
+        load_texts,
+        train_bpe_tokenizer,
+        unigram_perplexity,
+    )
+    from ..lm.metrics import perplexity
+    from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_checkpoint
+    from ..training.callbacks import TimeLimitCallback
 
     set_seed(args.seed)
     started = time.monotonic()
@@ -362,7 +280,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     training_args = args.training_arguments(trainer_dir, adam_beta2=0.99)
     trainer_cls = Trainer
     if args.projection != "none" or args.parallel_suppression > 0:
-        from . import RelationalTrainer
+        from ..training import RelationalTrainer
 
         trainer_cls = RelationalTrainer
     trainer = trainer_cls(
@@ -381,7 +299,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
         )
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
-        save_atomically(model, tokenizer, out, command="train", kind="full")
+        save_checkpoint(model, tokenizer, out, command="train", kind="full")
         drop_set_aside_checkpoints(trainer_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed) if args.sample_tokens else ""
     return TrainResult(
@@ -422,12 +340,15 @@ def format_result(result: TrainResult, model_name: str) -> str:
     )
 
 
+Arguments = TrainArguments
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = train_argument_parser(description=__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
-    try:
-        result = run_train(args)
-    except UsageError as err:  # one line naming the flag, as for the parser's own errors (exit 2)
-        parser.error(str(err))
-    print(format_result(result, args.architecture))
-    return 0
+    """`training_scripts/pretrain.py`: the same command, parsed on its own."""
+    from .main import run_command
+
+    return run_command("train", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
 """Train the project's reference checkpoints (`build_reference`); their specifications and cards are in
-`relational_hf.hub.reference`.
+`relational_hf.hub.reference_cards`.
 
 `build_reference(PRESETS[name], ...)` trains one of the reference relational models on a corpus of
 `../shared/data`, measures it (validation perplexity, the unigram baseline, parameter counts against the free gauge
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import set_seed
 
-from ..hub.reference import (
+from ..hub.reference_cards import (
     PRESETS,
     ReferenceResult,
     ReferenceSpec,
@@ -40,9 +40,10 @@ from ..lm.data import (
 )
 from ..lm.metrics import token_nll
 from ..modeling import RelationalConfig, RelationalForCausalLM
+from ..outputs import save_checkpoint
 from ..params import llama_parameter_count, relational_parameter_count
 from .arguments import RelationalTrainingArguments
-from .pretrain import TimeLimitCallback, save_atomically
+from .callbacks import TimeLimitCallback
 from .trainer import RelationalTrainer
 
 
@@ -125,7 +126,7 @@ def build_reference(
         redundant_by_group={} if redundant is None else redundant.by_group,
         settings=asdict(spec),
     )
-    save_atomically(model, tokenizer, output_dir)
+    save_checkpoint(model, tokenizer, output_dir)
     card = reference_card(result, spec, output_dir, repo_id or f"relational-hf/{spec.name}")
     card.save(output_dir / "README.md")
     if card_path is not None:

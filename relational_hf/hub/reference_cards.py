@@ -2,10 +2,10 @@
 
 `PRESETS` names the project's reference relational models (corpus of `../shared/data`, tokenizer, split,
 dimensions, training budget). `reference_card(result, spec, ...)` builds the card of a trained reference model from
-what `relational_hf.training.reference.build_reference` measured (validation perplexity, the unigram baseline,
+what `relational_hf.training.reference_models.build_reference` measured (validation perplexity, the unigram baseline,
 parameter counts against the free gauge and a Llama of the same dimensions, the redundant dimensions left);
 `card_for_checkpoint` measures an existing checkpoint on a text and builds its card (used by
-`training_scripts/push_to_hub.py`). Training itself lives in `relational_hf.training.reference`: this module
+`training_scripts/push_to_hub.py`). Training itself lives in `relational_hf.training.reference_models`: this module
 imports no Trainer.
 """
 
@@ -72,7 +72,7 @@ PRESETS: dict[str, ReferenceSpec] = {
 
 @dataclass
 class ReferenceResult:
-    """What `relational_hf.training.reference.build_reference` measured."""
+    """What `relational_hf.training.reference_models.build_reference` measured."""
 
     name: str
     output_dir: str

@@ -1,80 +1,70 @@
 """Fine-tune a causal LM checkpoint, fully or with LoRA, optionally with projected updates and parallel suppression.
 
+    relational-hf finetune MODEL [--train-file FILE | --dataset NAME] [--method full|lora] [--projection update] ...
+
 Works on relational checkpoints (either gauge; LoRA reaches the gauge-fixed k_proj/v_proj/up_proj through
-`peft_support`) and on any causal LM an architecture adapter knows (Llama, Mistral, Qwen2/3, GPT-2). Prints validation
-perplexity before and after, the total and trainable parameter counts, and saves the result: the full model (and
-tokenizer), or the LoRA adapter (plus, with --merge, the merged model in OUTPUT_DIR/merged), as
-`relational_hf.outputs` describes: checked before any work, locked, staged and swapped in.
+`relational_hf.training.peft_support`) and on any causal LM an architecture adapter knows (Llama, Mistral, Qwen2/3,
+GPT-2). Prints validation perplexity before and after, the total and trainable parameter counts, and saves the
+result: the full model (and tokenizer), or the LoRA adapter (plus, with --merge, the merged model in
+OUTPUT_DIR/merged), as `relational_hf.outputs` describes: checked before any work, locked, staged and swapped in.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from transformers import AutoTokenizer, set_seed
+from transformers import set_seed
 
 from ..errors import UsageError
-from ..lm.data import RandomBlockDataset, byte_level_tokenizer, encode, lm_blocks, load_texts
-from ..lm.metrics import perplexity
-from ..loading import (
-    add_model_source_arguments,
-    check_model_argument,
-    load_config,
-    load_model,
-    load_tokenizer,
-    save_tokenizer,
-)
-from ..outputs import (
-    TRAINER_DIR,
-    complete_checkpoint,
-    drop_set_aside_checkpoints,
-    normalise_output_dir,
-    stage_and_swap,
-)
-from ..validate import check_dataset_source, fraction_closed_open, nonempty_str
-from .arguments import (
+from .checks import check_model_argument, dataset_source
+from .options import (
     CommandArguments,
-    DataArguments,
+    LoadDtypeOptions,
+    ModelSourceOptions,
     NonEmptyStr,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    RunArguments,
+    fraction_closed_open,
     option,
+    positional,
     with_default,
 )
-from .pretrain import TimeLimitCallback, check_blocks, claimed_output
-from .trainer import RelationalTrainer
+from .runs import DataArguments, RunArguments, check_blocks, claimed_output
 
 logger = logging.getLogger(__name__)
 
+HELP = "fine-tune a checkpoint (full or LoRA) with projection / parallel suppression"
 DEFAULT_OUTPUT_DIR = "checkpoints/finetuned"
 
 
 @dataclass
-class ModelSourceArguments(CommandArguments):
-    """The checkpoint to start from and its tokenizer. On the command line MODEL is positional and --gguf-file /
-    --dtype are `relational_hf.loading`'s model-source flags shared with every command that loads a model, so this
-    group is declared to argparse by `finetune_argument_parser`, not by HfArgumentParser."""
-
-    model: str = ""
-    tokenizer: str | None = None
-    trust_remote_code: bool = False
-    gguf_file: str | None = None
-    dtype: str = "float32"
+class FinetunePaths:
+    model: str = positional("checkpoint to start from: a local directory, a Hub id or a GGUF file (causal LM)", "MODEL")
 
 
 @dataclass
-class MethodArguments(CommandArguments):
-    """Full fine-tuning or PEFT LoRA, and the LoRA settings (defaults filled by `validate_finetune_args`)."""
+class TokenizerOptions:
+    _argument_group_name = "model source"
+
+    tokenizer: str | None = option(
+        None,
+        "tokenizer directory or Hub id, or 'byte' for the project's byte-level tokenizer (checkpoints trained by "
+        "`relational-hf train` with the default tokenizer); unset: the checkpoint's own",
+    )
+
+
+@dataclass
+class MethodArguments:
+    """Full fine-tuning or PEFT LoRA, and the LoRA settings (defaults filled by `check`)."""
 
     _argument_group_name = "method"
 
@@ -115,31 +105,28 @@ class FinetuneRunArguments(RunArguments):
 
 
 @dataclass
-class FinetuneArguments(FinetuneRunArguments, MethodArguments, DataArguments, ModelSourceArguments):
+class FinetuneArguments(
+    CommandArguments,
+    FinetuneRunArguments,
+    MethodArguments,
+    DataArguments,
+    LoadDtypeOptions,
+    ModelSourceOptions,
+    TokenizerOptions,
+    FinetunePaths,
+):
     """Every option of `relational-hf finetune` and `training_scripts/finetune.py` in one checked instance;
-    `validate_finetune_args` checks the combinations."""
+    `check` tests the combinations."""
 
-    PARSER_GROUPS = (DataArguments, MethodArguments, FinetuneRunArguments)
-
-
-def finetune_argument_parser(**kwargs) -> argparse.ArgumentParser:
-    """The parser of `relational-hf finetune`: `FinetuneArguments.argument_parser` (HfArgumentParser over the
-    option groups) plus MODEL, --tokenizer, --trust-remote-code and loading's --gguf-file / --dtype."""
-    parser = FinetuneArguments.argument_parser(**kwargs)
-    parser.add_argument(
-        "model", type=nonempty_str, help="checkpoint to start from: a local directory or a Hub id (causal LM)"
+    POSITIONALS = FinetunePaths
+    PARSER_GROUPS = (
+        DataArguments,
+        MethodArguments,
+        FinetuneRunArguments,
+        TokenizerOptions,
+        ModelSourceOptions,
+        LoadDtypeOptions,
     )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory or Hub id, or 'byte' for the project's byte-level tokenizer (checkpoints trained "
-        "by `relational-hf train` with the default tokenizer); unset: the checkpoint's own",
-    )
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="allow checkpoints whose modeling code lives in the repo"
-    )
-    add_model_source_arguments(parser)
-    return parser
 
 
 @dataclass
@@ -157,12 +144,19 @@ class FinetuneResult:
 
 
 def _load_tokenizer(args: FinetuneArguments):
+    from transformers import AutoTokenizer
+
+    from ..lm.data import byte_level_tokenizer
+    from ..loading import load_tokenizer_from, resolve_model_source
+
     if args.tokenizer == "byte":
         return byte_level_tokenizer()
     source = args.tokenizer or args.model
     try:
         if args.tokenizer is None:
-            return load_tokenizer(args)
+            return load_tokenizer_from(
+                resolve_model_source(args.model, args.gguf_file), trust_remote_code=args.trust_remote_code
+            )
         return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UsageError(
@@ -174,7 +168,7 @@ def _load_tokenizer(args: FinetuneArguments):
 def lora_targets(model: torch.nn.Module, requested: str | None) -> list[str] | str:
     """The LoRA target module names: `requested` (comma-separated), else the standard projection names the model
     has (`peft_support.RELATIONAL_LORA_TARGETS`), else PEFT's "all-linear"."""
-    from .peft_support import RELATIONAL_LORA_TARGETS
+    from ..training.peft_support import RELATIONAL_LORA_TARGETS
 
     if requested:
         return [name.strip() for name in requested.split(",") if name.strip()]
@@ -183,7 +177,7 @@ def lora_targets(model: torch.nn.Module, requested: str | None) -> list[str] | s
     return found or "all-linear"
 
 
-def validate_finetune_args(args: FinetuneArguments) -> None:
+def check(args: FinetuneArguments) -> None:
     """Check the flag combinations of `finetune` before any model is loaded (each option's range was checked when
     `args` was built): `UsageError` naming the flag. Resolves the model and tokenizer sources (a missing local path
     is named as such) and fills the LoRA and learning-rate defaults."""
@@ -194,7 +188,7 @@ def validate_finetune_args(args: FinetuneArguments) -> None:
         raise UsageError("give either --train-file or --dataset, not both")
     if args.dataset_config and not args.dataset:
         raise UsageError("--dataset-config needs --dataset")
-    check_dataset_source(args.dataset)
+    dataset_source(args.dataset)
     lora_flags = {"--lora-r": args.lora_r, "--lora-alpha": args.lora_alpha, "--lora-dropout": args.lora_dropout}
     lora_flags["--lora-targets"] = args.lora_targets
     if args.method != "lora":
@@ -219,8 +213,10 @@ def validate_finetune_args(args: FinetuneArguments) -> None:
     args.lora_alpha = args.lora_alpha or 16.0
     args.lora_dropout = args.lora_dropout or 0.0
     args.learning_rate = args.learning_rate or (1e-3 if args.method == "lora" else 3e-4)
+    from ..outputs import normalise_output_dir
+
     out = normalise_output_dir(args.output_dir)
-    if os.path.isdir(args.model) and out == Path(os.path.abspath(args.model)):
+    if os.path.isdir(args.model) and out == Path(os.path.realpath(args.model)):
         if args.method == "lora":
             raise UsageError(
                 f"--output-dir {args.output_dir} is the model's own folder: LoRA adapter files beside its weights "
@@ -252,18 +248,30 @@ def check_weights_for_projection(model: torch.nn.Module, projection: str) -> Non
         )
 
 
-def run_finetune(args: FinetuneArguments | argparse.Namespace) -> FinetuneResult:
-    """Fine-tune as the options say (a `FinetuneArguments`, or the parsed command line); returns the measured
-    figures (see the module docstring). Every option, the output directory and the data are checked before training
-    starts; the save never leaves a half-written directory."""
-    if not isinstance(args, FinetuneArguments):
-        args = FinetuneArguments.from_namespace(args)
-    validate_finetune_args(args)
+def finetune(args: FinetuneArguments) -> FinetuneResult:
+    """Fine-tune as the options say; returns the measured figures (see the module docstring). Every option, the
+    output directory and the data are checked before training starts; the save never leaves a half-written
+    directory."""
+    check(args)
     with claimed_output(args, "finetune", args.method) as out:
         return _finetune(args, out)
 
 
+def run(args: FinetuneArguments) -> int:
+    result = finetune(args)
+    if result.main_process:
+        print(format_finetune_result(result))
+    return 0
+
+
 def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
+    from ..lm.data import RandomBlockDataset, encode, lm_blocks, load_texts
+    from ..lm.metrics import perplexity
+    from ..loading import load_config_from, load_model_from, resolve_model_source
+    from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_tokenizer, stage_and_swap
+    from ..training.callbacks import TimeLimitCallback
+    from ..training.trainer import RelationalTrainer
+
     set_seed(args.seed)
     started = time.monotonic()
     train_text, val_text, source = load_texts(args.train_file, args.dataset, args.dataset_config, args.text_column)
@@ -271,14 +279,15 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
     check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {source})")
-    config = load_config(args)  # no weights yet
+    source = resolve_model_source(args.model, args.gguf_file)
+    config = load_config_from(source, trust_remote_code=args.trust_remote_code)  # no weights yet
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None and int(max(train_ids.max(), val_ids.max())) >= vocab_size:
         raise UsageError(
             f"the tokenizer produces ids up to {int(max(train_ids.max(), val_ids.max()))} but the model's vocabulary "
             f"has {vocab_size} entries: pass the tokenizer the checkpoint was trained with (--tokenizer)"
         )
-    model = load_model(args)
+    model = load_model_from(source, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     check_weights_for_projection(model, args.projection)
     logger.info("corpus: %s; %d train / %d validation tokens", source, train_ids.numel(), val_ids.numel())
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
@@ -287,7 +296,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     if args.method == "lora":
         from peft import get_peft_model
 
-        from .peft_support import relational_lora_config
+        from ..training.peft_support import relational_lora_config
 
         config = relational_lora_config(
             target_modules=lora_targets(model, args.lora_targets),
@@ -328,7 +337,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
             model.save_pretrained(folder)
             save_tokenizer(tokenizer, folder)
             if args.merge:
-                from .peft_support import merge_and_unload
+                from ..training.peft_support import merge_and_unload
 
                 merge_and_unload(model).save_pretrained(folder / "merged")
                 save_tokenizer(tokenizer, folder / "merged")
@@ -366,14 +375,16 @@ def format_finetune_result(result: FinetuneResult) -> str:
     return "\n".join(lines)
 
 
+Arguments = FinetuneArguments
+LOG_LEVEL = "INFO"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = finetune_argument_parser(description=__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = run_finetune(args)
-    except UsageError as err:  # one line naming the flag, as for the parser's own errors (exit 2)
-        parser.error(str(err))
-    if result.main_process:
-        print(format_finetune_result(result))
-    return 0
+    """`training_scripts/finetune.py`: the same command, parsed on its own."""
+    from .main import run_command
+
+    return run_command("finetune", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

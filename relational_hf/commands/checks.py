@@ -1,0 +1,91 @@
+"""Checks the commands run first, before any model is loaded or trained: each raises `UsageError` naming the flag
+or file and what is wrong (value ranges are checked earlier, when the option dataclass is built)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from ..lm.data import check_text_file
+from ..loading import check_model_argument, looks_like_local_path
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise `UsageError(message)` unless `condition`."""
+    if not condition:
+        raise UsageError(message)
+
+
+def output_folder(path: str | os.PathLike | None, flag: str) -> None:
+    """An output folder option: it may not exist yet, but must not be a file."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+
+
+def output_file(path: str | os.PathLike | None, flag: str) -> None:
+    """An output file option: not an existing folder."""
+    if path is not None and Path(path).is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+
+
+def existing_folder(path: str | os.PathLike, flag: str) -> Path:
+    """An input folder that must exist."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise UsageError(f"{flag} {path}: no such file or directory")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: not a directory")
+    return folder
+
+
+def dataset_source(name: str | None, flag: str = "--dataset") -> None:
+    """A `datasets.load_dataset` name that can only be a local path must exist (else "no such file or directory",
+    not a failed download)."""
+    if name and looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+        raise UsageError(f"{flag} {name}: no such file or directory (and not a dataset name on the Hub)")
+
+
+def text_or_ids(path: str | os.PathLike, flag: str) -> Path:
+    """A `.pt` tensor of token ids (it must exist) or a UTF-8 text file (`check_text_file`)."""
+    path = Path(path).expanduser()
+    if path.suffix == ".pt":
+        if not path.is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+        return path
+    return check_text_file(path, flag)
+
+
+def read_token_ids(path: Path, tokenizer_of, flag: str) -> torch.Tensor:
+    """The token ids of `path`: a `.pt` integer tensor as stored, or the text tokenised with `tokenizer_of()` (called
+    only for text; an OSError / ValueError from it becomes a `UsageError` that suggests the .pt form)."""
+    if path.suffix == ".pt":
+        try:
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several types for a file that is not a tensor
+            raise UsageError(f"{flag} {path}: not a tensor of token ids ({err})") from None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
+            raise UsageError(f"{flag} {path}: expected an integer tensor of token ids")
+        return ids.long().reshape(-1)
+    try:
+        tokenizer = tokenizer_of()
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(
+            f"{flag} {path}: no tokenizer loads for the model ({err}); pass a .pt tensor of token ids"
+        ) from None
+    return torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
+
+
+__all__ = [
+    "check_model_argument",
+    "check_text_file",
+    "dataset_source",
+    "existing_folder",
+    "output_file",
+    "output_folder",
+    "read_token_ids",
+    "require",
+    "text_or_ids",
+]

@@ -1,0 +1,70 @@
+"""Write a relational checkpoint as a plain Transformers Llama checkpoint, which loads without the plugin and without
+remote code.
+
+    relational-hf export SRC OUT --to llama
+
+The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
+against the relational model's logits in fp32 before anything is written. OUT must be new or empty; it is written
+beside and moved into place when complete.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from .checks import check_model_argument
+from .options import CommandArguments, PositiveFloat, option, positional
+
+HELP = "write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it)"
+
+
+@dataclass
+class ExportPaths:
+    src: str = positional("a relational checkpoint: local folder or Hub id", "SRC")
+    out: str = positional("new (or empty) output folder", "OUT")
+
+
+@dataclass
+class ExportOptions:
+    _argument_group_name = "export"
+
+    to: Literal["llama"] = option("llama", "target architecture")
+    tolerance: PositiveFloat = option(1e-4, "max |logit difference| accepted (fp32)")
+    trust_remote_code: bool = option(False, "passed to from_pretrained")
+
+
+@dataclass
+class ExportArguments(CommandArguments, ExportOptions, ExportPaths):
+    POSITIONALS = ExportPaths
+    PARSER_GROUPS = (ExportOptions,)
+
+
+Arguments = ExportArguments
+
+
+def run(args: ExportArguments) -> int:
+    from ..loading import resolve_model_source
+    from ..outputs import OutputLock, check_new_output
+
+    args.src = check_model_argument(args.src, "SRC")
+    check_new_output(args.out, "OUT", source=args.src)  # before loading anything
+    with OutputLock(args.out) as lock:
+        return _run(args, lock, resolve_model_source(args.src))
+
+
+def _run(args: ExportArguments, lock, source) -> int:
+    from ..convert.export import export_checkpoint
+    from ..loading import load_model_from, load_tokenizer_from
+
+    model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+        sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
+    report = export_checkpoint(model, args.out, to=args.to, tokenizer=tokenizer, tolerance=args.tolerance, lock=lock)
+    sys.stdout.write(report.to_markdown())
+    sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
+    return 0

@@ -1,0 +1,91 @@
+"""Everything a command writes: output folders owned by manifest, one staging path, atomic single files.
+
+Guarantees (see the README section "What is guaranteed on failure"):
+
+- **Ownership by manifest.** A folder is this project's output when it holds the marker file `.relational-hf-output`.
+  The marker lists every file the last save wrote, with its size and a fingerprint (SHA-256 up to 64 MiB, the
+  modification time beyond). A save replaces or removes only files the marker lists *and* that still match their
+  fingerprint: a file the user added, renamed into the folder or edited since is never deleted, whatever its name.
+  A new file that would take the name of a file that is not ours is refused unless the user passed `--overwrite`
+  (which allows exactly that replacement). A non-empty folder without the marker is refused unless `--overwrite`;
+  the current directory and its parents are always refused; paths are compared after resolving symbolic links.
+- **One writer.** `OutputLock` holds an exclusive `fcntl` lock on the sibling file `.NAME.relational-hf-lock` for the
+  whole run; a second run into the same folder fails at once.
+- **Stage and swap.** `stage_and_swap` writes the new output into the sibling `.NAME.relational-hf-staging-TOKEN`,
+  hard-links into it every file of the old folder that is not ours (and the trainer checkpoints in `trainer_state/`),
+  writes the marker last, fsyncs, and exchanges the two folders with one atomic `renameat2(RENAME_EXCHANGE)` (or,
+  where the file system lacks it, renames the old folder to `.NAME.relational-hf-old-TOKEN` and the new one in).
+  The old folder is then retired file by file: files created in it during the save are moved into the new folder,
+  our own files and the carried links are removed, and the folder is removed only when empty (never recursively).
+  `recover_output_dir` (run at the start of every write) finishes or undoes a swap a crash interrupted, the same way.
+- **Atomic files.** `atomic_write_text` / `atomic_write_bytes` write a single file through a temporary sibling,
+  fsynced and renamed over it: a reader never sees half a file.
+- **Complete trainer checkpoints.** The Trainer writes `trainer_state.json` last into `checkpoint-N/`;
+  `complete_checkpoint` accepts a checkpoint only when that file parses and the weights it needs are present, and
+  `set_aside_incomplete_checkpoints` renames the others to `incomplete-checkpoint-N` (and, when a fresh run starts
+  in an earlier run's folder, that run's checkpoints to `superseded-checkpoint-N`), so that neither `--resume` nor
+  the Trainer's rotation picks them; they are removed only after the new run's model is saved.
+"""
+
+from .checkpoints import normalize_tokenizer_config, save_checkpoint, save_tokenizer
+from .files import HASH_LIMIT, atomic_write_bytes, atomic_write_text, fingerprint
+from .folders import (
+    MARKER,
+    TRAINER_DIR,
+    OutputLock,
+    check_new_output,
+    check_owned_names,
+    holds_full_checkpoint,
+    is_project_output,
+    normalise_output_dir,
+    owned_files,
+    prepare_output_dir,
+    read_marker,
+    record_files,
+    recover_output_dir,
+    remove_if_unused,
+    stage_and_swap,
+    write_marker,
+    write_new_output,
+    write_output,
+    write_owned_file,
+)
+from .trainer_state import (
+    checkpoint_is_complete,
+    complete_checkpoint,
+    drop_set_aside_checkpoints,
+    set_aside_incomplete_checkpoints,
+)
+
+__all__ = [
+    "HASH_LIMIT",
+    "MARKER",
+    "TRAINER_DIR",
+    "OutputLock",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_new_output",
+    "check_owned_names",
+    "checkpoint_is_complete",
+    "complete_checkpoint",
+    "drop_set_aside_checkpoints",
+    "fingerprint",
+    "holds_full_checkpoint",
+    "is_project_output",
+    "normalise_output_dir",
+    "normalize_tokenizer_config",
+    "owned_files",
+    "prepare_output_dir",
+    "read_marker",
+    "record_files",
+    "recover_output_dir",
+    "remove_if_unused",
+    "save_checkpoint",
+    "save_tokenizer",
+    "set_aside_incomplete_checkpoints",
+    "stage_and_swap",
+    "write_marker",
+    "write_new_output",
+    "write_output",
+    "write_owned_file",
+]
