@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds per model (3; quick 2)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill tokens, batch 1 (512; quick 64)")
     parser.add_argument("--batch", type=int, default=4, help="batch of the batched prefill (4)")
-    parser.add_argument("--prefill-batched", type=int, default=None, help="tokens per row, batched prefill (256)")
-    parser.add_argument("--decode", type=int, default=None, help="greedy new tokens (128; quick 16)")
+    parser.add_argument("--prefill-batched", type=int, default=None, help="tokens per row, batched prefill (128)")
+    parser.add_argument("--decode", type=int, default=None, help="greedy new tokens (64; quick 16)")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding (16)")
     parser.add_argument("--calibration-windows", type=int, default=8, help="calibration windows of the compression (8)")
     parser.add_argument("--threads", type=int, default=2)
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--levels must be shares in [0, 1)")
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.prefill = args.prefill or (64 if args.quick else 512)
-    args.prefill_batched = args.prefill_batched or (32 if args.quick else 256)
-    args.decode = args.decode or (16 if args.quick else 128)
+    args.prefill_batched = args.prefill_batched or (32 if args.quick else 128)
+    args.decode = args.decode or (16 if args.quick else 64)
     for flag in ("rounds", "prefill", "batch", "prefill_batched", "decode", "prompt", "calibration_windows", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
