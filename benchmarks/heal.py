@@ -242,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         healing.pop("loss")  # the LM-loss JSON predates the option; its settings compare equal to a rerun's
 
-    def healed_curve(net, curve: list, payload: dict) -> tuple:
-        """Heal `net`, appending the held-out perplexity every `every` steps to `curve` (JSON written each time)."""
+    def save_main(payload: dict) -> None:
+        write_atomically(json_path, payload)
+        plot(payload, png_path)
+
+    def healed_curve(net, curve: list, payload: dict, save=save_main) -> tuple:
+        """Heal `net`, appending the held-out perplexity every `every` steps to `curve` (`save(payload)` each time)."""
 
         def record(step: int, current, train_seconds: float) -> None:
             t0 = time.perf_counter()
@@ -260,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             curve.append(point)
             logger.info("step %d: held-out perplexity %.3f (dense %.3f) %s", step, ppl, dense_ppl, point)
-            write_atomically(json_path, payload)
-            plot(payload, png_path)
+            save(payload)
 
         class HeldOut(TrainerCallback):
             """Held-out perplexity every `every` steps; training time excludes the evaluations."""
@@ -301,11 +304,22 @@ def main(argv: list[str] | None = None) -> int:
             "command": command_line(argv),
             "curve": [],
         }
-        merged, heal_report = healed_curve(to_relational(model).float().eval(), control["curve"], payload)
-        control.update(merged_perplexity=merged, heal_report=heal_report)
-        payload["wall_seconds"] = payload.get("wall_seconds", 0.0) + time.perf_counter() - started
+        # the run of the compressed model may still be writing the JSON: the control's progress goes to a file of its
+        # own, and into the JSON once that run has finished (its final "merged_perplexity" is there)
+        progress = json_path.with_name(f".{json_path.stem}.control.json")
+        merged, heal_report = healed_curve(
+            to_relational(model).float().eval(), control["curve"], payload,
+            save=lambda p: write_atomically(progress, p["dense_control"]),
+        )  # fmt: skip
+        control.update(merged_perplexity=merged, heal_report=heal_report, wall_seconds=time.perf_counter() - started)
+        while "merged_perplexity" not in json.loads(json_path.read_text()):
+            logger.info("waiting for the compressed model's run to finish writing %s", json_path)
+            time.sleep(60)
+        payload = json.loads(json_path.read_text())
+        payload["dense_control"] = control
         write_atomically(json_path, payload)
         plot(payload, png_path)
+        progress.unlink(missing_ok=True)
         print(f"dense control: held-out perplexity {dense_ppl:.2f} -> {merged:.2f} after {steps} LoRA steps")
         return 0
 
