@@ -183,3 +183,24 @@ def test_layers_keeping_every_pair_in_order_take_the_plain_rotary_path():
         torch.testing.assert_close(reference(ids).logits, plain, rtol=0, atol=1e-6)
         model.model.layers[0].self_attn.rope_pair_index[0] = torch.tensor([1, 0, 2, 3])
         assert model.model.layers[0].self_attn.keeps_rotary_subset()
+
+
+def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path):
+    """With Accelerate's disk offload the layers' weights come in for one call each: no gauge-fixed layer keeps an
+    assembled copy (which would hold the offloaded weights in memory again), and the logits are unchanged."""
+    from relational_hf.lm.offload import load_offloaded
+
+    model = compressed_shape_model()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert all("_weight_cache" in m.__dict__ for m in gauge_modules(model))  # in memory: kept
+    embed = model.model.embed_tokens.weight.numel() * 4
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    offloaded = load_offloaded(tmp_path / "model", max_memory={"cpu": embed + layer + layer // 2})
+    assert "disk" in {str(v) for v in offloaded.hf_device_map.values()}
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, expected, rtol=0, atol=1e-5)
+    modules = gauge_modules(offloaded)
+    assert modules and not any("_weight_cache" in m.__dict__ or m.keep_assembled for m in modules)

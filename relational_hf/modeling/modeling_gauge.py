@@ -144,8 +144,12 @@ class GaugeFixedLinear(nn.Module):
     `copy_`, `load_state_dict`), when it moves (`to`), when the layout changes, and it is dropped whenever a forward
     pass with gradients runs (a training step may follow), when the module switches between train and eval mode, and
     by `clear_weight_caches`. Writes that bypass the version counter (through `.data`) made between two inference
-    calls are seen after one of those events. A forward pass with gradients always assembles W afresh.
+    calls are seen after one of those events. A forward pass with gradients always assembles W afresh. The kept W
+    costs the memory of W; `keep_assembled = False` turns keeping off for the module (the model does so itself when
+    Accelerate offloads it).
     """
+
+    keep_assembled: bool = True
 
     def __init__(
         self,
@@ -353,7 +357,7 @@ class GaugeFixedLinear(nn.Module):
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._drop_caches()  # an optimiser step may follow, possibly one that does not bump the version counter
             weight = self.full_weight()
-        elif self._cache_assembled or not (self.training or torch.is_grad_enabled()):
+        elif self._cache_assembled or (self.keep_assembled and not (self.training or torch.is_grad_enabled())):
             self._ensure_layout()
             weight = self._kept_weight()  # inference: assembled once, like a plain Linear's weight
         else:

@@ -409,6 +409,22 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+def follow_device_map(model: nn.Module) -> None:
+    """Switch off the inference weights that gauge-fixed layers keep (`GaugeFixedLinear.keep_assembled`) in a model
+    that Accelerate offloads (a `hf_device_map` with "disk", or with "cpu" beside an accelerator): its hooks bring each
+    offloaded layer's weights in for one call, and a kept copy per layer would hold them all in memory again. Cheap
+    when the placement has not changed."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    places = {str(v) for v in device_map.values()}
+    offloaded = "disk" in places or ("cpu" in places and len(places) > 1)
+    if model.__dict__.get("_offloaded_weights", False) != offloaded:
+        for module in model.modules():
+            if isinstance(module, GaugeFixedLinear):
+                module.keep_assembled = not offloaded
+                module._drop_caches()
+        model.__dict__["_offloaded_weights"] = offloaded
+
+
 class RelationalPreTrainedModel(PreTrainedModel):
     config_class = RelationalConfig
     config: RelationalConfig
@@ -549,6 +565,7 @@ class RelationalModel(RelationalPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        follow_device_map(self)
         if inputs_embeds is None:
             if not torch.compiler.is_compiling():  # a data-dependent check: eager only (compiled graphs stay whole)
                 _check_token_ids(input_ids, self.embed_tokens.num_embeddings)
@@ -620,6 +637,7 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        follow_device_map(self)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
