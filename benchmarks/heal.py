@@ -82,7 +82,7 @@ def cached_teacher_text(model, tokenizer, workdir: Path | None, name: str, **opt
     from relational_hf.compress.distill import load_teacher_text, model_fingerprint, save_teacher_text, teacher_text
 
     path = None if workdir is None else workdir / name
-    wanted = dict(options, source=model_fingerprint(model))
+    wanted = {k: v for k, v in options.items() if k != "progress"} | {"source": model_fingerprint(model)}
     if path is not None and path.is_file():
         ids, settings = load_teacher_text(path)
         if {k: settings.get(k) for k in wanted} == wanted:
