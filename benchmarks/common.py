@@ -31,6 +31,14 @@ def corpus(name: str) -> Path:
         raise SystemExit(f"benchmark needs a corpus: {err}") from None
 
 
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages of the machine (other jobs share its cores), rounded."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return []
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     info = {
@@ -40,6 +48,8 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "load_average": load_average(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -1,5 +1,13 @@
 """Healing a compressed real checkpoint: held-out perplexity of SmolLM2-135M-Instruct during a LoRA recovery run.
 
+Two losses (`--loss`): "kd" (default; repair by distillation from the source, DESIGN.md 2.2a) trains the adapters on
+KL(p_source || p_model) of the next-token distributions, on text the source model sampled itself
+(`relational_hf.compress.distill.teacher_text`: `--text-samples` rows of `--text-length` tokens, half started from
+generic chat prompts, half from a random vocabulary token, seed `--text-seed`); the KL to the source is also measured
+on 16 further rows of such text (another seed) at every evaluation. "lm" trains on the language-model loss on random
+blocks of the first 90% of the WikiText-2 documents (adaptation to the evaluation's domain as well as repair).
+Every figure has its control: `--dense-control` runs the same healing on the uncompressed model.
+
 Protocol (the one of `benchmarks/compress.py`): the model is compressed by the project's relational method
 (`relational_hf.compress.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
 on the first `--calibration-windows` (16) windows of 512 tokens of the first 90% of the WikiText-2 validation
@@ -11,14 +19,15 @@ the first 90% of the documents (the calibration side only), AdamW at `--lr` with
 back into the compressed shapes (stored size unchanged, checked). The held-out perplexity is measured every
 `--eval-every` steps on the unmerged adapter model (the same function), and once more after the merge.
 
-    python benchmarks/heal.py                 # 25% removed, 300 steps (about 40 minutes on 2 cores)
+    python benchmarks/heal.py --calibration-windows 64 --steps 200 --eval-every 40        # distillation
+    python benchmarks/heal.py --calibration-windows 64 --steps 200 --eval-every 40 --dense-control
+    python benchmarks/heal.py --loss lm --calibration-windows 64 --steps 200 --eval-every 40   # LM loss on WikiText-2
     python benchmarks/heal.py --quick         # 2 layers, 128-token windows, 20 steps (about a minute)
-    python benchmarks/heal.py --dense-control # the same healing of the uncompressed model, added to the JSON
     python benchmarks/heal.py --plot-only     # redraw the PNG from the JSON
 
-Writes results/heal.json and heal.png (`heal_quick.*` with --quick), the JSON after every evaluation, atomically.
-The compressed model is kept in `--workdir` (default: a temporary folder) so that a rerun with the same settings
-skips the compression.
+Writes results/heal_kd.json and heal_kd.png for "kd", results/heal.json and heal.png for "lm" (`*_quick.*` with
+--quick), the JSON after every evaluation, atomically. The compressed model and the teacher text are kept in
+`--workdir` (default: a temporary folder) so that a rerun with the same settings skips their computation.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import tempfile
@@ -34,7 +44,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, corpus, machine
+from common import RESULTS, corpus, load_average, machine
 from compress import load_model, protocol_windows, write_atomically
 
 logger = logging.getLogger("heal")
@@ -66,6 +76,27 @@ def compressed_model(model, tokenizer, calibration: torch.Tensor, remove: float,
     return compressed, report
 
 
+def cached_teacher_text(model, tokenizer, workdir: Path | None, name: str, **options) -> tuple[torch.Tensor, dict]:
+    """`teacher_text(model, tokenizer, **options)`, reused from `workdir/name` when it was written there by the same
+    source with the same options."""
+    from relational_hf.compress.distill import load_teacher_text, model_fingerprint, save_teacher_text, teacher_text
+
+    path = None if workdir is None else workdir / name
+    wanted = {k: v for k, v in options.items() if k != "progress"} | {"source": model_fingerprint(model)}
+    if path is not None and path.is_file():
+        ids, settings = load_teacher_text(path)
+        if {k: settings.get(k) for k in wanted} == wanted:
+            logger.info("reusing the teacher text in %s", path)
+            return ids, settings
+    ids, settings = teacher_text(model, tokenizer, **options)
+    if path is not None:
+        fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f".{name}.")
+        os.close(fd)
+        save_teacher_text(tmp, ids, settings)
+        os.replace(tmp, path)
+    return ids, settings
+
+
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
 
@@ -73,14 +104,15 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     curve = payload.get("curve", [])
+    what = "distillation" if payload.get("loss", "lm") == "kd" else "LM-loss healing"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if curve:
-        ax.plot([c["step"] for c in curve], [c["perplexity"] for c in curve], marker="o", label="relational + LoRA healing")
+        ax.plot([c["step"] for c in curve], [c["perplexity"] for c in curve], marker="o", label=f"relational + LoRA {what}")
     control = payload.get("dense_control", {}).get("curve", [])
     if control:
         ax.plot(
             [c["step"] for c in control], [c["perplexity"] for c in control], marker="s", color="tab:green",
-            label="control: dense model + the same LoRA healing",
+            label=f"control: dense model + the same LoRA {what}",
         )  # fmt: skip
     dense = payload.get("dense_perplexity")
     if dense:
@@ -89,7 +121,7 @@ def plot(payload: dict, path: Path) -> None:
     for name, value in payload.get("references", {}).items():
         ax.axhline(value, linewidth=0.8, linestyle=":", color="tab:red", label=f"{name} ({value:.2f})")
     ax.set_yscale("log")
-    ax.set_xlabel("LoRA healing steps")
+    ax.set_xlabel(f"LoRA {what} steps")
     ax.set_ylabel("held-out perplexity")
     ax.set_title(f"{payload['protocol']['model']}, {payload['remove']:.0%} of stored parameters removed")
     ax.legend(fontsize=8)
@@ -101,6 +133,13 @@ def plot(payload: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 128-token windows, 20 steps")
+    parser.add_argument(
+        "--loss", choices=("kd", "lm"), default="kd",
+        help="kd: distillation from the source on its own text (default); lm: LM loss on WikiText-2",
+    )  # fmt: skip
+    parser.add_argument("--text-samples", type=int, default=None, help="teacher-text rows for kd (256; quick 32)")
+    parser.add_argument("--text-length", type=int, default=None, help="tokens per teacher-text row (256; quick 64)")
+    parser.add_argument("--text-seed", type=int, default=0, help="seed of the teacher text (0)")
     parser.add_argument(
         "--remove", type=float, default=None, help="share of stored parameters removed (0.25; quick 0.05, as 2 layers "
         "hold a small part of the model)",
@@ -126,13 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     args.remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
     if not 0.0 < args.remove < 1.0:
         parser.error("--remove must be in (0, 1)")
-    for flag in ("steps", "eval_every", "rank", "batch_size", "block", "threads", "calibration_windows"):
+    for flag in (
+        "steps", "eval_every", "rank", "batch_size", "block", "threads", "calibration_windows", "text_samples",
+        "text_length",
+    ):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not 0.0 < args.lr < 1.0:
         parser.error("--lr must be in (0, 1)")
-    name = "heal_quick" if args.quick else "heal"
+    name = ("heal_kd" if args.loss == "kd" else "heal") + ("_quick" if args.quick else "")
     json_path, png_path = RESULTS / f"{name}.json", RESULTS / f"{name}.png"
     if args.plot_only:
         if not json_path.is_file():
@@ -152,41 +194,77 @@ def main(argv: list[str] | None = None) -> int:
 
     from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
     from relational_hf.compress.heal import heal
+    from relational_hf.lm.metrics import teacher_kl
 
     started = time.perf_counter()
     model, tokenizer = load_model(args.quick)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     calibration, evaluation, protocol = protocol_windows(
         tokenizer, window, args.calibration_windows or (4 if args.quick else 16), 4 if args.quick else 12, args.quick,
         args.threads,
     )
-    heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
-    protocol["healing_text"] = (
-        f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
-        "the calibration side, disjoint from the evaluation windows)"
-    )
+    held_out_text = None
+    if args.loss == "kd":
+        samples, length = args.text_samples or (32 if args.quick else 256), args.text_length or (64 if args.quick else 256)
+        heal_ids, text_settings = cached_teacher_text(
+            model, tokenizer, args.workdir, f"heal_text-{samples}x{length}-{args.text_seed}.safetensors",
+            samples=samples, length=length, seed=args.text_seed, progress=True,
+        )  # fmt: skip
+        held_out_text, held_settings = cached_teacher_text(
+            model, tokenizer, args.workdir, f"heal_text_heldout-{length}-{args.text_seed + 1}.safetensors",
+            samples=16, length=length, seed=args.text_seed + 1, progress=True,
+        )  # fmt: skip
+        protocol["healing_text"] = (
+            f"{samples} rows of {length} tokens sampled from the source model itself at temperature 1 "
+            f"(relational_hf.compress.distill.teacher_text, seed {args.text_seed}; half from generic chat prompts, half "
+            f"from a random vocabulary token), {heal_ids.numel():,} tokens, read as one stream in random blocks of "
+            f"{block}; generated in {text_settings['seconds']} s"
+        )
+        protocol["teacher_kl"] = (
+            f"mean KL(p_source || p_model) per token on 16 further rows of {length} tokens of the source's own text "
+            f"(seed {args.text_seed + 1}), nats"
+        )
+    else:
+        heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
+        protocol["healing_text"] = (
+            f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
+            "the calibration side, disjoint from the evaluation windows)"
+        )
     dense_ppl = perplexity_on_windows(model, evaluation, batch_size=2, progress=True)
     healing = {
-        "steps": steps, "eval_every": every, "lora_rank": args.rank, "learning_rate": args.lr,
+        "loss": args.loss, "steps": steps, "eval_every": every, "lora_rank": args.rank, "learning_rate": args.lr,
         "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
         "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
     }  # fmt: skip
+    if args.loss == "kd":
+        healing["text"] = {k: text_settings[k] for k in ("samples", "length", "seed", "chat_share", "source")}
+    else:
+        healing.pop("loss")  # the LM-loss JSON predates the option; its settings compare equal to a rerun's
 
-    def healed_curve(net, curve: list, payload: dict) -> tuple:
-        """Heal `net`, appending the held-out perplexity every `every` steps to `curve` (JSON written each time)."""
+    def save_main(payload: dict) -> None:
+        write_atomically(json_path, payload)
+        plot(payload, png_path)
+
+    def healed_curve(net, curve: list, payload: dict, save=save_main) -> tuple:
+        """Heal `net`, appending the held-out perplexity every `every` steps to `curve` (`save(payload)` each time)."""
 
         def record(step: int, current, train_seconds: float) -> None:
             t0 = time.perf_counter()
             was_training = current.training
             current.eval()
             ppl = perplexity_on_windows(current, evaluation, batch_size=2)
+            point = {"step": step, "perplexity": ppl}
+            if held_out_text is not None:
+                point["teacher_kl"] = teacher_kl(current, model, held_out_text, batch_size=2)
             current.train(was_training)
-            curve.append(
-                {"step": step, "perplexity": ppl, "train_seconds": round(train_seconds, 1),
-                 "eval_seconds": round(time.perf_counter() - t0, 1)}
+            point.update(
+                train_seconds=round(train_seconds, 1), eval_seconds=round(time.perf_counter() - t0, 1),
+                load_average=load_average(),
             )  # fmt: skip
-            logger.info("step %d: held-out perplexity %.3f (dense %.3f)", step, ppl, dense_ppl)
-            write_atomically(json_path, payload)
-            plot(payload, png_path)
+            curve.append(point)
+            logger.info("step %d: held-out perplexity %.3f (dense %.3f) %s", step, ppl, dense_ppl, point)
+            save(payload)
 
         class HeldOut(TrainerCallback):
             """Held-out perplexity every `every` steps; training time excludes the evaluations."""
@@ -204,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         record(0, net, 0.0)
         stored_before = stored_parameters(net)["total"]
         healed, heal_report = heal(
-            net, heal_ids, steps=steps, heal_lr=args.lr, heal_rank=args.rank, heal_batch_size=args.batch_size,
-            heal_block_size=block, callbacks=[HeldOut()],
+            net, heal_ids, steps=steps, loss=args.loss, teacher=model if args.loss == "kd" else None, heal_lr=args.lr,
+            heal_rank=args.rank, heal_batch_size=args.batch_size, heal_block_size=block, callbacks=[HeldOut()],
         )  # fmt: skip
         stored_after = stored_parameters(healed)["total"]
         if stored_after != stored_before:
@@ -222,23 +300,33 @@ def main(argv: list[str] | None = None) -> int:
 
         control = payload["dense_control"] = {
             "what": "the uncompressed model, exactly converted to the relational form, healed with the same LoRA "
-            "settings on the same text",
+            "settings on the same text" + (" (distilled from the source it was converted from)" if args.loss == "kd" else ""),
+            "command": command_line(argv),
             "curve": [],
         }
-        merged, heal_report = healed_curve(to_relational(model).float().eval(), control["curve"], payload)
-        control.update(merged_perplexity=merged, heal_report=heal_report)
-        payload["wall_seconds"] = payload.get("wall_seconds", 0.0) + time.perf_counter() - started
+        # the run of the compressed model may still be writing the JSON: the control's progress goes to a file of its
+        # own, and into the JSON once that run has finished (its final "merged_perplexity" is there)
+        progress = json_path.with_name(f".{json_path.stem}.control.json")
+        merged, heal_report = healed_curve(
+            to_relational(model).float().eval(), control["curve"], payload,
+            save=lambda p: write_atomically(progress, p["dense_control"]),
+        )  # fmt: skip
+        control.update(merged_perplexity=merged, heal_report=heal_report, wall_seconds=time.perf_counter() - started)
+        while "merged_perplexity" not in json.loads(json_path.read_text()):
+            logger.info("waiting for the compressed model's run to finish writing %s", json_path)
+            time.sleep(60)
+        payload = json.loads(json_path.read_text())
+        payload["dense_control"] = control
         write_atomically(json_path, payload)
         plot(payload, png_path)
+        progress.unlink(missing_ok=True)
         print(f"dense control: held-out perplexity {dense_ppl:.2f} -> {merged:.2f} after {steps} LoRA steps")
         return 0
 
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
     compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
-    del model
     payload = {
         "protocol": protocol,
+        "loss": args.loss,
         "remove": args.remove,
         "dense_perplexity": dense_ppl,
         "dense_stored_parameters": report["parameters_before"],
@@ -246,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "healing": healing,
         "curve": [],
         "machine": machine(),
-        "command": re.sub(r" --workdir \S+", "", " ".join(["heal.py", *(argv if argv is not None else sys.argv[1:])])),
+        "command": command_line(argv),
     }
     compress_json = RESULTS / "compress.json"
     if compress_json.is_file() and not args.quick:
@@ -265,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(dense {dense_ppl:.2f}; {last / dense_ppl - 1:+.1%}); wrote {json_path}"
     )
     return 0
+
+
+def command_line(argv: list[str] | None) -> str:
+    """This run's command, relative to the repository root, without the machine's work folder."""
+    command = " ".join(["python benchmarks/heal.py", *(argv if argv is not None else sys.argv[1:])])
+    return re.sub(r" --workdir \S+", "", command)
 
 
 if __name__ == "__main__":

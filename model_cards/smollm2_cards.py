@@ -297,7 +297,10 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{report_path} does not hold a JSON object")
     settings, results, tables = compressed_card_inputs(report)
     settings["report"] = report_path.name
-    settings["command"] = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
+    if args.note:
+        settings["note"] = args.note
+    card_command = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
+    settings["command"] = f"{args.compress_command}; {card_command}" if args.compress_command else card_command
     repo_id = args.repo_id or f"relational-hf/{COMPRESSED_NAME}"
     card = build_model_card(
         folder,
@@ -329,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="the compressed checkpoint")
     comp.add_argument("--report", default=None, help="the compress report JSON (default: the one in DIR)")
     comp.add_argument("--write-readme", action="store_true", help="also write the card to DIR/README.md")
+    comp.add_argument("--note", default=None, help="a sentence the card shows beside the report's numbers")
+    comp.add_argument(
+        "--compress-command", default=None, help="the `relational-hf compress` command that wrote DIR, shown in the card"
+    )
     for p in (conv, comp):
         p.add_argument("--card-dir", default=str(HERE), help="where <name>.md and <name>.json go")
         p.add_argument("--repo-id", default=None, help="Hub repository named in the card")

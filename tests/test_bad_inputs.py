@@ -337,6 +337,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("compress {model} {foreign} --remove 0.2", ["OUT", "not empty"]),
     ("compress {root}/missing_model {root}/c --remove 0.2", ["missing_model", "no such file or directory"]),
     ("compress {model} {root}/c --remove 0.2 --method prune", ["--method", "invalid choice"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-samples 0", ["--heal-samples", ">= 1"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-length 1", ["--heal-length", ">= 2"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-loss mse", ["--heal-loss", "invalid choice"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-seed 3", ["--heal-seed", "--heal-steps"]),
+    ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-text {root}/none.safetensors", ["--heal-text", "no such file"]),
     # --- export ---
     ("export {root}/missing_model {root}/e", ["missing_model", "no such file or directory"]),
     ("export {model} {foreign}", ["foreign", "not empty"]),

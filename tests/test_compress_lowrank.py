@@ -189,19 +189,19 @@ def test_smollm2_first_two_layers(smollm2_dir):
 
 
 def test_healing_keeps_shapes_and_lowers_calibration_loss():
-    """LoRA healing merges back into exactly the compressed shapes (same stored count) and lowers the calibration
-    perplexity of a learnable sequence set."""
+    """LoRA healing with the LM loss merges back into exactly the compressed shapes (same stored count) and lowers
+    the calibration perplexity of a learnable sequence set."""
     torch.manual_seed(1)
     llama = _llama(layers=2)
     base = torch.arange(24) % 7 + 3
     ids = torch.stack([base.roll(i) for i in range(8)])
     compressed, _ = compress_model(llama, remove=0.2, calibration=ids, progress=False, plan_windows=2)
     healed, report = compress_model(
-        llama, remove=0.2, calibration=ids, progress=False, plan_windows=2, heal_steps=15, heal_lr=5e-3,
+        llama, remove=0.2, calibration=ids, progress=False, plan_windows=2, heal_steps=15, heal_loss="lm", heal_lr=5e-3,
         heal_batch_size=4, heal_block_size=16,
     )
     assert _stored(healed) == _stored(compressed) == report["parameters_after"]
-    assert report["heal"]["steps"] == 15
+    assert report["heal"]["steps"] == 15 and report["heal"]["loss"] == "lm"
     assert report["calibration_perplexity_healed"] < 0.9 * report["calibration_perplexity_after"]
 
 

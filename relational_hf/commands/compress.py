@@ -6,6 +6,12 @@ SRC is a local checkpoint folder, a Hub id or a GGUF file of a Llama-family caus
 The calibration text (--calibration, default: the project's built-in corpus) is cut into --calibration-windows
 windows of --window tokens. OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
 written beside it and moved into place when complete (`relational_hf.outputs`).
+
+--heal-steps N repairs the compressed model with N LoRA steps. By default (--heal-loss kd) it distils from SRC: KL to
+SRC's next-token distributions on text SRC samples itself (--heal-samples rows of --heal-length tokens, seed
+--heal-seed), written into OUT as `heal_text.safetensors`; give that file as --heal-text to a later run to reuse it.
+--heal-text FILE.txt distils on that text instead; --heal-loss lm trains on the language-model loss (on --heal-text,
+default: the calibration windows), which also adapts the model to that text.
 """
 
 from __future__ import annotations
@@ -55,12 +61,19 @@ class CompressOptions:
     )
     eval_windows: PositiveInt = option(20, "evaluation windows")
     window: Length = option(512, "tokens per window")
-    heal_steps: NonNegativeInt = option(0, "LoRA recovery steps after compression")
+    heal_steps: NonNegativeInt = option(0, "LoRA repair steps after compression")
+    heal_loss: Literal["kd", "lm"] | None = option(
+        None, "kd: distil from SRC (default); lm: language-model loss on --heal-text (default: the calibration windows)"
+    )
     heal_text: str | None = option(
         None,
-        "text to heal on (default: the calibration windows; a longer text avoids overfitting them)",
+        "text to heal on: a text file, or the heal_text.safetensors of an earlier run (default for kd: text SRC "
+        "generates; for lm: the calibration windows)",
         metavar="FILE",
     )
+    heal_samples: PositiveInt | None = option(None, "kd: rows of text SRC generates (default: 256)")
+    heal_length: Length | None = option(None, "kd: tokens per generated row (default: 256)")
+    heal_seed: NonNegativeInt | None = option(None, "kd: seed of the generated text (default: 0)")
     correction: Literal["local", "dense", "none"] = option("local", "MLP down-projection refit target")
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
 
@@ -82,11 +95,23 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--remove is required: the share of stored parameters to remove, in (0, 1)")
     args.src = check_model_argument(args.src, "SRC", gguf_file=args.gguf_file)
     check_new_output(args.out, "OUT", source=args.src)
-    for flag, path in (("--calibration", args.calibration), ("--eval", args.eval), ("--heal-text", args.heal_text)):
+    for flag, path in (("--calibration", args.calibration), ("--eval", args.eval)):
         if path is not None:
             check_text_file(path, flag)
-    if args.heal_text is not None and not args.heal_steps:
-        raise UsageError("--heal-text needs --heal-steps N (N >= 1)")
+    if args.heal_text is not None:
+        if Path(args.heal_text).suffix == ".safetensors":
+            if not Path(args.heal_text).is_file():
+                raise UsageError(f"--heal-text {args.heal_text}: no such file")
+        else:
+            check_text_file(args.heal_text, "--heal-text")
+    generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
+    if not args.heal_steps:
+        given = [f for f in ("heal_loss", "heal_text", *generation) if getattr(args, f) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
+    if generation and (args.heal_loss == "lm" or args.heal_text is not None):
+        reason = "--heal-text gives the text" if args.heal_text is not None else "--heal-loss lm generates none"
+        raise UsageError(f"--{generation[0].replace('_', '-')} sets the text SRC generates for --heal-loss kd; {reason}")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
 
@@ -113,6 +138,7 @@ def run(args: CompressArguments) -> int:
 
 def _run(args: CompressArguments, lock) -> int:
     from ..compress.api import compress_model
+    from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
     from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
@@ -128,10 +154,27 @@ def _run(args: CompressArguments, lock) -> int:
     else:
         calibration_text, _, _ = load_texts(None, None, None, "text")
     calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration")
-    heal_data = None
-    if args.heal_text is not None:
+    heal_loss = args.heal_loss or "kd"
+    heal_data, text_settings = None, None
+    if args.heal_text is not None and Path(args.heal_text).suffix == ".safetensors":
+        try:
+            heal_data, text_settings = load_teacher_text(args.heal_text)
+        except ValueError as err:
+            raise UsageError(f"--heal-text: {err}") from None
+        if int(heal_data.max()) >= len(tokenizer):
+            raise UsageError(f"--heal-text {args.heal_text}: token ids beyond the tokenizer of SRC ({len(tokenizer)})")
+    elif args.heal_text is not None:
         heal_data = _windows(args.heal_text, tokenizer, args.window, 1_000_000, "--heal-text")
     model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()
+    if text_settings is not None and text_settings.get("source") != model_fingerprint(model):
+        raise UsageError(f"--heal-text {args.heal_text} was generated by another model than SRC; generate it anew")
+    if args.heal_steps and heal_loss == "kd" and heal_data is None:
+        from ..compress.distill import teacher_text
+
+        chosen = {k: getattr(args, f"heal_{k}") for k in ("samples", "length", "seed")}
+        heal_data, text_settings = teacher_text(
+            model, tokenizer, progress=True, **{k: v for k, v in chosen.items() if v is not None}
+        )
     evaluation = eval_before = None
     if args.eval is not None:
         evaluation = _windows(args.eval, tokenizer, args.window, args.eval_windows, "--eval")
@@ -146,11 +189,16 @@ def _run(args: CompressArguments, lock) -> int:
         method=args.method,
         calibration=calibration,
         heal_steps=args.heal_steps,
+        heal_loss=heal_loss,
         heal_data=heal_data,
         progress=True,
         **options,
     )
     report["source"] = str(args.src)
+    if "heal" in report and text_settings is not None:
+        report["heal"]["text"] = text_settings | {"file": TEACHER_TEXT_NAME}
+    elif "heal" in report and args.heal_text is not None:
+        report["heal"]["text"] = {"file": Path(args.heal_text).name, "tokens": int(heal_data.numel())}
     if evaluation is not None:
         report["eval_file"] = Path(args.eval).name
         report["eval_windows"] = list(evaluation.shape)
@@ -160,6 +208,8 @@ def _run(args: CompressArguments, lock) -> int:
     def write(folder: Path) -> None:
         compressed.save_pretrained(folder)
         save_tokenizer(tokenizer, folder)
+        if "heal" in report and text_settings is not None:
+            save_teacher_text(folder / TEACHER_TEXT_NAME, heal_data, text_settings)
         (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
     out = write_new_output(args.out, write, command="compress", kind=args.method, lock=lock)
@@ -170,5 +220,7 @@ def _run(args: CompressArguments, lock) -> int:
     )
     if evaluation is not None:
         summary += f"; {Path(args.eval).name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
+    if "heal" in report:
+        summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
     print(summary + f"\nsaved to {args.out} (report: {Path(out) / REPORT_NAME})")
     return 0

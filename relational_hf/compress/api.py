@@ -25,6 +25,7 @@ from torch import nn
 from ..lm.metrics import perplexity
 from ..modeling import RelationalForCausalLM
 from ..params import stored_parameters
+from .distill import TEXT_OPTIONS, teacher_text
 from .lowrank import KINDS, LowRankOptions, compress_relational
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def _as_relational(model: nn.Module) -> RelationalForCausalLM:
     return to_relational(model)
 
 
-def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: int) -> None:
+def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: int, heal_loss: str) -> None:
     if isinstance(remove, bool) or not isinstance(remove, (int, float)) or not 0.0 < remove < 1.0:
         raise ValueError(f"`remove` must be a share of stored parameters in (0, 1), got {remove!r}")
     if method not in METHODS:
@@ -54,6 +55,10 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
         raise ValueError(f"`calibration` must be token ids of shape (N, T) with T >= 2, got {shape}")
     if isinstance(heal_steps, bool) or not isinstance(heal_steps, int) or heal_steps < 0:
         raise ValueError(f"`heal_steps` must be an integer >= 0, got {heal_steps!r}")
+    from .heal import HEAL_LOSSES
+
+    if heal_loss not in HEAL_LOSSES:
+        raise ValueError(f"`heal_loss` must be one of {', '.join(HEAL_LOSSES)}, got {heal_loss!r}")
 
 
 def _slice_to_budget(model: RelationalForCausalLM, calibration: torch.Tensor, budget: int):
@@ -87,6 +92,7 @@ def compress_model(
     method: str = "relational",
     calibration: torch.Tensor,
     heal_steps: int = 0,
+    heal_loss: str = "kd",
     heal_data: torch.Tensor | None = None,
     progress: bool = True,
     eval_windows: int = 8,
@@ -96,15 +102,18 @@ def compress_model(
     most (1 - remove) x its stored parameters, and report what was done.
 
     calibration: token ids (N, T) (e.g. `compress.eval.text_windows`). method: "relational" or "slice" (module
-    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps through `RelationalTrainer`, merged back
-    (`compress.heal.heal`), on `heal_data` (token ids; default: the calibration windows, which a long healing run
-    overfits). Options for "relational": the fields of
-    `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
-    heal options: heal_lr, heal_rank, heal_batch_size. Returns (compressed RelationalForCausalLM, report) with
+    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps, merged back (`compress.heal.heal`).
+    heal_loss "kd" (default): distillation from `model` itself (KL to its next-token distributions) on `heal_data`,
+    by default text `model` samples itself (`compress.distill.teacher_text`: heal_samples rows of heal_length tokens,
+    seeded by heal_seed, chat prompts when `tokenizer` has a template). heal_loss "lm": the language-model loss on
+    `heal_data` (default: the calibration windows, which a long run overfits). Options for "relational": the fields
+    of `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
+    heal options: heal_lr, heal_rank, heal_batch_size, heal_block_size, heal_seed, heal_samples, heal_length,
+    heal_chat_share. Returns (compressed RelationalForCausalLM, report) with
     report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
     calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib.
     """
-    _check_arguments(remove, method, calibration, heal_steps)
+    _check_arguments(remove, method, calibration, heal_steps, heal_loss)
     start = time.perf_counter()
     source_stored = stored_parameters(model)["total"]
     budget = int(math.floor((1.0 - remove) * source_stored))
@@ -119,6 +128,10 @@ def compress_model(
         "calibration_windows": list(calibration.shape),
     }
     heal_keys = {k: options.pop(k) for k in list(options) if k.startswith("heal_")}
+    text_keys = {k[len("heal_") :]: heal_keys.pop(k) for k in list(heal_keys) if k[len("heal_") :] in TEXT_OPTIONS}
+    if text_keys and (heal_loss != "kd" or heal_data is not None):
+        names = ", ".join(sorted("heal_" + k for k in text_keys))
+        raise ValueError(f"{names} shape the text the source generates, used only with heal_loss='kd' and no heal_data")
     if method == "slice":
         out, info = _slice_to_budget(rel, calibration, budget)
         report["slice"] = info
@@ -151,9 +164,17 @@ def compress_model(
     if heal_steps > 0:
         from .heal import heal
 
+        text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
+        if heal_loss == "kd" and heal_data is None:
+            seed = heal_keys.get("heal_seed", 0)
+            heal_data, text_settings = teacher_text(model, tokenizer, seed=seed, progress=progress, **text_keys)
         data = calibration if heal_data is None else heal_data
-        out, heal_report = heal(out, data, steps=heal_steps, progress=progress, **heal_keys)
+        teacher = model.eval() if heal_loss == "kd" else None
+        out, heal_report = heal(
+            out, data, steps=heal_steps, loss=heal_loss, teacher=teacher, progress=progress, **heal_keys
+        )
         heal_report["tokens_available"] = int(data.numel())
+        heal_report["text"] = text_settings
         report["heal"] = heal_report
         report["calibration_perplexity_healed"] = perplexity(out, probe)
     stored = stored_parameters(out)

@@ -1,10 +1,17 @@
 """Healing a compressed model: a short LoRA recovery fine-tune, merged back.
 
 The adapters (PEFT LoRA, `training.peft_support.relational_lora_config`, on every linear map of the decoder layers)
-train through `RelationalTrainer` on random blocks of the given token ids (by default the calibration windows; a
-longer text of the same kind heals without overfitting them) for `steps` steps; they are then merged
-and every merged module is put back into its pivot gauge (`training.peft_support.merge_and_unload`), so the result
-has exactly the compressed model's shapes and stored size.
+train on random blocks of the given token ids for `steps` steps with one of two losses:
+
+- `loss="kd"` (repair, DESIGN.md 2.2a): distillation from the source model, KL(p_teacher || p_model) of the
+  next-token distributions at every position (`training.distillation.DistillationTrainer`), typically on text the
+  teacher sampled itself (`compress.distill.generate_teacher_text`). It asks for the source's function back and
+  nothing else: the same run on the source itself leaves it where it is.
+- `loss="lm"`: the language-model loss on a user's text (`RelationalTrainer`). It also adapts the model to that
+  text; report it beside the same healing of the uncompressed model.
+
+The adapters are then merged and every merged module is put back into its pivot gauge
+(`training.peft_support.merge_and_unload`), so the result has exactly the compressed model's shapes and stored size.
 """
 
 from __future__ import annotations
@@ -18,12 +25,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+#: Healing losses: distillation from the source ("kd") or the language-model loss on a text ("lm").
+HEAL_LOSSES: tuple[str, ...] = ("kd", "lm")
+
 
 def heal(
     model: nn.Module,
     ids: torch.Tensor,
     *,
     steps: int,
+    loss: str = "lm",
+    teacher: nn.Module | None = None,
     heal_lr: float = 1e-3,
     heal_rank: int = 16,
     heal_batch_size: int = 4,
@@ -34,7 +46,9 @@ def heal(
 ) -> tuple[nn.Module, dict]:
     """LoRA recovery fine-tune of `steps` optimiser steps (rank `heal_rank`, learning rate `heal_lr`, cosine schedule,
     batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the ids (N, T), read as one stream),
-    merged back. The defaults are the settings measured by `benchmarks/heal.py` on SmolLM2. `callbacks`: extra
+    merged back. `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
+    distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
+    by `benchmarks/heal.py` on SmolLM2. `callbacks`: extra
     `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
     computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
@@ -49,6 +63,14 @@ def heal(
         raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
     if not 0.0 < heal_lr < 1.0:
         raise ValueError(f"`heal_lr` must be in (0, 1), got {heal_lr}")
+    if loss not in HEAL_LOSSES:
+        raise ValueError(f"`loss` must be one of {', '.join(HEAL_LOSSES)}, got {loss!r}")
+    if loss == "kd" and not isinstance(teacher, nn.Module):
+        raise ValueError("`teacher` (the source model) is required for loss='kd'")
+    if loss == "lm" and teacher is not None:
+        raise ValueError("`teacher` applies to loss='kd' only")
+    if teacher is not None and {id(p) for p in teacher.parameters()} & {id(p) for p in model.parameters()}:
+        raise ValueError("`teacher` shares parameters with the model being healed; pass a separate copy")
     start = time.perf_counter()
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or ids.numel() < 3:
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -59,7 +81,9 @@ def heal(
     targets = [t for t in RELATIONAL_LORA_TARGETS if t in present]
     config = relational_lora_config(target_modules=targets, r=heal_rank, lora_alpha=2 * heal_rank, lora_dropout=0.0)
     model.train()
-    peft_model = get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):  # the adapters' initialisation depends on heal_seed alone
+        torch.manual_seed(heal_seed)
+        peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     with tempfile.TemporaryDirectory() as tmp:
         args = RelationalTrainingArguments(
@@ -78,10 +102,18 @@ def heal(
             disable_tqdm=not progress,
         )
         dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
-        trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks)
+        if loss == "kd":
+            from ..training.distillation import DistillationTrainer
+
+            trainer = DistillationTrainer(
+                model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks, teacher=teacher
+            )
+        else:
+            trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks)
         output = trainer.train()
     merged = merge_and_unload(peft_model).eval()
     report = {
+        "loss": loss,
         "steps": steps,
         "lora_rank": heal_rank,
         "learning_rate": heal_lr,
@@ -95,4 +127,4 @@ def heal(
     return merged, report
 
 
-__all__ = ["heal"]
+__all__ = ["HEAL_LOSSES", "heal"]

@@ -1,7 +1,7 @@
 """Language-modelling data and metrics shared by training, analysis, conversion and the Hub cards.
 
 - `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
-- `metrics`: token NLL and perplexity of a causal LM.
+- `metrics`: token NLL and perplexity of a causal LM, the next-token KL between two of them.
 - `offload`: Accelerate's big-model loading with disk offload, device-map summaries and peak memory.
 
 The package sits below `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer, no PEFT).
@@ -22,7 +22,7 @@ from .data import (
     unigram_perplexity,
     wikitext_documents,
 )
-from .metrics import perplexity, token_nll
+from .metrics import next_token_kl, perplexity, teacher_kl, token_nll
 
 __all__ = [
     "BlockDataset",
@@ -34,8 +34,10 @@ __all__ = [
     "generate_corpus",
     "lm_blocks",
     "load_texts",
+    "next_token_kl",
     "perplexity",
     "split_text",
+    "teacher_kl",
     "token_nll",
     "train_bpe_tokenizer",
     "unigram_perplexity",

@@ -77,3 +77,49 @@ def perplexity(
         raise ValueError("no target token to evaluate (sequences shorter than 2 real tokens)")
     mean = total / count
     return math.exp(mean) if mean < 709.0 else (math.inf if mean == mean else math.nan)  # exp overflows past 709
+
+
+def next_token_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Mean over positions of KL(p_teacher || p_student) of the next-token distributions (nats), both taken at
+    `temperature` and the result scaled by temperature^2 (the usual gradient scale of distillation). Logits (B, T, V);
+    `attention_mask` (B, T) leaves padded positions out. Computed in float32; differentiable in both."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student and teacher logits differ in shape: {tuple(student_logits.shape)} vs {tuple(teacher_logits.shape)}"
+        )
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"`temperature` must be a finite number > 0, got {temperature}")
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)  # (B, T)
+    if attention_mask is not None:
+        mask = attention_mask.to(per_position.dtype)
+        return (per_position * mask).sum() / mask.sum().clamp_min(1.0) * temperature**2
+    return per_position.mean() * temperature**2
+
+
+@torch.no_grad()
+def teacher_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean KL(p_teacher || p_student) per token position (nats) over the windows `input_ids` (N, T), each window on
+    its own. Both models in eval mode while it runs; their training flags are restored."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a LongTensor of shape (N, T)")
+    modes = student.training, teacher.training
+    student.eval()
+    teacher.eval()
+    total, count = 0.0, 0
+    try:
+        for ids, _ in _batches(input_ids, None, batch_size):
+            s = student(input_ids=ids.to(next(student.parameters()).device), use_cache=False).logits
+            t = teacher(input_ids=ids.to(next(teacher.parameters()).device), use_cache=False).logits.to(s.device)
+            total += float(next_token_kl(s, t)) * ids.numel()
+            count += ids.numel()
+    finally:
+        student.train(modes[0])
+        teacher.train(modes[1])
+    return total / count

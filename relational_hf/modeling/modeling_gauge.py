@@ -137,9 +137,21 @@ class GaugeFixedLinear(nn.Module):
     back to the canonical gauge (same function), so checkpoints always hold the compact form.
 
     The setters write with a plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose
-    tensors Transformers flags as initialised). The assembled weight is recomputed at every call except inside
-    `weight_cache()` (used by `generate`), so edits by any route (optimizer steps, `.data`, `copy_`) are always seen.
+    tensors Transformers flags as initialised).
+
+    Assembled weight. `full_weight()` assembles W afresh at every call (except inside `weight_cache()`). The forward
+    pass keeps the assembled W between calls, like the weight of a plain Linear, when it runs without autograd in
+    eval mode (inference: no scatter per call) or inside `weight_cache()` (`generate`); the kept W is rebuilt when
+    the parameter changes through PyTorch's in-place operations (optimizer steps that bump its version counter,
+    `copy_`, `load_state_dict`), when it moves (`to`), when the layout changes, and it is dropped whenever a forward
+    pass with gradients runs (a training step may follow), when the module switches between train and eval mode, and
+    by `clear_weight_caches`. Writes that bypass the version counter (through `.data`) made between two inference
+    calls are seen after one of those events. A forward pass with gradients always assembles W afresh. The kept W
+    costs the memory of W; `keep_assembled = False` turns keeping off for the module (the model does so itself when
+    Accelerate offloads it).
     """
+
+    keep_assembled: bool = True
 
     def __init__(
         self,
@@ -300,7 +312,8 @@ class GaugeFixedLinear(nn.Module):
     # ---- forward map ----
 
     def full_weight(self) -> torch.Tensor:
-        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries."""
+        """The full (out x in) weight W assembled from the free entries and the fixed pivot entries (a new tensor,
+        except inside `weight_cache()` without autograd, where it is the kept one)."""
         if torch.compiler.is_compiling():
             base = torch.zeros(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
             base = base.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
@@ -308,7 +321,13 @@ class GaugeFixedLinear(nn.Module):
         self._ensure_layout()
         if not self._cache_assembled or (torch.is_grad_enabled() and self.weight.requires_grad):
             return self._assemble()
-        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self._layout_version)
+        return self._kept_weight()
+
+    def _kept_weight(self) -> torch.Tensor:
+        """The assembled weight kept between calls, rebuilt when the parameter's version, storage, dtype or the
+        layout changed."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.dtype, w.device, self._layout_version)
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._assemble().detach())
@@ -338,6 +357,12 @@ class GaugeFixedLinear(nn.Module):
     def _drop_caches(self) -> None:
         self.__dict__.pop("_weight_cache", None)
 
+    def train(self, mode: bool = True) -> GaugeFixedLinear:
+        """`nn.Module.train`; a change of mode drops the kept assembled weight (see the class docstring)."""
+        if mode != self.training:
+            self._drop_caches()
+        return super().train(mode)
+
     @torch.no_grad()
     def set_full_weight(self, w: torch.Tensor, check: bool = True) -> None:
         """Store the free entries of a full weight w that is already in this module's gauge."""
@@ -350,7 +375,17 @@ class GaugeFixedLinear(nn.Module):
         self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.full_weight(), self.bias)
+        if torch.compiler.is_compiling():
+            return F.linear(x, self.full_weight(), self.bias)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            self._drop_caches()  # an optimiser step may follow, possibly one that does not bump the version counter
+            weight = self.full_weight()
+        elif self._cache_assembled or (self.keep_assembled and not (self.training or torch.is_grad_enabled())):
+            self._ensure_layout()
+            weight = self._kept_weight()  # inference: assembled once, like a plain Linear's weight
+        else:
+            weight = self.full_weight()
+        return F.linear(x, weight, self.bias)
 
     # ---- state dict: compact pivots; a non-canonical layout travels exactly ----
 
@@ -368,6 +403,7 @@ class GaugeFixedLinear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        self._drop_caches()
         if len(layout) == 2:
             self.set_layout(layout["fixed_index"], layout["fixed_value"])
         elif layout:
@@ -398,6 +434,15 @@ def weight_cache(model: nn.Module) -> Iterator[None]:
             m._cache_assembled = was
             if not was:
                 m._drop_caches()
+
+
+def clear_weight_caches(model: nn.Module) -> int:
+    """Drop the assembled weight every GaugeFixedLinear of `model` keeps for inference (needed only after writes
+    through `.data` between two inference calls); returns the number of modules."""
+    modules = [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
+    for m in modules:
+        m._drop_caches()
+    return len(modules)
 
 
 def full_weight(module: nn.Module) -> torch.Tensor:

@@ -142,9 +142,11 @@ def apply_rotary_pair_subset(q, k, cos, sin, pairs):
         return torch.cat((t, t), dim=-1).transpose(1, 2)  # (B, H_kv, T, r)
 
     cos_k, sin_k = per_head(cos), per_head(sin)
-    g = q.shape[1] // k.shape[1]
-    cos_q, sin_q = repeat_kv(cos_k, g), repeat_kv(sin_k, g)
-    return q * cos_q + rotate_half(q) * sin_q, k * cos_k + rotate_half(k) * sin_k
+    b, h, t, r = q.shape
+    h_kv = k.shape[1]
+    q = q.reshape(b, h_kv, h // h_kv, t, r)  # the query heads of a group share their key head's angles
+    q = q * cos_k[:, :, None] + rotate_half(q) * sin_k[:, :, None]
+    return q.reshape(b, h, t, r), k * cos_k + rotate_half(k) * sin_k
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -153,6 +155,12 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
         return hidden_states
     b, h_kv, t, e = hidden_states.shape
     return hidden_states[:, :, None].expand(b, h_kv, n_rep, t, e).reshape(b, h_kv * n_rep, t, e)
+
+
+def pad_head_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (..., e) with zeros appended up to (..., width) (x itself when e == width)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else F.pad(x, (0, extra))
 
 
 def eager_attention_parts(query, key, value, attention_mask, scaling, dropout=0.0, training=False):
@@ -264,6 +272,32 @@ class RelationalAttention(nn.Module):
                 out[f"{key}_bias"] = module.bias
         return out
 
+    def keeps_rotary_subset(self) -> bool:
+        """True when this layer's key heads keep a subset (or another order) of the model's rotary frequency pairs;
+        False when every head keeps all of them in order (the plain rotary embedding, fewer operations). Recomputed
+        only when `rope_pair_index` changes."""
+        pairs = getattr(self, "rope_pair_index", None)
+        if pairs is None:
+            return False
+        key = (pairs.data_ptr(), pairs._version, pairs.device, tuple(pairs.shape))
+        if self.__dict__.get("_pairs_key") != key:
+            full = 2 * pairs.shape[1] == self.config.qk_rank
+            plain = full and bool((pairs == torch.arange(pairs.shape[1], device=pairs.device)).all())
+            self.__dict__["_pairs_key"], self.__dict__["_pairs_subset"] = key, not plain
+        return self.__dict__["_pairs_subset"]
+
+    def kernel_width(self) -> int | None:
+        """The common head width the fused attention kernels get, or None when q/k and v are passed as they are.
+
+        The fused kernels (SDPA's flash and memory-efficient paths, flash-attention) need one head width for q, k and
+        v; with a QK rank r different from the value width d_h (a compressed layer) SDPA falls back to its unfused
+        math path (about 3x slower at 512 tokens on a CPU). Zero columns appended to q and k leave every score
+        q.k unchanged (the scaling is r^-1/2, passed explicitly), zero columns appended to v give zero output
+        columns, cut off again: the result is the same attention. Eager attention takes any widths."""
+        if self.qk_rank == self.head_dim or self.config._attn_implementation in (None, "eager"):
+            return None
+        return max(self.qk_rank, self.head_dim)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -279,11 +313,14 @@ class RelationalAttention(nn.Module):
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_h)
         if self.rope:
             cos, sin = position_embeddings
-            if getattr(self, "rope_pair_index", None) is not None:
+            if self.keeps_rotary_subset():
                 query, key = apply_rotary_pair_subset(query, key, cos, sin, self.rope_pair_index)
             else:
                 query, key = apply_rotary_pos_emb(query, key, cos, sin)
         own_value = value
+        width = self.kernel_width()
+        if width is not None:  # one head width for the fused kernels (the cache holds the padded keys and values)
+            query, key, value = pad_head_width(query, width), pad_head_width(key, width), pad_head_width(value, width)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -299,6 +336,8 @@ class RelationalAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )  # (B, T, H, d_h)
+        if width is not None:
+            attn_output = attn_output[..., : self.head_dim]
         if self.value_parallel_removal:
             v_t = repeat_kv(own_value, self.num_key_value_groups).transpose(1, 2)  # (B, T, H, d_h)
             attn_output = attn_output - parallel_component(attn_output, v_t)
@@ -380,6 +419,22 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + hidden_states
+
+
+def follow_device_map(model: nn.Module) -> None:
+    """Switch off the inference weights that gauge-fixed layers keep (`GaugeFixedLinear.keep_assembled`) in a model
+    that Accelerate offloads (a `hf_device_map` with "disk", or with "cpu" beside an accelerator): its hooks bring each
+    offloaded layer's weights in for one call, and a kept copy per layer would hold them all in memory again. Cheap
+    when the placement has not changed."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    places = {str(v) for v in device_map.values()}
+    offloaded = "disk" in places or ("cpu" in places and len(places) > 1)
+    if model.__dict__.get("_offloaded_weights", False) != offloaded:
+        for module in model.modules():
+            if isinstance(module, GaugeFixedLinear):
+                module.keep_assembled = not offloaded
+                module._drop_caches()
+        model.__dict__["_offloaded_weights"] = offloaded
 
 
 class RelationalPreTrainedModel(PreTrainedModel):
@@ -507,6 +562,7 @@ class RelationalModel(RelationalPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        follow_device_map(self)
         if inputs_embeds is None:
             if not torch.compiler.is_compiling():  # a data-dependent check: eager only (compiled graphs stay whole)
                 _check_token_ids(input_ids, self.embed_tokens.num_embeddings)
@@ -582,6 +638,7 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        follow_device_map(self)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -1,0 +1,268 @@
+"""Repair by distillation (DESIGN.md 2.2a): the next-token KL, the text the source samples itself, the healing with
+the KL loss, and the `compress --heal-steps` options that drive them."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from relational_hf.commands.main import main
+from relational_hf.compress import compress_model
+from relational_hf.compress.distill import (
+    TEACHER_TEXT_NAME,
+    generate_teacher_text,
+    load_teacher_text,
+    model_fingerprint,
+    save_teacher_text,
+    teacher_text,
+)
+from relational_hf.compress.heal import heal
+from relational_hf.convert import to_relational
+from relational_hf.lm.metrics import next_token_kl, perplexity, teacher_kl
+
+CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}<assistant>"
+
+
+def _llama(vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.02) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
+        initializer_range=init,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _chat_tokenizer():
+    from relational_hf.lm.data import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = CHAT
+    return tokenizer
+
+
+def _stored(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- the loss ----------------------------------------------------------------------------------------------------
+
+
+def test_next_token_kl_is_zero_on_itself_positive_otherwise_and_respects_the_mask():
+    """KL(p || p) = 0; KL(p || q) > 0 equals the closed form sum p (log p - log q); padded positions do not count;
+    shapes that differ and a non-positive temperature are refused."""
+    a, b = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    assert float(next_token_kl(a, a)) == pytest.approx(0.0, abs=1e-7)
+    p, log_q = a.log_softmax(-1), b.log_softmax(-1)
+    expected = (p.exp() * (p - log_q)).sum(-1).mean()
+    torch.testing.assert_close(next_token_kl(b, a), expected)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    changed = b.clone()
+    changed[1, 3:] += 100 * torch.randn(2, 11)  # what padded positions hold does not matter
+    torch.testing.assert_close(next_token_kl(changed, a, mask), next_token_kl(b, a, mask))
+    assert float(next_token_kl(b, a, mask)) != pytest.approx(float(next_token_kl(b, a)))
+    with pytest.raises(ValueError, match="shape"):
+        next_token_kl(a, a[:, :4])
+    with pytest.raises(ValueError, match="temperature"):
+        next_token_kl(a, b, temperature=0.0)
+
+
+# ---- the teacher's own text --------------------------------------------------------------------------------------
+
+
+def test_teacher_text_is_reproducible_in_its_seed():
+    """The same seed gives the same ids, another seed other ids; the settings name the source by its fingerprint;
+    chat-seeded rows start with a generic prompt in the chat template."""
+    tokenizer = _chat_tokenizer()
+    model = _llama(vocab=len(tokenizer))
+    ids, settings = teacher_text(model, tokenizer, samples=6, length=90, seed=3, batch_size=4, progress=False)
+    again = generate_teacher_text(model, tokenizer, samples=6, length=90, seed=3, batch_size=4, progress=False)
+    other = generate_teacher_text(model, tokenizer, samples=6, length=90, seed=4, batch_size=4, progress=False)
+    assert ids.shape == (6, 90) and ids.dtype == torch.long
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+    assert settings["source"] == model_fingerprint(model) != model_fingerprint(_llama(vocab=len(tokenizer), seed=1))
+    assert settings["chat_template"] and settings["tokens"] == 540
+    assert sum("<user>" in tokenizer.decode(row[:12]) for row in ids) == 3  # chat_share 0.5 of 6 rows
+    for name, value in (("samples", 0), ("length", 1), ("batch_size", 0)):
+        with pytest.raises(ValueError, match=name):
+            generate_teacher_text(model, tokenizer, progress=False, **{name: value})
+
+
+def test_teacher_text_follows_the_model_through_padding_and_cache():
+    """With a near-deterministic model (logits x 1000: sampling is greedy decoding) every row, whatever its seed
+    length in a left-padded batch, equals the model's own greedy continuation of its seed computed without padding
+    or cache: the positions, the mask and the KV cache of the batched sampler are right."""
+    tokenizer = _chat_tokenizer()
+    model = _llama(vocab=len(tokenizer))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(1000 * model.model.embed_tokens.weight.detach().clone())
+    from relational_hf.compress.distill import _chat_prompts
+
+    length = 100
+    k = max(len(p) for p in _chat_prompts(tokenizer) if len(p) < length)  # no seed is longer
+    ids = generate_teacher_text(model, tokenizer, samples=4, length=length, seed=0, batch_size=4, progress=False)
+    assert sum("<user>" in tokenizer.decode(row[:12]) for row in ids) == 2  # 2 chat seeds, 2 one-token seeds
+    for row in ids:  # after its seed a row is greedy, so it continues any longer prefix of itself greedily
+        seq = row[:k].unsqueeze(0)
+        with torch.no_grad():
+            while seq.shape[1] < length:
+                nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], dim=1)
+        assert torch.equal(seq[0], row)
+
+
+def test_teacher_text_file_round_trip_and_refusals(tmp_path):
+    """save_teacher_text / load_teacher_text give back the same ids and settings; a safetensors file that is not
+    teacher text, a file that is not safetensors at all, are refused with ValueError."""
+    ids = torch.randint(0, 50, (3, 9))
+    settings = {"seed": 2, "samples": 3, "length": 9, "source": "abc"}
+    save_teacher_text(tmp_path / "t.safetensors", ids, settings)
+    back, back_settings = load_teacher_text(tmp_path / "t.safetensors")
+    assert torch.equal(back, ids) and back_settings == settings
+    save_file({"input_ids": ids}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not a teacher-text file"):
+        load_teacher_text(tmp_path / "plain.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="teacher-text"):
+        load_teacher_text(tmp_path / "junk.safetensors")
+
+
+# ---- healing with the KL loss ------------------------------------------------------------------------------------
+
+
+def test_distilling_a_model_from_itself_leaves_it_unchanged():
+    """The exact relational conversion distilled from its source stays its source (KL ~ 0, same perplexity), while
+    the same LoRA run with the language-model loss on the same text moves it: distillation repairs, it does not
+    adapt."""
+    source = tiny_model("llama", seed=0, num_key_value_heads=2, vocab_size=48).eval()
+    text = generate_teacher_text(source, None, samples=8, length=24, seed=0, progress=False)
+    held_out = generate_teacher_text(source, None, samples=4, length=24, seed=1, progress=False)
+    student = to_relational(source).eval()
+    assert teacher_kl(student, source, held_out) < 1e-6
+    kw = dict(steps=12, heal_lr=1e-2, heal_batch_size=4, heal_block_size=16, progress=False)
+    kd, report = heal(copy.deepcopy(student), text, loss="kd", teacher=source, **kw)
+    lm, _ = heal(copy.deepcopy(student), text, loss="lm", **kw)
+    assert report["loss"] == "kd"
+    kl_kd, kl_lm = teacher_kl(kd, source, held_out), teacher_kl(lm, source, held_out)
+    assert kl_kd < 1e-3 and kl_lm > 10 * kl_kd
+    assert perplexity(kd, held_out) == pytest.approx(perplexity(source, held_out), rel=1e-2)
+
+
+def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
+    """A compressed model distilled from its source on the source's own text comes closer to the source on other
+    text the source wrote (another seed), keeping its compressed shapes and stored size."""
+    source = _llama(layers=2, seed=2, init=0.2)  # a wide init: peaked next-token distributions to lose and regain
+    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
+    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
+    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
+    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    before = teacher_kl(compressed, source, held_out)
+    stored = _stored(compressed)
+    healed, report = heal(
+        compressed, text, steps=60, loss="kd", teacher=source, heal_lr=5e-3, heal_batch_size=4, heal_block_size=24,
+        progress=False,
+    )  # fmt: skip
+    assert _stored(healed) == stored
+    assert teacher_kl(healed, source, held_out) < 0.85 * before
+
+
+def test_compress_model_distils_by_default_and_refuses_bad_heal_options():
+    """compress_model(heal_steps=N) distils from the source on text the source generates (its settings in the
+    report); heal options that do not apply, an unknown loss and a teacher sharing the student's weights are
+    refused with ValueError."""
+    source = _llama(layers=1, seed=3)
+    ids = torch.randint(0, 64, (4, 16))
+    out, report = compress_model(
+        source, remove=0.2, calibration=ids, progress=False, plan_windows=2, heal_steps=2, heal_samples=4,
+        heal_length=16, heal_block_size=8,
+    )  # fmt: skip
+    assert report["heal"]["loss"] == "kd"
+    assert report["heal"]["text"]["samples"] == 4 and report["heal"]["text"]["source"] == model_fingerprint(source)
+    for kwargs, word in (
+        (dict(heal_loss="mse"), "heal_loss"),
+        (dict(heal_loss="lm", heal_samples=4), "heal_samples"),
+        (dict(heal_data=ids, heal_length=8), "heal_length"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            compress_model(source, remove=0.2, calibration=ids, progress=False, heal_steps=1, **kwargs)
+    with pytest.raises(ValueError, match="teacher"):
+        heal(out, ids, steps=1, loss="kd", progress=False)
+    with pytest.raises(ValueError, match="shares parameters"):
+        heal(out, ids, steps=1, loss="kd", teacher=out, progress=False)
+    with pytest.raises(ValueError, match="loss"):
+        heal(out, ids, steps=1, loss="ce", progress=False)
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+
+
+def _source(tmp_path):
+    from relational_hf.lm.data import byte_level_tokenizer
+
+    src = tmp_path / "src"
+    _llama(vocab=259, layers=2, seed=4).save_pretrained(src)
+    byte_level_tokenizer().save_pretrained(src)
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    return src, text
+
+
+def _compress(src, out, text, *extra) -> int:
+    return main([
+        "compress", str(src), str(out), "--remove", "0.1", "--calibration", str(text), "--window", "32",
+        "--calibration-windows", "4", *extra,
+    ])  # fmt: skip
+
+
+def test_cli_caches_the_generated_text_and_reuses_it(tmp_path, capsys):
+    """`--heal-steps N` writes the text SRC generated into OUT with its settings; a second run given that file as
+    --heal-text reuses it and, with the same seed, heals to the same weights; the default seed regenerates the same
+    text."""
+    src, text = _source(tmp_path)
+    heal_flags = ["--heal-steps", "2", "--heal-samples", "4", "--heal-length", "24"]
+    assert _compress(src, tmp_path / "a", text, *heal_flags) == 0, capsys.readouterr().err
+    ids, settings = load_teacher_text(tmp_path / "a" / TEACHER_TEXT_NAME)
+    report = json.loads((tmp_path / "a" / "compression_report.json").read_text())
+    assert ids.shape == (4, 24) and report["heal"]["loss"] == "kd" and report["heal"]["text"]["seed"] == 0
+    assert settings["source"] == report["heal"]["text"]["source"]
+    reuse = ["--heal-steps", "2", "--heal-text", str(tmp_path / "a" / TEACHER_TEXT_NAME)]
+    assert _compress(src, tmp_path / "b", text, *reuse) == 0, capsys.readouterr().err
+    assert torch.equal(load_teacher_text(tmp_path / "b" / TEACHER_TEXT_NAME)[0], ids)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("a", "b"))
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+    assert _compress(src, tmp_path / "c", text, *heal_flags, "--heal-seed", "0") == 0
+    assert torch.equal(load_teacher_text(tmp_path / "c" / TEACHER_TEXT_NAME)[0], ids)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--heal-loss", "lm"], ["--heal-loss", "--heal-steps"]),
+        (["--heal-samples", "4"], ["--heal-samples", "--heal-steps"]),
+        (["--heal-steps", "1", "--heal-loss", "lm", "--heal-length", "8"], ["--heal-length", "lm"]),
+        (["--heal-steps", "1", "--heal-text", "{text}", "--heal-seed", "1"], ["--heal-seed", "--heal-text"]),
+        (["--heal-steps", "1", "--heal-text", "{plain}"], ["--heal-text", "not a teacher-text file"]),
+        (["--heal-steps", "1", "--heal-text", "{foreign}"], ["--heal-text", "another model"]),
+        (["--heal-steps", "1", "--heal-loss", "ce"], ["--heal-loss", "invalid choice"]),
+    ],
+)
+def test_cli_refuses_heal_options_that_do_not_apply(tmp_path, capsys, no_training, flags, words):
+    """Each inapplicable combination is a one-line error naming the flag; OUT is not created."""
+    src, text = _source(tmp_path)
+    save_file({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, str(tmp_path / "plain.safetensors"))
+    save_teacher_text(tmp_path / "foreign.safetensors", torch.zeros(2, 4, dtype=torch.long), {"source": "elsewhere"})
+    paths = {"text": str(text), "plain": str(tmp_path / "plain.safetensors"), "foreign": str(tmp_path / "foreign.safetensors")}
+    flags = [f.format(**paths) for f in flags]
+    out = tmp_path / "o"
+    assert _compress(src, out, text, *flags) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert not out.exists()

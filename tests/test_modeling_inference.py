@@ -1,0 +1,206 @@
+"""The relational model's inference paths (what makes a compressed model fast) compute the same function and never
+serve stale weights: the assembled gauge-fixed weight kept between inference calls, one head width for the fused
+attention kernels of a layer whose QK rank differs from its value width, and the plain rotary path of a layer that
+keeps every frequency pair."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from relational_hf import RelationalConfig, RelationalForCausalLM
+from relational_hf.modeling import GaugeFixedLinear, clear_weight_caches, weight_cache
+from relational_hf.modeling.modeling_relational import apply_rotary_pair_subset, apply_rotary_pos_emb, rotate_half
+
+VOCAB = 61
+
+
+def compressed_shape_model(**overrides) -> RelationalForCausalLM:
+    """Per-layer widths as a compression leaves them: QK ranks different from value widths, GQA, pair subsets."""
+    config = RelationalConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_qk_ranks=[8, 4, 6], layer_value_ranks=[8, 3, 5],
+        layer_intermediate_sizes=[48, 20, 30], **overrides,
+    )  # fmt: skip
+    model = RelationalForCausalLM(config).eval()
+    with torch.no_grad():  # layer 1 keeps pairs 3 and 1 of head 0 and pairs 0 and 2 of head 1
+        model.model.layers[1].self_attn.rope_pair_index.copy_(torch.tensor([[3, 1], [0, 2]]))
+        model.model.layers[2].self_attn.rope_pair_index.copy_(torch.tensor([[0, 1, 2], [3, 2, 0]]))
+    return model
+
+
+def gauge_modules(model) -> list[GaugeFixedLinear]:
+    return [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
+
+
+def fresh_logits(model, ids) -> torch.Tensor:
+    """Logits with every gauge-fixed weight assembled anew (no kept weight can be read)."""
+    clear_weight_caches(model)
+    with torch.no_grad():
+        out = model(ids).logits
+    clear_weight_caches(model)
+    return out
+
+
+def test_inference_assembles_each_weight_once_and_computes_the_same_logits(monkeypatch):
+    """In eval mode without autograd the assembled weights are kept: a second forward assembles nothing, and the
+    logits equal those of the training path (assembled with autograd at every call)."""
+    model = compressed_shape_model()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    reference = model(ids).logits.detach()  # autograd on: the training path
+    calls = []
+    original = GaugeFixedLinear._assemble
+    monkeypatch.setattr(GaugeFixedLinear, "_assemble", lambda self: calls.append(self) or original(self))
+    with torch.no_grad():
+        first = model(ids).logits
+        n_first = len(calls)
+        second = model(ids).logits
+    assert n_first == len(gauge_modules(model)) and len(calls) == n_first  # once per module, then never
+    torch.testing.assert_close(first, reference, rtol=0, atol=0)
+    torch.testing.assert_close(second, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused", "sgd"])
+def test_kept_weights_are_never_stale_after_an_optimizer_step(optimizer):
+    """Inference, then a training step taken in EVAL mode (fused AdamW does not bump version counters), then
+    inference again: the second inference sees the updated weights."""
+    model = compressed_shape_model()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    params = list(model.parameters())
+    opt = {
+        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+        "adamw_fused": lambda: torch.optim.AdamW(params, lr=1e-2, fused=True),
+        "sgd": lambda: torch.optim.SGD(params, lr=1.0, foreach=False),
+    }[optimizer]()
+    with torch.no_grad():
+        before = model(ids).logits
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = model(ids).logits
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, fresh_logits(model, ids), rtol=0, atol=0)
+
+
+def test_kept_weights_follow_load_state_dict_moves_and_mode_switches():
+    """load_state_dict, a dtype change and a train/eval switch (after a write through .data, which bypasses the
+    version counter) each make the next inference use the current weights; clear_weight_caches does it by hand."""
+    model = compressed_shape_model()
+    other = compressed_shape_model()  # other random weights
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        model(ids)
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(model(ids).logits, other(ids).logits, rtol=0, atol=0)
+        model.double()
+        assert model(ids).logits.dtype == torch.float64
+        model.float()
+        up = model.model.layers[0].mlp.up_proj
+        up.weight.data.mul_(2.0)  # .data: the version counter does not move
+        model.train()
+        model.eval()
+        torch.testing.assert_close(model(ids).logits, fresh_logits(model, ids), rtol=0, atol=0)
+        model(ids)
+        up.weight.data.mul_(0.5)
+        assert clear_weight_caches(model) == len(gauge_modules(model))
+        torch.testing.assert_close(model(ids).logits, fresh_logits(model, ids), rtol=0, atol=0)
+
+
+def test_full_weight_stays_a_new_tensor_outside_weight_cache():
+    """full_weight() (what compression and merging read and may edit) is not the kept inference weight."""
+    model = compressed_shape_model()
+    up = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 5)))
+        w = up.full_weight()
+        w.mul_(0)  # editing the returned tensor changes nothing the module computes with
+        assert up.full_weight().abs().sum() > 0
+        with weight_cache(model):
+            assert up.full_weight() is up.full_weight()  # generate's context keeps one
+
+
+def test_padded_head_widths_give_the_eager_function_with_and_without_cache():
+    """A layer whose QK rank differs from its value width runs the fused SDPA kernels on zero-padded heads: logits
+    equal eager attention's (which takes any widths), left padding included, and cached greedy decoding equals
+    decoding without cache."""
+    model = compressed_shape_model()
+    attn = model.model.layers[1].self_attn
+    model.set_attn_implementation("sdpa")
+    assert attn.kernel_width() == 4  # max(QK rank 4, value width 3)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        sdpa = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        assert attn.kernel_width() is None
+        eager = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(sdpa[keep], eager[keep], rtol=0, atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    torch.testing.assert_close(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_rotary_pair_subset_rotates_each_kept_pair_with_its_own_frequency():
+    """apply_rotary_pair_subset turns coordinates j and j + r/2 of key head h (and of its query heads) by the angle of
+    pair pairs[h, j] of the model's table: checked against an explicit per-head rotation; with every pair kept in
+    order it is the plain rotary embedding."""
+    b, t, h, h_kv, full = 2, 5, 4, 2, 8  # the model's table has full/2 = 4 pairs
+    angles = torch.randn(b, t, full // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    pairs = torch.tensor([[3, 1], [0, 2]])
+    q, k = torch.randn(b, h, t, 4), torch.randn(b, h_kv, t, 4)
+    q_rot, k_rot = apply_rotary_pair_subset(q, k, cos, sin, pairs)
+    for head in range(h):
+        kv = head // (h // h_kv)
+        a = angles[..., pairs[kv]]  # (b, t, 2)
+        c, s = torch.cat([a.cos()] * 2, -1), torch.cat([a.sin()] * 2, -1)
+        torch.testing.assert_close(q_rot[:, head], q[:, head] * c + rotate_half(q[:, head]) * s)
+        if head % (h // h_kv) == 0:
+            torch.testing.assert_close(k_rot[:, kv], k[:, kv] * c + rotate_half(k[:, kv]) * s)
+    q, k = torch.randn(b, h, t, full), torch.randn(b, h_kv, t, full)
+    identity = torch.arange(full // 2).expand(h_kv, -1)
+    for got, want in zip(apply_rotary_pair_subset(q, k, cos, sin, identity), apply_rotary_pos_emb(q, k, cos, sin)):
+        torch.testing.assert_close(got, want)
+
+
+def test_layers_keeping_every_pair_in_order_take_the_plain_rotary_path():
+    """The layer that keeps all pairs in order computes with the plain rotary embedding, the ones with a subset or
+    another order do not; the decision follows an edit of `rope_pair_index`, and the function is the same either way."""
+    model = compressed_shape_model()
+    flags = [layer.self_attn.keeps_rotary_subset() for layer in model.model.layers]
+    assert flags == [False, True, True]
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        plain = model(ids).logits
+        reference = copy.deepcopy(model)
+        attn = reference.model.layers[0].self_attn
+        attn.__dict__["_pairs_key"] = None
+        attn.keeps_rotary_subset = lambda: True  # force the general path on layer 0
+        torch.testing.assert_close(reference(ids).logits, plain, rtol=0, atol=1e-6)
+        model.model.layers[0].self_attn.rope_pair_index[0] = torch.tensor([1, 0, 2, 3])
+        assert model.model.layers[0].self_attn.keeps_rotary_subset()
+
+
+def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path):
+    """With Accelerate's disk offload the layers' weights come in for one call each: no gauge-fixed layer keeps an
+    assembled copy (which would hold the offloaded weights in memory again), and the logits are unchanged."""
+    from relational_hf.lm.offload import load_offloaded
+
+    model = compressed_shape_model()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert all("_weight_cache" in m.__dict__ for m in gauge_modules(model))  # in memory: kept
+    embed = model.model.embed_tokens.weight.numel() * 4
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    offloaded = load_offloaded(tmp_path / "model", max_memory={"cpu": embed + layer + layer // 2})
+    assert "disk" in {str(v) for v in offloaded.hf_device_map.values()}
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, expected, rtol=0, atol=1e-5)
+    modules = gauge_modules(offloaded)
+    assert modules and not any("_weight_cache" in m.__dict__ or m.keep_assembled for m in modules)
