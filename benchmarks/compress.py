@@ -17,7 +17,13 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
   becomes a d' gain vector), at the widest d' storing at most (1 - r) of the dense count (bisection on the count);
 - slicegpt-untied: the same with the head untied as the paper stores it (+V d' parameters, so a narrower d');
 - slice, relational: the project's methods through `relational_hf.compress.api.compress_model` (recorded as not
-  available when that module is missing; rerun with `--methods slice relational --resume`).
+  available when that module is missing; rerun with `--methods slice relational --resume`);
+- relational-residual: the relational method with the previous default plan (`sensitivity="token"`: widths chosen by
+  the error each truncation adds to the residual stream, relative to each token's residual energy), for comparison.
+
+`--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
+evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
+not chosen on); its results go to their own file (`--tag`).
 
     python benchmarks/compress.py                      # full benchmark (see the JSON for the wall time)
     python benchmarks/compress.py --quick              # 2 layers, short windows: about a minute
@@ -25,6 +31,8 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
     python benchmarks/compress.py --markdown           # the README table from the JSON
     python benchmarks/compress.py --merge OTHER/compress.json   # add cells measured by a concurrent run
     python benchmarks/compress.py --methods relational --targets 0.25 --calibration-windows 64 --tag calibration64
+    python benchmarks/compress.py --methods dense relational relational-residual slicegpt \
+        --targets 0.1 0.2 0.25 0.3 0.4 0.5 --calibration-windows 64 --tag curve      # the quality curve
 
 Writes <out-dir>/compress.json and compress.png (`compress_quick.*` with --quick), after every cell (atomically).
 """
@@ -37,6 +45,7 @@ import json
 import logging
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -58,8 +67,11 @@ METHODS = (
     "slicegpt-untied",
     "slice",
     "relational",
+    "relational-residual",
 )
-PROJECT_METHODS = ("slice", "relational")
+PROJECT_METHODS = ("slice", "relational", "relational-residual")
+PROJECT_OPTIONS = {"relational-residual": {"sensitivity": "token"}}  # compress_model options of a method variant
+SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
 TARGETS = (0.1, 0.2, 0.25, 0.3)
 
@@ -92,19 +104,26 @@ def load_model(quick: bool):
 
 
 def protocol_windows(
-    tokenizer, window: int, n_cal: int, n_eval: int, quick: bool, threads: int
+    tokenizer, window: int, n_cal: int, n_eval: int, quick: bool, threads: int, split: str = "forward"
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(calibration windows, evaluation windows, protocol description) of the module docstring's protocol."""
+    """(calibration windows, evaluation windows, protocol description) of the module docstring's protocol; `split`
+    "reverse" calibrates on the last 90% of the documents and evaluates on the first 10%."""
     from relational_hf.compress.eval import text_windows
 
     text = corpus("wikitext-2")
-    calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
-    evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
+    if split == "forward":
+        calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="first")
+        evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="last")
+        cal_part, eval_part, cut = "the first 90%", "the last 10%", "90%"
+    else:
+        calibration = text_windows(text, tokenizer, window=window, n=n_cal, split="last", fraction=0.9)
+        evaluation = text_windows(text, tokenizer, window=window, n=n_eval, split="first", fraction=0.9)
+        cal_part, eval_part, cut = "the last 90%", "the first 10%", "10%"
     protocol = {
         "model": "SmolLM2-135M-Instruct" + (" (first 2 layers)" if quick else ""),
-        "text": "WikiText-2 validation split, cut at the ' = Title = ' heading closest to 90% (document_split)",
-        "calibration": f"first {calibration.shape[0]} windows of {window} tokens of the first 90% of the documents",
-        "evaluation": f"first {evaluation.shape[0]} windows of {window} tokens of the last 10% of the documents",
+        "text": f"WikiText-2 validation split, cut at the ' = Title = ' heading closest to {cut} (document_split)",
+        "calibration": f"first {calibration.shape[0]} windows of {window} tokens of {cal_part} of the documents",
+        "evaluation": f"first {evaluation.shape[0]} windows of {window} tokens of {eval_part} of the documents",
         "window": window,
         "calibration_windows": calibration.shape[0],
         "eval_windows": evaluation.shape[0],
@@ -116,6 +135,21 @@ def protocol_windows(
 
 
 _WANDA_NORMS: list = []  # one calibration pass for every Wanda cell
+_CURVES: dict = {}  # the relational methods' error curves, measured once per method for every target
+
+
+def relational_curves(method: str, model, calibration: torch.Tensor, options: dict):
+    """The error curves of pass 1 (`lowrank.measure_error_curves`) of a relational method, measured on the first
+    call and reused for the other targets (they do not depend on the budget); (curves, seconds spent now)."""
+    if method in _CURVES:
+        return _CURVES[method], 0.0
+    from relational_hf.compress.lowrank import LowRankOptions, measure_error_curves
+    from relational_hf.convert.relational import to_relational
+
+    start = time.perf_counter()
+    rel = to_relational(copy.deepcopy(model)).float().eval()
+    _CURVES[method] = measure_error_curves(rel, calibration, LowRankOptions(**options), progress=True)
+    return _CURVES[method], time.perf_counter() - start
 
 
 def compress(method: str, target: float | None, model, tokenizer, calibration: torch.Tensor) -> tuple[object, dict]:
@@ -123,7 +157,9 @@ def compress(method: str, target: float | None, model, tokenizer, calibration: t
     from relational_hf.compress.baselines import prune_to_target, slicegpt, wanda_feature_norms
 
     if method == "dense":
-        return model, {}
+        from relational_hf.lm.metrics import perplexity
+
+        return model, {"calibration_perplexity_after": perplexity(model, calibration[:8])}
     score, pattern = method.split("-") if method in FIXED_PATTERN else (method, "unstructured")
     if score == "wanda" and not _WANDA_NORMS:
         _WANDA_NORMS.extend(wanda_feature_norms(model, calibration))
@@ -139,8 +175,16 @@ def compress(method: str, target: float | None, model, tokenizer, calibration: t
     if method in PROJECT_METHODS:
         from relational_hf.compress.api import compress_model  # ImportError: recorded as not available
 
+        options = dict(PROJECT_OPTIONS.get(method, {}))
+        base = method.split("-")[0]
+        measured = 0.0
+        if base == "relational":
+            options["curves"], measured = relational_curves(method, model, calibration, options)
         compressed, report = compress_model(
-            copy.deepcopy(model), tokenizer, remove=target, method=method, calibration=calibration
+            copy.deepcopy(model), tokenizer, remove=target, method=base, calibration=calibration, **options
+        )
+        report["error_curves"] = (
+            f"measured for this cell in {measured:.0f} s" if measured else "measured once for this method (first cell)"
         )
         return compressed, report
     raise ValueError(f"unknown method {method!r}")
@@ -183,8 +227,8 @@ def markdown(payload: dict) -> str:
     dense = payload["cells"].get("dense", {})
     base = dense.get("perplexity")
     lines = [
-        "| method | target removed | stored parameters | non-zeros | perplexity | vs dense |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | target removed | stored parameters | non-zeros | perplexity | x dense | calibration ppl | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def order(item):
@@ -194,12 +238,14 @@ def markdown(payload: dict) -> str:
     for _, cell in sorted(payload["cells"].items(), key=order):
         target = "-" if cell.get("target") is None else f"{cell['target']:.0%}"
         if cell.get("perplexity") is None:
-            lines.append(f"| {cell['method']} | {target} | | | {cell.get('status', 'not run')} | |")
+            lines.append(f"| {cell['method']} | {target} | | | {cell.get('status', 'not run')} | | | |")
             continue
-        rel = "" if not base else f"{cell['perplexity'] / base - 1:+.1%}"
+        rel = "" if not base else f"x{cell['perplexity'] / base:.2f}"
+        cal = (cell.get("details") or {}).get("calibration_perplexity_after")
         lines.append(
             f"| {cell['method']} | {target} | {cell['stored_parameters']:,} | {cell['nonzero_parameters']:,} "
-            f"| {cell['perplexity']:.2f} | {rel} |"
+            f"| {cell['perplexity']:.2f} | {rel} | {'' if cal is None else f'{cal:.2f}'} "
+            f"| {cell.get('compress_seconds', 0):.0f} |"
         )
     p = payload["protocol"]
     lines.append("")
@@ -271,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tag", default="", help="suffix of the result files (compress_TAG.json), e.g. for another protocol")
+    parser.add_argument(
+        "--split", choices=SPLITS, default="forward",
+        help="forward: calibrate on the first 90%% of the documents, evaluate on the last 10%% (default); reverse: "
+        "calibrate on the last 90%%, evaluate on the first 10%% (a robustness check; use its own --tag)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.targets is None:
         args.targets = [0.1] if args.quick else list(TARGETS)
@@ -297,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     from relational_hf.compress.eval import perplexity_on_windows, stored_parameters
 
     model, tokenizer = load_model(args.quick)
-    calibration, evaluation, protocol = protocol_windows(tokenizer, window, n_cal, n_eval, args.quick, args.threads)
+    calibration, evaluation, protocol = protocol_windows(
+        tokenizer, window, n_cal, n_eval, args.quick, args.threads, split=args.split
+    )
     payload = {"protocol": protocol, "cells": {}}
     if args.resume and json_path.is_file():
         previous = json.loads(json_path.read_text())
@@ -344,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_kind=counts["by_kind"],
                 compress_seconds=t1 - t0,
                 eval_seconds=time.perf_counter() - t1,
+                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
                 details=details,
             )
             del compressed

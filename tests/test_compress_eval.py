@@ -104,6 +104,21 @@ def test_text_windows_are_non_overlapping_prefix_windows():
     assert text_windows(text, tok, window=16, n=3).shape == (3, 16)
 
 
+def test_text_windows_spread_evenly_over_the_text():
+    """With spread, the n windows are whole windows of the text, in order, distinct, the first and the last of them
+    included, and evenly spaced; asking for every window (or more) gives the prefix windows."""
+    g = torch.Generator().manual_seed(0)
+    text = "".join(chr(33 + int(c)) for c in torch.randint(0, 90, (2000,), generator=g))  # no repeated window
+    tok = CharTokenizer()
+    every = text_windows(text, tok, window=16)
+    spread = text_windows(text, tok, window=16, n=5, spread=True)
+    rows = [next(i for i in range(len(every)) if torch.equal(every[i], w)) for w in spread]
+    assert rows[0] == 0 and rows[-1] == len(every) - 1 and rows == sorted(set(rows))
+    gaps = [b - a for a, b in zip(rows, rows[1:])]
+    assert max(gaps) - min(gaps) <= 1
+    assert torch.equal(text_windows(text, tok, window=16, n=10**6, spread=True), every)
+
+
 def test_text_windows_first_and_last_are_disjoint_whole_documents(tmp_path):
     text = "".join(f" = Title {i} = \n \n Body of document {i} . \n" for i in range(20))
     path = tmp_path / "valid.txt"

@@ -292,3 +292,23 @@ def test_cli_compresses_a_checkpoint(tmp_path, capsys):
     assert report["parameters_after"] == _stored(model) < report["parameters_before"]
     assert "eval_perplexity_after" in report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "out", "src"]
+
+
+def test_error_curves_measured_once_serve_every_budget():
+    """The error curves of pass 1 do not depend on the budget: compressing with curves measured beforehand gives the
+    same widths and the same function as measuring them inside, at two budgets; a bad sensitivity is refused."""
+    from relational_hf.compress.lowrank import measure_error_curves
+
+    rel = to_relational(_llama())
+    ids = torch.randint(0, 64, (4, 16))
+    opts = LowRankOptions(plan_windows=2, fisher_metric=True)
+    curves = measure_error_curves(rel, ids, opts, progress=False)
+    assert curves.metrics is not None and curves.metrics[0]["mlp"].shape == (48, 48)
+    full = _stored(rel)
+    for budget in (int(0.8 * full), int(0.6 * full)):
+        inside, r1 = compress_relational(rel, ids, budget, opts, progress=False)
+        reused, r2 = compress_relational(rel, ids, budget, opts, progress=False, curves=curves)
+        assert r1.widths == r2.widths and _stored(reused) <= budget
+        torch.testing.assert_close(reused(ids).logits, inside(ids).logits)
+    with pytest.raises(ValueError, match="sensitivity"):
+        measure_error_curves(rel, ids, LowRankOptions(sensitivity="kl"), progress=False)

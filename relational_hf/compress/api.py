@@ -109,7 +109,9 @@ def compress_model(
     `heal_data` (default: the calibration windows, which a long run overfits). Options for "relational": the fields
     of `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
     heal options: heal_lr, heal_rank, heal_batch_size, heal_block_size, heal_seed, heal_samples, heal_length,
-    heal_chat_share. Returns (compressed RelationalForCausalLM, report) with
+    heal_chat_share; curves: the error curves of `lowrank.measure_error_curves` measured before on the same
+    relational model, calibration and options (one measurement for several budgets). Returns (compressed
+    RelationalForCausalLM, report) with
     report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
     calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib.
     """
@@ -139,6 +141,7 @@ def compress_model(
         slice_fraction = float(options.pop("slice_fraction", 0.0))
         if not 0.0 <= slice_fraction < 1.0:
             raise ValueError(f"`slice_fraction` must be in [0, 1), got {slice_fraction}")
+        curves = options.pop("curves", None)
         unknown = set(options) - set(LowRankOptions.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(LowRankOptions.__dataclass_fields__)}")
@@ -153,7 +156,8 @@ def compress_model(
             rel, slice_report = slice_relational(rel, slice_fraction, calibration)
             report["slice"] = {"hidden_size": slice_report.hidden_size_after, "variance_kept": slice_report.variance_kept}
         out, result = compress_relational(
-            rel, calibration, budget, opts, count=lambda m: stored_parameters(m)["total"], progress=progress
+            rel, calibration, budget, opts, count=lambda m: stored_parameters(m)["total"], progress=progress,
+            curves=curves,
         )
         report["widths"] = result.widths
         report["plan_seconds"] = round(result.plan_seconds, 2)

@@ -50,14 +50,16 @@ def text_windows(
     n: int | None = None,
     split: str = "all",
     fraction: float = 0.1,
+    spread: bool = False,
 ) -> torch.Tensor:
     """Non-overlapping windows (n, window) of token ids of a text file (or a text given as a string).
 
     split "all": the whole text; "first": its first 1 - `fraction`, "last": its last `fraction`, cut at the WikiText
     top-level heading ` = Title = ` closest to that mark (`relational_hf.lm.data.document_split`; whole documents on
     each side; a text without headings is cut at a line). "first" windows are taken from the start, "last" windows
-    from the start of the held-out part too. `n` (default: all that fit) caps the number of windows; a text too
-    short for one window raises ValueError."""
+    from the start of the held-out part too. `n` (default: all that fit) caps the number of windows; with `spread`
+    the n windows are spread evenly over the whole (split) text instead of being its first n (more documents for the
+    same number of tokens). A text too short for one window raises ValueError."""
     if split not in TEXT_SPLITS:
         raise ValueError(f"split must be one of {', '.join(TEXT_SPLITS)}, got {split!r}")
     if not isinstance(window, int) or window < 2:
@@ -78,7 +80,10 @@ def text_windows(
     count = available if n is None else min(n, available)
     if n is not None and n > available:
         logger.warning("asked for %d windows of %d tokens, the text has only %d", n, window, available)
-    return torch.tensor(ids[: count * window], dtype=torch.long).view(count, window)
+    windows = torch.tensor(ids[: available * window], dtype=torch.long).view(available, window)
+    if spread and count < available:
+        return windows[torch.linspace(0, available - 1, count).round().long()]
+    return windows[:count]
 
 
 def perplexity_on_windows(

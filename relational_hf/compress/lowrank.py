@@ -38,6 +38,7 @@ from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import rotate_half
+from .sensitivity import fisher_directions, fisher_energy, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _pair_coordinates,
     _sqrt_psd,
@@ -54,6 +55,7 @@ from .truncation import (  # noqa: F401  (public here too)
 logger = logging.getLogger(__name__)
 
 KINDS = ("qk", "vo", "mlp")
+SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 
 
 
@@ -207,9 +209,9 @@ def _grid(width: int, step: int, smallest: int) -> range:
 
 
 def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
-    """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' (errors relative to each token's residual
-    energy, as the next RMS norm sees them), None otherwise."""
-    if sensitivity != "token":
+    """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' or 'fisher' (errors relative to each token's
+    residual energy, as the next RMS norm sees them: the weights of the fits), None otherwise."""
+    if sensitivity not in ("token", "fisher"):
         return None
     return h.shape[-1] / h.double().pow(2).sum(-1).clamp_min(1e-12)
 
@@ -236,9 +238,15 @@ class LowRankOptions:
     ridge: float = 1e-2  # relative ridge of the refit: 1e-2 generalised better than 1e-3 on SmolLM2 (held-out text)
     vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
     kinds: tuple[str, ...] = KINDS
-    # error currency: "token" (each token's error relative to its residual energy, what the next norm sees),
-    # "relative" (error / total residual energy of the layer output) or "uniform" (plain error energy)
-    sensitivity: str = "token"
+    # error currency of the plan: "fisher" (the predicted KL of the model's next-token distributions, from sampled
+    # Fisher directions: one currency for every layer and kind, `compress.sensitivity`), "token" (each token's error
+    # relative to its residual energy, what the next norm sees), "relative" (error / total residual energy of the
+    # layer output) or "uniform" (plain error energy)
+    sensitivity: str = "fisher"
+    fisher_samples: int = 2  # label sets sampled per window for the Fisher directions (sensitivity="fisher")
+    # with sensitivity="fisher": choose the VO subspace and rank the SwiGLU units by their error in the Fisher metric
+    # of the sublayer's output (what the rest of the model reads) instead of the Euclidean norm
+    fisher_metric: bool = False
     layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
 
 
@@ -279,59 +287,59 @@ def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> Re
     return new
 
 
-@torch.no_grad()
-def compress_relational(
-    model: RelationalForCausalLM,
-    calibration: torch.Tensor,
-    budget: int,
-    options: LowRankOptions | None = None,
-    *,
-    count: Callable[[nn.Module], int] | None = None,
-    progress: bool = True,
-) -> tuple[RelationalForCausalLM, LowRankResult]:
-    """Compress a relational causal LM (any per-layer widths, CPU, fp32) to at most `budget` stored parameters by
-    truncating its invariants: per layer the QK rotary pairs, the VO rank and the SwiGLU units (module docstring).
-
-    calibration: token ids (N, T). Pass 1 measures error curves on the first `plan_windows` windows of the dense
-    model and plans the widths (`plan_widths`); pass 2 walks the layers once with all N windows, feeding each layer
-    the output of the already-compressed ones (memory: the hidden states of the calibration set, twice with
-    correction='dense', plus one layer). Returns (new model, LowRankResult)."""
-    opts = options or LowRankOptions()
-    if opts.sensitivity not in ("token", "relative", "uniform"):
-        raise ValueError(f"`sensitivity` must be 'token', 'relative' or 'uniform', got {opts.sensitivity!r}")
+def _check(model: RelationalForCausalLM, calibration: torch.Tensor, opts: LowRankOptions) -> None:
+    if opts.sensitivity not in SENSITIVITIES:
+        raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
-    config: RelationalConfig = model.config
-    if config.value_parallel_removal:
+    if model.config.value_parallel_removal:
         raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
     if calibration.dim() != 2 or calibration.shape[1] < 2:
         raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got shape {tuple(calibration.shape)}")
+
+
+def _positions(model: RelationalForCausalLM, t: int):
+    """(cos, sin, mask, position ids) of windows of t tokens."""
+    pos = torch.arange(t)[None]
+    dummy = model.model.embed_tokens.weight[:1, None, :].expand(1, t, -1)
+    rope = model.config.position_encoding == "rope"
+    cos, sin = model.model.rotary_emb(dummy, pos) if rope else (None, None)
+    return cos, sin, _causal_mask(t, next(model.parameters()).dtype), pos
+
+
+@dataclass
+class ErrorCurves:
+    """Pass 1's measurements: the candidate widths of every (layer, kind) and, with sensitivity="fisher", the
+    per-layer Fisher metrics of the attention and MLP outputs ({"attn": (d, d), "mlp": (d, d)}), used by pass 2
+    when `fisher_metric` is on."""
+
+    options: dict[tuple[int, str], list[WidthOption]]
+    metrics: list[dict[str, torch.Tensor]] | None = None
+
+
+@torch.no_grad()
+def measure_error_curves(
+    model: RelationalForCausalLM, calibration: torch.Tensor, options: LowRankOptions | None = None, *,
+    progress: bool = True,
+) -> ErrorCurves:
+    """Pass 1 of `compress_relational`: the candidate widths of every (layer, kind) with their stored parameters and
+    measured error (in the currency of `options.sensitivity`) on the first `plan_windows` calibration windows of the
+    dense model. They do not depend on the budget, so one measurement serves several budgets (`curves=`)."""
+    opts = options or LowRankOptions()
+    _check(model, calibration, opts)
     model = model.eval()
+    config: RelationalConfig = model.config
     layers = model.model.layers
     n_layers = len(layers)
     rope = config.position_encoding == "rope"
-    count = count or (lambda m: sum(p.numel() for p in m.parameters()))
-    fixed = count(model) - sum(
-        layer_kind_parameters(config, "qk", layer.self_attn.qk_rank)
-        + layer_kind_parameters(config, "vo", layer.self_attn.head_dim)
-        + layer_kind_parameters(config, "mlp", layer.mlp.down_proj.in_features)
-        for layer in layers
-    )
-    result = LowRankResult(budget=budget)
-    t0 = time.perf_counter()
-    t = calibration.shape[1]
-    pos = torch.arange(t)[None]
-    dummy = model.model.embed_tokens.weight[:1, None, :].expand(1, t, -1)
-    cos, sin = model.model.rotary_emb(dummy, pos) if rope else (None, None)
-    mask = _causal_mask(t, next(model.parameters()).dtype)
-
-    def run_layer(layer, h):
-        return layer(h, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
-
-    # ---------------- pass 1: error curves on the dense model ----------------
+    cos, sin, _, _ = _positions(model, calibration.shape[1])
     plan_ids = calibration[: opts.plan_windows]
+    fisher = opts.sensitivity == "fisher"
+    dirs = fisher_directions(model, plan_ids, samples=opts.fisher_samples, batch_size=opts.batch_size) if fisher else None
     h = model.model.embed_tokens(plan_ids)
     options: dict[tuple[int, str], list[WidthOption]] = {}
+    metrics = [{s: fisher_metric(d[s]) for s in d} for d in dirs] if fisher else None
+    use = metrics if fisher and opts.fisher_metric else [{"attn": None, "mlp": None}] * n_layers
     bar = tqdm(total=n_layers, desc="measuring error curves", disable=not progress)
     weights = opts.layer_weights or [1.0] * n_layers
     for li, layer in enumerate(layers):
@@ -348,7 +356,7 @@ def compress_relational(
         y = F.linear(z, m["down"])
         h_out = h_mid + y
         tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
-        scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0
+        scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0  # fisher: nats
         scale = scale / weights[li]
         flat_x = x.reshape(-1, x.shape[-1]).double()
         cov = flat_x.T @ flat_x
@@ -370,7 +378,8 @@ def compress_relational(
                 if bq is not None:
                     w2.update(q_bias=bq, k_bias=bk)
                 out = _attention_output(x, w2, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
-                err = _weighted_energy(out - base, tw) / scale
+                change = out - base
+                err = (fisher_energy(change, dirs[li]["attn"]) if fisher else _weighted_energy(change, tw)) / scale
                 qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err))
         options[(li, "qk")] = qk_opts
         vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
@@ -378,10 +387,14 @@ def compress_relational(
             per_head, grams = _mixed_grams(mixed, nkv, tw)
             if opts.vo_weighting == "input":
                 grams = value_grams(w["v"], cov, num_kv_heads=nkv)
-            factors = _vo_factors(w["o"], grams, nkv)
-            for rank in _grid(rv, opts.vo_step, opts.min_vo_rank):
-                err = _vo_errors(per_head, w["o"], factors, rank) / scale
-                vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err))
+            factors = _vo_factors(w["o"], grams, nkv, use[li]["attn"])
+            ranks = list(_grid(rv, opts.vo_step, opts.min_vo_rank))
+            if fisher:
+                errs = vo_fisher_errors(mixed, w["o"], factors, ranks, dirs[li]["attn"])
+            else:
+                errs = [_vo_errors(per_head, w["o"], factors, rank) for rank in ranks]
+            for rank, err in zip(ranks, errs, strict=True):
+                vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err / scale))
         options[(li, "vo")] = vo_opts
         mlp_opts = [WidthOption(f, layer_kind_parameters(config, "mlp", f), 0.0)]
         if "mlp" in opts.kinds:
@@ -390,8 +403,11 @@ def compress_relational(
             zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
             gram, cross = zw.T @ zf, zw.T @ yf
             y_energy = _weighted_energy(y, tw)
-            order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
-            curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
+            order = mlp_unit_scores(m["down"], torch.diagonal(gram), use[li]["mlp"]).argsort(descending=True)
+            if fisher:
+                curve = mlp_fisher_curve(zf, yf, gram, cross, order, opts.ridge, dirs[li]["mlp"])
+            else:
+                curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
             full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
             for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
                 err = max(float(curve[units - 1]) - full, 0.0) / scale
@@ -400,6 +416,55 @@ def compress_relational(
         h = h_out
         bar.update()
     bar.close()
+    del dirs
+    return ErrorCurves(options, metrics)
+
+
+@torch.no_grad()
+def compress_relational(
+    model: RelationalForCausalLM,
+    calibration: torch.Tensor,
+    budget: int,
+    options: LowRankOptions | None = None,
+    *,
+    count: Callable[[nn.Module], int] | None = None,
+    progress: bool = True,
+    curves: ErrorCurves | None = None,
+) -> tuple[RelationalForCausalLM, LowRankResult]:
+    """Compress a relational causal LM (any per-layer widths, CPU, fp32) to at most `budget` stored parameters by
+    truncating its invariants: per layer the QK rotary pairs, the VO rank and the SwiGLU units (module docstring).
+
+    calibration: token ids (N, T). Pass 1 measures error curves on the first `plan_windows` windows of the dense
+    model (`measure_error_curves`; or takes `curves` measured before with the same options) and plans the widths
+    (`plan_widths`); pass 2 walks the layers once with all N windows, feeding each layer the output of the
+    already-compressed ones (memory: the hidden states of the calibration set, twice with correction='dense', plus
+    one layer). Returns (new model, LowRankResult)."""
+    opts = options or LowRankOptions()
+    _check(model, calibration, opts)
+    config: RelationalConfig = model.config
+    model = model.eval()
+    layers = model.model.layers
+    n_layers = len(layers)
+    rope = config.position_encoding == "rope"
+    count = count or (lambda m: sum(p.numel() for p in m.parameters()))
+    fixed = count(model) - sum(
+        layer_kind_parameters(config, "qk", layer.self_attn.qk_rank)
+        + layer_kind_parameters(config, "vo", layer.self_attn.head_dim)
+        + layer_kind_parameters(config, "mlp", layer.mlp.down_proj.in_features)
+        for layer in layers
+    )
+    result = LowRankResult(budget=budget)
+    t0 = time.perf_counter()
+    curves = curves if curves is not None else measure_error_curves(model, calibration, opts, progress=progress)
+    options = curves.options
+    use_metric = opts.sensitivity == "fisher" and opts.fisher_metric and curves.metrics is not None
+    metrics = curves.metrics if use_metric else [{"attn": None, "mlp": None}] * n_layers
+    t = calibration.shape[1]
+    cos, sin, mask, pos = _positions(model, t)
+
+    def run_layer(layer, h):
+        return layer(h, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
+
     choice = plan_widths(options, budget - fixed)
     widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
     result.widths = widths
@@ -449,7 +514,9 @@ def compress_relational(
                         xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
                     )
                     grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
-            w["v"], w["o"], bv, _ = vo_truncate(w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new)
+            w["v"], w["o"], bv, _ = vo_truncate(
+                w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new, metric=metrics[li]["attn"]
+            )
             if bv is not None:
                 w["v_bias"] = bv
         target.self_attn.set_full_weights(w)
@@ -470,17 +537,18 @@ def compress_relational(
             cross = torch.zeros(f, d, dtype=torch.float64)
             for s in _batches(n, opts.batch_size):
                 xm = layer.post_attention_layernorm(h_mid[s])
-                z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).double()
+                # per-batch products in fp32 (twice as fast as fp64 on CPUs), accumulated in fp64
+                z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
                 tw = _token_weights(h_mid[s], opts.sensitivity)
-                zw = z if tw is None else z * tw.reshape(-1, 1).double()
-                gram += zw.T @ z
+                zw = z if tw is None else z * tw.reshape(-1, 1).float()
+                gram += (zw.T @ z).double()
                 if opts.correction == "dense":
                     dense_out[s] = run_layer(layer, h_dense[s])
-                    y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).double()
+                    y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).float()
                 else:
-                    y_t = F.linear(z, m["down"].double())
-                cross += zw.T @ y_t
-            order = mlp_unit_scores(m["down"], torch.diagonal(gram)).argsort(descending=True)
+                    y_t = F.linear(z, m["down"].float())
+                cross += (zw.T @ y_t).double()
+            order = mlp_unit_scores(m["down"], torch.diagonal(gram), metrics[li]["mlp"]).argsort(descending=True)
             keep = torch.sort(order[:f_new]).values
             down = m["down"][:, keep]
             if opts.correction != "none":
@@ -499,11 +567,14 @@ def compress_relational(
 
 __all__ = [
     "KINDS",
+    "SENSITIVITIES",
+    "ErrorCurves",
     "LowRankOptions",
     "LowRankResult",
     "WidthOption",
     "compress_relational",
     "layer_kind_parameters",
+    "measure_error_curves",
     "mlp_error_curve",
     "mlp_refit",
     "mlp_unit_scores",

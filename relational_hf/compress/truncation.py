@@ -30,15 +30,20 @@ def value_grams(wv: torch.Tensor, cov: torch.Tensor, *, num_kv_heads: int) -> to
     return v @ cov.double() @ v.transpose(1, 2)
 
 
-def _vo_factors(wo: torch.Tensor, grams: torch.Tensor, num_kv_heads: int) -> list[tuple]:
-    """Per key/value head: (P = E^1/2, the SVD of M = P [W_O^1 ... W_O^g]): (p, u, s, blocks)."""
+def _vo_factors(
+    wo: torch.Tensor, grams: torch.Tensor, num_kv_heads: int, metric: torch.Tensor | None = None
+) -> list[tuple]:
+    """Per key/value head: (P = E^1/2, the SVD of M = P [W_O^1 N ... W_O^g N]): (p, u, s, blocks), N = metric^1/2
+    (the output-space metric; identity when None)."""
     dh = grams.shape[-1]
     g = wo.shape[1] // (dh * num_kv_heads)
+    root = None if metric is None else _sqrt_psd(metric)
     out = []
     for kv in range(num_kv_heads):
         blocks = [wo[:, (kv * g + j) * dh : (kv * g + j + 1) * dh].double().T for j in range(g)]  # (d_h, d) each
         p = _sqrt_psd(grams[kv])  # (d_h, d_h), symmetric
-        _, r_o = torch.linalg.qr(torch.cat(blocks, dim=1).T)  # [W_O^j]^T = Q_o R_o
+        seen = blocks if root is None else [b @ root for b in blocks]
+        _, r_o = torch.linalg.qr(torch.cat(seen, dim=1).T)  # [W_O^j N]^T = Q_o R_o
         u, s, _ = torch.linalg.svd(p @ r_o.T)  # M = P R_o^T Q_o^T
         out.append((p, u, s, blocks))
     return out
@@ -54,6 +59,7 @@ def vo_truncate(
     num_kv_heads: int,
     rank: int,
     factors: list[tuple] | None = None,
+    metric: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Activation-aware rank-`rank` VO maps per key/value head, the value factor shared by its g query heads.
 
@@ -63,11 +69,14 @@ def vo_truncate(
     values O_j = A_j X W_V of the group's query heads (the input the maps actually see). Minimises
     sum_j ||E^1/2 (W_O^j - T T' W_O^j)||^2 over rank-r projections T T' of value space through the SVD of
     M = E^1/2 [W_O^1 ... W_O^g] = U S V^T: T = E^-1/2 U_r, T' = U_r^T E^1/2; W_V <- W_V T, W_O^j <- T' W_O^j,
-    b_V <- b_V T. Returns (wv (H_kv r, d), wo (d, H r), bv (H_kv r,) or None, the singular values S (H_kv, d_h))."""
+    b_V <- b_V T. metric (d, d), optional: an output-space metric Q (e.g. the Fisher metric of the attention output,
+    `compress.sensitivity.fisher_metric`): the error is then measured as sum_j ||E^1/2 (I - T T') W_O^j Q^1/2||^2,
+    through the SVD of E^1/2 [W_O^1 Q^1/2 ... W_O^g Q^1/2]. Returns (wv (H_kv r, d), wo (d, H r), bv (H_kv r,) or
+    None, the singular values S (H_kv, d_h))."""
     dh = wv.shape[0] // num_kv_heads
     if not 1 <= rank <= dh:
         raise ValueError(f"`rank` must be in [1, {dh}], got {rank}")
-    factors = factors or _vo_factors(wo, grams, num_kv_heads)
+    factors = factors or _vo_factors(wo, grams, num_kv_heads, metric)
     new_v, new_o, new_b, spectra = [], [], [], []
     for kv, (p, u, s, blocks) in enumerate(factors):
         w_v = wv[kv * dh : (kv + 1) * dh].double().T  # (d, d_h)
@@ -154,10 +163,13 @@ def qk_truncate(
 
 
 @torch.no_grad()
-def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor) -> torch.Tensor:
+def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor, metric: torch.Tensor | None = None) -> torch.Tensor:
     """Balanced importance a_i = sqrt(E z_i^2) ||w_down,i|| of each SwiGLU unit (invariant under the scale gauge).
-    down: (d, d_ff) Linear layout; gram_diag: sum over tokens of z_i^2 (d_ff,)."""
-    return gram_diag.double().clamp_min(0).sqrt() * down.double().norm(dim=0)
+    down: (d, d_ff) Linear layout; gram_diag: sum over tokens of z_i^2 (d_ff,); metric (d, d), optional: the norm of
+    the unit's output direction is then ||w||_Q = sqrt(w^T Q w) (e.g. the Fisher metric of the MLP output)."""
+    w = down.double()
+    norms = w.norm(dim=0) if metric is None else ((metric.double() @ w) * w).sum(0).clamp_min(0).sqrt()
+    return gram_diag.double().clamp_min(0).sqrt() * norms
 
 
 @torch.no_grad()
