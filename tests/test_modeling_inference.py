@@ -35,6 +35,14 @@ def gauge_modules(model) -> list[GaugeFixedLinear]:
     return [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
 
 
+def keeping(model):
+    """`model` with the opt-in `keep_assembled` switched on for every gauge-fixed layer (eval-mode inference outside
+    `weight_cache` keeps the assembled weights)."""
+    for m in gauge_modules(model):
+        m.keep_assembled = True
+    return model
+
+
 def fresh_logits(model, ids) -> torch.Tensor:
     """Logits with every gauge-fixed weight assembled anew (no kept weight can be read)."""
     clear_weight_caches(model)
@@ -45,9 +53,20 @@ def fresh_logits(model, ids) -> torch.Tensor:
 
 
 def test_inference_assembles_each_weight_once_and_computes_the_same_logits(monkeypatch):
-    """In eval mode without autograd the assembled weights are kept: a second forward assembles nothing, and the
-    logits equal those of the training path (assembled with autograd at every call)."""
+    """With `keep_assembled` on, eval mode without autograd keeps the assembled weights: a second forward assembles
+    nothing, and the logits equal those of the training path (assembled with autograd at every call). Off (the
+    default), every forward assembles afresh."""
     model = compressed_shape_model()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    calls = []
+    original = GaugeFixedLinear._assemble
+    monkeypatch.setattr(GaugeFixedLinear, "_assemble", lambda self: calls.append(self) or original(self))
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    assert len(calls) == 2 * len(gauge_modules(model))
+    monkeypatch.setattr(GaugeFixedLinear, "_assemble", original)
+    keeping(model)
     ids = torch.randint(0, VOCAB, (2, 9))
     reference = model(ids).logits.detach()  # autograd on: the training path
     calls = []
@@ -65,8 +84,8 @@ def test_inference_assembles_each_weight_once_and_computes_the_same_logits(monke
 @pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused", "sgd"])
 def test_kept_weights_are_never_stale_after_an_optimizer_step(optimizer):
     """Inference, then a training step taken in EVAL mode (fused AdamW does not bump version counters), then
-    inference again: the second inference sees the updated weights."""
-    model = compressed_shape_model()
+    inference again: the second inference sees the updated weights (keep_assembled on)."""
+    model = keeping(compressed_shape_model())
     ids = torch.randint(0, VOCAB, (2, 9))
     params = list(model.parameters())
     opt = {
@@ -86,8 +105,9 @@ def test_kept_weights_are_never_stale_after_an_optimizer_step(optimizer):
 
 def test_kept_weights_follow_load_state_dict_moves_and_mode_switches():
     """load_state_dict, a dtype change and a train/eval switch (after a write through .data, which bypasses the
-    version counter) each make the next inference use the current weights; clear_weight_caches does it by hand."""
-    model = compressed_shape_model()
+    version counter) each make the next inference use the current weights (keep_assembled on); clear_weight_caches
+    does it by hand."""
+    model = keeping(compressed_shape_model())
     other = compressed_shape_model()  # other random weights
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
@@ -185,11 +205,13 @@ def test_layers_keeping_every_pair_in_order_take_the_plain_rotary_path():
         assert model.model.layers[0].self_attn.keeps_rotary_subset()
 
 
-def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path):
+def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path, monkeypatch):
     """With Accelerate's disk offload the layers' weights come in for one call each: no gauge-fixed layer keeps an
-    assembled copy (which would hold the offloaded weights in memory again), and the logits are unchanged."""
+    assembled copy (which would hold the offloaded weights in memory again), even with keeping switched on for every
+    layer, and the logits are unchanged."""
     from relational_hf.lm.offload import load_offloaded
 
+    monkeypatch.setattr(GaugeFixedLinear, "keep_assembled", True)  # the opt-in, for every layer the load builds
     model = compressed_shape_model()
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(0, VOCAB, (1, 6))

@@ -3,6 +3,7 @@ perplexity for the trainer, the converter and the analysis tools."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -10,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from ..modeling.modeling_gauge import weight_cache
 
 
 def _batches(
@@ -35,30 +38,32 @@ def token_nll(
     progress: bool = False,
 ) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and the number of predicted tokens. A target counts when it
-    and the token before it are real (attention_mask 1). Eval mode while it runs; the training flag is restored."""
+    and the token before it are real (attention_mask 1). Eval mode, no autograd, and the gauge-fixed weights
+    assembled once (`weight_cache`, unless Accelerate offloads the model) while it runs; the training flag is
+    restored."""
     # a model dispatched by Accelerate (device_map with CPU / disk offload) holds meta parameters; its hooks move the
     # inputs to each module's execution device, so any real device will do for them
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    kept = contextlib.nullcontext() if getattr(model, "hf_device_map", None) else weight_cache(model)
     try:
         n = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else len(input_ids)
         steps = math.ceil(n / batch_size) if isinstance(input_ids, torch.Tensor) else n
-        for ids, mask in tqdm(
-            _batches(input_ids, attention_mask, batch_size),
-            total=steps,
-            desc="evaluating",
-            disable=not progress,
+        batches = tqdm(
+            _batches(input_ids, attention_mask, batch_size), total=steps, desc="evaluating", disable=not progress,
             leave=False,
-        ):
-            ids = ids.to(device)
-            mask = None if mask is None else mask.to(device)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-            nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-            valid = torch.ones_like(nll, dtype=torch.bool) if mask is None else (mask[:, 1:] * mask[:, :-1]).bool()
-            total += nll[valid].double().sum().item()
-            count += int(valid.sum())
+        )  # fmt: skip
+        with torch.no_grad(), kept:
+            for ids, mask in batches:
+                ids = ids.to(device)
+                mask = None if mask is None else mask.to(device)
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()  # (B,T-1,V)
+                nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+                valid = torch.ones_like(nll, dtype=torch.bool) if mask is None else (mask[:, 1:] * mask[:, :-1]).bool()
+                total += nll[valid].double().sum().item()
+                count += int(valid.sum())
     finally:
         model.train(was_training)
     return total, count

@@ -139,19 +139,21 @@ class GaugeFixedLinear(nn.Module):
     The setters write with a plain in-place copy, so they also act on a model loaded with `from_pretrained` (whose
     tensors Transformers flags as initialised).
 
-    Assembled weight. `full_weight()` assembles W afresh at every call (except inside `weight_cache()`). The forward
-    pass keeps the assembled W between calls, like the weight of a plain Linear, when it runs without autograd in
-    eval mode (inference: no scatter per call) or inside `weight_cache()` (`generate`); the kept W is rebuilt when
-    the parameter changes through PyTorch's in-place operations (optimizer steps that bump its version counter,
-    `copy_`, `load_state_dict`), when it moves (`to`), when the layout changes, and it is dropped whenever a forward
-    pass with gradients runs (a training step may follow), when the module switches between train and eval mode, and
-    by `clear_weight_caches`. Writes that bypass the version counter (through `.data`) made between two inference
-    calls are seen after one of those events. A forward pass with gradients always assembles W afresh. The kept W
-    costs the memory of W; `keep_assembled = False` turns keeping off for the module (the model does so itself when
-    Accelerate offloads it).
+    Assembled weight. `full_weight()` assembles W afresh at every call (except inside `weight_cache()`), and so does
+    the forward pass by default: every forward sees the parameter as it is now, whatever wrote it (PyTorch's
+    parametrizations behave the same way outside their `cached()` context). Inside `weight_cache()` (which
+    `generate` and the project's perplexity loops enter) the assembled W is kept between calls, like the weight of a
+    plain Linear; `keep_assembled = True` on a module (an opt-in, off by default) keeps it for every forward without
+    autograd in eval mode too. A kept W is rebuilt when the parameter changes through PyTorch's in-place operations
+    (optimizer steps that bump its version counter, `copy_`, `load_state_dict`), when it moves (`to`), when the
+    layout changes, and it is dropped whenever a forward pass with gradients runs (a training step may follow), when
+    the module switches between train and eval mode, and by `clear_weight_caches`; writes that bypass the version
+    counter (through `.data`) are seen only after one of those events, which is why keeping outside
+    `weight_cache()` is opt-in. A forward pass with gradients always assembles W afresh. The kept W costs the memory
+    of W (the model switches keeping off itself when Accelerate offloads it).
     """
 
-    keep_assembled: bool = True
+    keep_assembled: bool = False  # opt-in: keep the assembled weight in eval-mode inference outside weight_cache()
 
     def __init__(
         self,

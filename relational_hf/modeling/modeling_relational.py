@@ -318,11 +318,11 @@ class RelationalAttention(nn.Module):
             else:
                 query, key = apply_rotary_pos_emb(query, key, cos, sin)
         own_value = value
-        width = self.kernel_width()
-        if width is not None:  # one head width for the fused kernels (the cache holds the padded keys and values)
-            query, key, value = pad_head_width(query, width), pad_head_width(key, width), pad_head_width(value, width)
-        if cache is not None:
+        if cache is not None:  # keys and values at their own widths: a thin-key cache stays thin
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        width = self.kernel_width()
+        if width is not None:  # one head width for the fused kernels, padded for this call only
+            query, key, value = pad_head_width(query, width), pad_head_width(key, width), pad_head_width(value, width)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -432,7 +432,7 @@ def follow_device_map(model: nn.Module) -> None:
     if model.__dict__.get("_offloaded_weights", False) != offloaded:
         for module in model.modules():
             if isinstance(module, GaugeFixedLinear):
-                module.keep_assembled = not offloaded
+                module.keep_assembled = False if offloaded else type(module).keep_assembled
                 module._drop_caches()
         model.__dict__["_offloaded_weights"] = offloaded
 
