@@ -26,9 +26,10 @@ from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from ..architectures import get_adapter
+from ..lm.metrics import model_device
 from ..modeling import GaugeFixedLinear
 from ..modeling.modeling_directional import parallel_component
-from .decompose import model_device, unpack_batch
+from .decompose import unpack_batch
 from .replay import CleanPass
 from .sites import first_input, main_output, replace_first_input
 from .statistics import select_tokens

@@ -12,6 +12,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device to put a model's inputs on: that of its first parameter not on the meta device (a model dispatched
+    by Accelerate with CPU / disk offload holds meta parameters, and its hooks move the inputs to each module's
+    execution device, so any real device will do), CPU for a model without one."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 def _batches(
     input_ids: torch.Tensor | Sequence[torch.Tensor], attention_mask: torch.Tensor | None, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -36,9 +43,7 @@ def token_nll(
 ) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and the number of predicted tokens. A target counts when it
     and the token before it are real (attention_mask 1). Eval mode while it runs; the training flag is restored."""
-    # a model dispatched by Accelerate (device_map with CPU / disk offload) holds meta parameters; its hooks move the
-    # inputs to each module's execution device, so any real device will do for them
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    device = model_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
