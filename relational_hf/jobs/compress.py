@@ -9,7 +9,7 @@ Methods:
   (`compress.slicing.slice_relational`), its width chosen to meet the requested size.
 `remove` is the share of the SOURCE model's stored parameters (every stored tensor once, embeddings and head
 included) to remove; the result stores at most (1 - remove) times as many. Healing (`heal_steps` > 0) is the LoRA
-recovery fine-tune of `training.heal`, loaded only when asked for (it brings the Trainer and PEFT).
+recovery fine-tune of `training.heal` (this module loads the Trainer and PEFT with it).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..convert.relational import to_relational
 from ..lm.metrics import perplexity
 from ..modeling import RelationalForCausalLM
 from ..params import relational_parameter_count, stored_parameters
+from ..training.heal import HEAL_LOSSES, heal
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
         raise ValueError(f"`calibration` must be token ids of shape (N, T) with T >= 2, got {shape}")
     if isinstance(heal_steps, bool) or not isinstance(heal_steps, int) or heal_steps < 0:
         raise ValueError(f"`heal_steps` must be an integer >= 0, got {heal_steps!r}")
-    from ..training.heal import HEAL_LOSSES  # the Trainer and PEFT load with it
-
     if heal_loss not in HEAL_LOSSES:
         raise ValueError(f"`heal_loss` must be one of {', '.join(HEAL_LOSSES)}, got {heal_loss!r}")
 
@@ -163,8 +162,6 @@ def compress_model(
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
-        from ..training.heal import heal
-
         text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
         if heal_loss == "kd" and heal_data is None:
             seed = heal_keys.get("heal_seed", 0)
