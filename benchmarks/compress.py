@@ -16,7 +16,7 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - slicegpt: the SliceGPT reimplementation (`compress.baselines.slicegpt`) keeping SmolLM2's head tied (its final gain
   becomes a d' gain vector), at the widest d' storing at most (1 - r) of the dense count (bisection on the count);
 - slicegpt-untied: the same with the head untied as the paper stores it (+V d' parameters, so a narrower d');
-- slice, relational: the project's methods through `relational_hf.compress.api.compress_model` (recorded as not
+- slice, relational: the project's methods through `relational_hf.jobs.compress_model` (recorded as not
   available when that module is missing; rerun with `--methods slice relational --resume`);
 - relational-residual: the relational method with the previous default plan (`sensitivity="token"`: widths chosen by
   the error each truncation adds to the residual stream, relative to each token's residual energy), for comparison.
@@ -173,7 +173,7 @@ def compress(method: str, target: float | None, model, tokenizer, calibration: t
         sliced, report = slicegpt(model, calibration, remove=target, head=head)
         return sliced, report.to_dict()
     if method in PROJECT_METHODS:
-        from relational_hf.compress.api import compress_model  # ImportError: recorded as not available
+        from relational_hf.jobs import compress_model  # ImportError: recorded as not available
 
         options = dict(PROJECT_OPTIONS.get(method, {}))
         base = method.split("-")[0]

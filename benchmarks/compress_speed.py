@@ -1,7 +1,7 @@
 """Speed of compressed SmolLM2-135M-Instruct against its dense source: prefill and greedy-decode tokens/s.
 
 For every level of the compression curve (share of stored parameters removed, `--levels`), the model compressed by
-the project's relational method (`relational_hf.compress.compress_model`, calibrated on the first
+the project's relational method (`relational_hf.jobs.compress_model`, calibrated on the first
 `--calibration-windows` windows of 512 tokens of the first 90% of the WikiText-2 validation documents, the protocol of
 `benchmarks/compress.py`; level 0 is the exact conversion, nothing removed; speed depends only on the widths, which
 the method plans on the first 8 calibration windows whatever their number, so 8 windows give the shapes of the

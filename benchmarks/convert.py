@@ -19,7 +19,7 @@ Generated files are deleted after each size (only this benchmark's own temporary
 trained here on Tiny Shakespeare (`../shared/data/tinyshakespeare`, first 90% of the text), converted with
 `slice_fraction` 0.1-0.4 (principal gauge from calibration blocks of the training text) and evaluated on the
 held-out last 10%; next to it, the same trained Llama with as many decoder weights set to zero by magnitude pruning
-(`relational_hf.directional.compression.prune_weights`), both "same number removed" and "same number left".
+(`relational_hf.compress.ops.prune_weights`), both "same number removed" and "same number left".
 Perplexity is `relational_hf.lm.metrics.perplexity`.
 
     python benchmarks/convert.py                          # 0.1B and 1B streamed, slicing with 1500 steps
@@ -338,7 +338,7 @@ def train_small(dims: dict, train_ids: torch.Tensor, steps: int, batch: int, con
 
 
 def decoder_weight_count(model) -> int:
-    from relational_hf.directional.compression import weight_matrices
+    from relational_hf.compress.ops import weight_matrices
 
     return sum(m.rows.numel() for m in weight_matrices(model))
 
@@ -348,8 +348,8 @@ def nonzero(model) -> int:
 
 
 def slicing_vs_pruning(quick: bool, steps: int, seed: int) -> dict:
+    from relational_hf.compress.ops import prune_weights
     from relational_hf.convert import to_relational
-    from relational_hf.directional.compression import prune_weights
     from relational_hf.lm.data import lm_blocks
     from relational_hf.lm.metrics import perplexity
 

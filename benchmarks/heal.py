@@ -9,11 +9,11 @@ blocks of the first 90% of the WikiText-2 documents (adaptation to the evaluatio
 Every figure has its control: `--dense-control` runs the same healing on the uncompressed model.
 
 Protocol (the one of `benchmarks/compress.py`): the model is compressed by the project's relational method
-(`relational_hf.compress.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
+(`relational_hf.jobs.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
 on the first `--calibration-windows` (16) windows of 512 tokens of the first 90% of the WikiText-2 validation
 documents; perplexity is measured
 on the first 12 windows of 512 tokens of the last 10% of the documents (held out from calibration and healing).
-Healing (`relational_hf.compress.heal.heal`): LoRA of rank `--rank` on every linear map of the decoder layers,
+Healing (`relational_hf.training.heal.heal`): LoRA of rank `--rank` on every linear map of the decoder layers,
 trained through `RelationalTrainer` for `--steps` steps of `--batch-size` random blocks of `--block` tokens drawn from
 the first 90% of the documents (the calibration side only), AdamW at `--lr` with a cosine schedule, then merged
 back into the compressed shapes (stored size unchanged, checked). The held-out perplexity is measured every
@@ -53,7 +53,7 @@ logger = logging.getLogger("heal")
 def compressed_model(model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None):
     """The relational compression of `model` at `remove` (reloaded from `workdir` when it was saved there with the
     same calibration windows); returns (model, compression report)."""
-    from relational_hf.compress import compress_model
+    from relational_hf.jobs import compress_model
     from relational_hf.modeling import RelationalForCausalLM
 
     folder = None if workdir is None else workdir / f"relational-{remove:g}"
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import TrainerCallback
 
     from relational_hf.compress.eval import perplexity_on_windows, stored_parameters, text_windows
-    from relational_hf.compress.heal import heal
     from relational_hf.lm.metrics import teacher_kl
+    from relational_hf.training.heal import heal
 
     started = time.perf_counter()
     model, tokenizer = load_model(args.quick)

@@ -26,6 +26,7 @@ _SUBPACKAGES = (
     "directional",
     "dynamics",
     "hub",
+    "jobs",
     "lm",
     "outputs",
     "symmetry",

@@ -13,7 +13,6 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from relational_hf.commands.main import main
-from relational_hf.compress import compress_model
 from relational_hf.compress.distill import (
     TEACHER_TEXT_NAME,
     generate_teacher_text,
@@ -22,9 +21,10 @@ from relational_hf.compress.distill import (
     save_teacher_text,
     teacher_text,
 )
-from relational_hf.compress.heal import heal
 from relational_hf.convert import to_relational
+from relational_hf.jobs import compress_model
 from relational_hf.lm.metrics import next_token_kl, perplexity, teacher_kl
+from relational_hf.training.heal import heal
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}<assistant>"
 

@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.commands.main import main
-from relational_hf.compress import LowRankOptions, compress_model, compress_relational, qk_truncate, vo_truncate
+from relational_hf.compress import LowRankOptions, compress_relational, qk_truncate, vo_truncate
 from relational_hf.compress.lowrank import layer_kind_parameters, value_grams
 from relational_hf.convert import to_relational
+from relational_hf.jobs import compress_model
 from relational_hf.params import relational_parameter_count
 
 VARIED = dict(
@@ -210,8 +211,8 @@ def test_healing_on_its_own_text_with_callbacks():
     the stored size stays; extra Trainer callbacks see every step; malformed healing ids raise ValueError."""
     from transformers import TrainerCallback
 
-    from relational_hf.compress.heal import heal
     from relational_hf.lm.metrics import perplexity
+    from relational_hf.training.heal import heal
 
     torch.manual_seed(2)
     llama = _llama(layers=2)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_relational
 
 from relational_hf.compress.eval import ModelGrewError, check_not_grown, stored_parameters
-from relational_hf.convert import slice_relational
+from relational_hf.compress.slicing import slice_relational
 
 
 def _tied_with_varying_gain():

@@ -1,5 +1,5 @@
-"""Compression diagnostics: the layer-local counterfactual error, the built-in compressors, the report and the
-`analyze` command."""
+"""Compression diagnostics: the layer-local counterfactual error of a compressed model, the report that ranks the
+compression settings and the `analyze` command."""
 
 from __future__ import annotations
 
@@ -10,30 +10,12 @@ import pytest
 import torch
 from conftest import corpus_or_skip
 from scipy.stats import spearmanr
-from test_directional import VOCAB, tiny_gpt2, tiny_llama, tiny_relational
-from transformers import LlamaForCausalLM
+from test_compress_ops import MODELS, ids, wide_llama
+from test_directional import tiny_relational
 
 from relational_hf.commands import analyze
-from relational_hf.directional import (
-    COMPRESSION_SETTINGS,
-    compress,
-    compression_error,
-    compression_report,
-    prune_weights,
-    quantize_weights,
-)
-from relational_hf.directional.compression import fake_quantize, weight_matrices
-
-
-def wide_llama() -> LlamaForCausalLM:
-    return tiny_llama(hidden_size=64, intermediate_size=128)
-
-
-MODELS = {"llama": wide_llama, "relational": tiny_relational, "gpt2": tiny_gpt2}
-
-
-def ids(rows: int = 4, length: int = 16) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, length))
+from relational_hf.compress.ops import quantize_weights
+from relational_hf.directional import compression_error, compression_report
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -86,83 +68,6 @@ def test_counterfactual_error_is_layer_local():
     assert errors[1].perpendicular == pytest.approx(perp.mean().item(), rel=1e-4)
 
 
-def test_fake_quantisation_uses_at_most_2_to_the_b_levels_per_group_and_keeps_the_original():
-    model = wide_llama()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    w = torch.randn(8, 40)
-    q = fake_quantize(w, bits=4, group_size=16)
-    for g in range(0, 40, 16):
-        group = q[:, g : g + 16]
-        for row in range(8):
-            assert group[row].unique().numel() <= 16
-        assert (group - w[:, g : g + 16]).abs().max() <= w[:, g : g + 16].abs().max() / 7 / 2 + 1e-6
-    compressed = quantize_weights(model, bits=4)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the dense model is untouched
-    assert torch.equal(compressed.model.embed_tokens.weight, model.model.embed_tokens.weight)
-    assert not torch.equal(compressed.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
-
-
-@pytest.mark.parametrize("family", list(MODELS))
-@pytest.mark.parametrize("pattern,n,m", [("2:4", 2, 4), ("4:8", 4, 8)])
-def test_n_m_pruning_leaves_at_most_n_nonzeros_in_every_m_consecutive_inputs(family, pattern, n, m):
-    model = MODELS[family]()
-    for score in ("magnitude", "wanda"):
-        pruned = prune_weights(model, score, pattern, calibration_ids=ids())
-        matrices = weight_matrices(pruned)
-        assert len(matrices) == len(weight_matrices(model)) > 0
-        for matrix in matrices:
-            rows = matrix.rows.detach()  # (outputs, inputs), whatever the storage layout
-            full = rows[:, : rows.shape[1] // m * m].reshape(rows.shape[0], -1, m)
-            assert (full.ne(0).sum(-1) <= n).all(), (family, pattern, score)
-
-
-def test_wanda_scores_weights_by_input_activation_norms():
-    model = wide_llama()
-    calibration = ids(4, 16)
-    pruned = prune_weights(model, "wanda", "unstructured", 0.5, calibration_ids=calibration)
-    layer = model.model.layers[0]
-    seen = []
-    handle = layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
-    with torch.no_grad():
-        model(input_ids=calibration)
-    handle.remove()
-    norms = torch.cat(seen).norm(dim=0)  # ||x_j||_2 over all calibration tokens
-    w = layer.mlp.down_proj.weight
-    score = w.abs() * norms
-    keep = torch.zeros_like(w, dtype=torch.bool).scatter_(1, score.topk(w.shape[1] // 2, dim=1).indices, True)
-    assert torch.equal(pruned.model.layers[0].mlp.down_proj.weight, w * keep)
-    magnitude = prune_weights(model, "magnitude", "unstructured", 0.5)
-    assert not torch.equal(magnitude.model.layers[0].mlp.down_proj.weight.ne(0), keep)
-    assert magnitude.model.layers[0].mlp.down_proj.weight.eq(0).float().mean().item() == pytest.approx(0.5, abs=1e-3)
-    with pytest.raises(ValueError, match="needs calibration_ids"):
-        prune_weights(model, "wanda")
-
-
-def test_wanda_on_a_gauge_fixed_map_scores_each_free_entry_by_the_norm_of_its_own_input_feature():
-    model = tiny_relational()
-    calibration = ids(4, 16)
-    pruned = prune_weights(model, "wanda", "unstructured", 0.5, calibration_ids=calibration)
-    v_proj = model.model.layers[1].self_attn.v_proj  # GaugeFixedLinear: free entries (out, in - d_h), per-row columns
-    seen = []
-    handle = v_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
-    with torch.no_grad():
-        model(input_ids=calibration)
-    handle.remove()
-    norms = torch.cat(seen).norm(dim=0)
-    score = v_proj.weight.abs() * torch.gather(norms.expand(v_proj.out_features, -1), 1, v_proj.free_index)
-    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(score.shape[1] // 2, dim=1).indices, True)
-    assert torch.equal(pruned.model.layers[1].self_attn.v_proj.weight, v_proj.weight * keep)
-
-
-def test_relational_pivot_entries_stay_exact_under_compression():
-    model = tiny_relational()
-    compressed = compress(model, "int4")
-    for dense, quantised in zip(model.model.layers, compressed.model.layers):
-        k, k_q = dense.self_attn.k_proj, quantised.self_attn.k_proj
-        assert torch.equal(k.fixed_value, k_q.fixed_value) and torch.equal(k.fixed_index, k_q.fixed_index)
-        assert not torch.equal(k.weight, k_q.weight)
-
-
 def test_compression_report_ranks_settings_and_correlates_with_perplexity():
     model = wide_llama()
     batch = ids(4, 16)
@@ -179,7 +84,7 @@ def test_compression_report_ranks_settings_and_correlates_with_perplexity():
     json.dumps(data, allow_nan=False)
     assert "Spearman" in report.to_markdown()
     with pytest.raises(ValueError, match="allowed settings: int8, int4"):
-        compress(model, "int2")
+        compression_report(model, batch, ["int8", "int2"], progress=False)
 
 
 def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
@@ -219,23 +124,3 @@ def test_analyze_command_writes_report_and_figures(tmp_path, capsys):
     assert "value_exclude_self" in printed and "Spearman" in printed
     with pytest.raises(ValueError, match="allowed settings"):
         analyze.run(analyze.Arguments.parse([str(model_dir), "--text", str(text), "--compression", "int3"]))
-
-
-def test_every_listed_setting_compresses_as_its_name_says():
-    model = tiny_gpt2()
-    calibration = ids(2, 8)
-    direct = {"int8": lambda: quantize_weights(model, 8), "int4": lambda: quantize_weights(model, 4)}
-    for score in ("magnitude", "wanda"):
-        for pattern in ("unstructured", "2:4", "4:8"):
-            name = score if pattern == "unstructured" else f"{score}-{pattern}"
-            direct[name] = lambda s=score, p=pattern: prune_weights(model, s, p, 0.5, calibration)
-    assert sorted(direct) == sorted(COMPRESSION_SETTINGS)
-    results = {}
-    for setting in COMPRESSION_SETTINGS:
-        compressed = compress(model, setting, calibration_ids=calibration)
-        rows = [m.rows.detach() for m in weight_matrices(compressed)]
-        assert all(torch.equal(a, b.rows) for a, b in zip(rows, weight_matrices(direct[setting]())))
-        assert any(not torch.equal(a, b.rows) for a, b in zip(rows, weight_matrices(model)))
-        results[setting] = rows
-    for pattern in ("", "-2:4", "-4:8"):  # Wanda's activation-aware score picks other weights than magnitude
-        assert any(not torch.equal(a, b) for a, b in zip(results[f"wanda{pattern}"], results[f"magnitude{pattern}"]))

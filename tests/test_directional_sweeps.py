@@ -15,9 +15,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.commands import analyze
 from relational_hf.commands.analyze import compression_settings
+from relational_hf.compress import compress_weights
 from relational_hf.directional import (
     CleanPass,
-    compress,
     compression_error,
     perplexity,
     scale_components,
@@ -171,7 +171,7 @@ def test_value_sites_share_their_perpendicular_runs_and_results_are_complete():
 def test_compression_error_from_the_recorded_pass_equals_the_two_pass_computation(family):
     model = FAMILIES[family]()
     ids, mask = data()
-    compressed = compress(model, "int4")
+    compressed = compress_weights(model, "int4")
     clean = CleanPass(model, ids, mask, batch_size=2, progress=False)
     cached = compression_error(model, compressed, ids, mask, batch_size=2, clean=clean)
     direct = compression_error(model, compressed, ids, mask, batch_size=2)

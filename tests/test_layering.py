@@ -21,28 +21,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relational_hf"
 #: the package-level import graph has no cycle.
 ORDER = (
     "modeling",  # self-contained: travels with trust_remote_code checkpoints, imports nothing of ours
-    "errors",
+    "errors",  # UsageError, the one error a user can fix, for every layer above
     "outputs",  # everything a command writes: owned output folders, staging, atomic files, tokenizers
     "shards",  # safetensors checkpoints read and written a tensor / a layer at a time
     "pretrained",  # the offline SmolLM2 checkpoint and GGUF -> plain models
     "loading",  # model sources (directories, Hub ids, GGUF files)
     "params",  # parameter formulas and stored-parameter counts
-    "registration",
-    "__init__",
-    "architectures",
-    "symmetry",
+    "registration",  # the Auto* registration of the model classes
+    "__init__",  # the package face: registers the architecture on import; the toolkits load on first use
+    "architectures",  # adapters: a model family's modules mapped to roles, read by every toolkit
+    "symmetry",  # groups, invariants and canonical gauges of the weights (principal rotations for slicing)
     "lm",  # LM data and metrics, below every user of them
-    "directional",
-    "convert",
-    "hub",
-    "training",
-    "compress",  # compression jobs: they convert, evaluate and heal (fine-tune), so they sit above training
-    "dynamics",
+    "compress",  # compression maths (weight ops, slicing, truncation, baselines): no conversion, no training
+    "directional",  # the directional toolkit: its compression diagnostics measure what `compress` does
+    "convert",  # checkpoints -> relational models (slicing from `compress`, perplexity from `lm`)
+    "hub",  # model cards and publishing (the reference models of `training` write cards)
+    "training",  # the Trainer, PEFT and healing of compressed models (suppression from `directional`)
+    "jobs",  # library jobs that compose convert, compress and training (`compress_model`)
+    "dynamics",  # the quotient-dynamics recorder: a Trainer callback over symmetry and directional measures
     "commands",  # the command line: one module per command, above every library package
 )
 
 #: library packages: no command-line parsing inside them (commands live in `commands`)
-LIBRARY_PACKAGES = ("symmetry", "convert", "compress", "directional", "dynamics", "lm", "hub", "training")
+LIBRARY_PACKAGES = ("symmetry", "convert", "compress", "directional", "dynamics", "lm", "hub", "training", "jobs")
 
 MAX_LINES = 600
 #: the model files travel to the Hub as they are (trust_remote_code); they may be longer, up to `MODEL_MAX_LINES`

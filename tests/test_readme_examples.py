@@ -106,7 +106,7 @@ GIVEN_PYTHON = {
     "llama": _tiny_llama,  # a Transformers Llama
     "model": _tiny_relational,  # any causal LM; here a relational one
     "dense": _tiny_llama,
-    "compressed": lambda: __import__("relational_hf.directional", fromlist=["compress"]).compress(
+    "compressed": lambda: __import__("relational_hf.compress", fromlist=["compress_weights"]).compress_weights(
         _tiny_llama(), "int8"
     ),
     "ids": _ids,

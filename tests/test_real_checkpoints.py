@@ -106,7 +106,7 @@ print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):
-    from relational_hf.convert import slice_relational
+    from relational_hf.compress.slicing import slice_relational
 
     relational = AutoModelForCausalLM.from_pretrained(converted).eval()
     ids = torch.randint(0, relational.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))

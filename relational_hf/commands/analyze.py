@@ -23,7 +23,7 @@ from typing import Annotated
 
 import torch
 
-from ..directional.compression import COMPRESSION_SETTINGS
+from ..compress.ops import COMPRESSION_SETTINGS, settings_from
 from ..directional.sites import SITES
 from ..errors import UsageError
 from .checks import check_model_argument, check_text_file, output_folder
@@ -120,8 +120,6 @@ def _floats_or_none(flag: str, values: list[str]) -> list[float]:
 
 def compression_settings(names: list[str] | None) -> list[str]:
     """The settings of --compression: "none" (alone) or nothing skips compression; other names are validated."""
-    from ..directional.compression import settings_from
-
     names = list(names or [])
     if any(n.lower() == NONE for n in names):
         if len(names) > 1:

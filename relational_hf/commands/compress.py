@@ -137,8 +137,8 @@ def run(args: CompressArguments) -> int:
 
 
 def _run(args: CompressArguments, lock) -> int:
-    from ..compress.api import compress_model
     from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
+    from ..jobs import compress_model
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
     from ..loading import load_model_from, load_tokenizer_from, resolve_model_source

@@ -2,7 +2,7 @@
 
 Pruning ("A Simple and Effective Pruning Approach for Large Language Models", arXiv 2306.11695, for Wanda) zeroes
 weights of the decoder layers' linear maps; the maths (scores |W_ij| and |W_ij| ||x_j||_2, unstructured and N:M
-masks) has its one home in `directional.compression`. A pruned model keeps its dense storage; its non-zeros are what a
+masks) has its one home in `compress.ops`. A pruned model keeps its dense storage; its non-zeros are what a
 sparse format would store. `prune_to_target` picks the sparsity whose non-zeros remove the asked share of the
 stored parameters.
 
@@ -37,7 +37,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..directional.compression import (
+from .eval import check_not_grown, stored_parameters
+from .ops import (
     PRUNING_PATTERNS,
     PRUNING_SCORES,
     input_feature_norms,
@@ -45,7 +46,6 @@ from ..directional.compression import (
     pruning_mask,
     weight_matrices,
 )
-from .eval import check_not_grown, stored_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def prune_to_target(
     calibration: torch.Tensor | None = None,
     feature_norms: list[torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict]:
-    """Prune `model`'s decoder-layer weights (a deep copy) with `directional.compression.prune_weights`.
+    """Prune `model`'s decoder-layer weights (a deep copy) with `compress.ops.prune_weights`.
 
     Unstructured: the sparsity s = remove * P / P_prunable makes the zeros a share `remove` of all P stored
     parameters (embeddings included); N:M patterns have their fixed sparsity 1 - N/M (`remove` ignored). Wanda
@@ -119,7 +119,7 @@ def prune_to_target(
 
 def wanda_feature_norms(model: nn.Module, calibration: torch.Tensor, batch_size: int = 2) -> list[torch.Tensor]:
     """||x_j||_2 over the calibration tokens for every input feature of every decoder weight (one forward pass),
-    `directional.compression.input_feature_norms`."""
+    `compress.ops.input_feature_norms`."""
     return input_feature_norms(model, calibration, batch_size=batch_size)
 
 

@@ -13,7 +13,7 @@ user text is needed and the same healing leaves the source itself where it is (i
 - `save_teacher_text` / `load_teacher_text`: the ids in a safetensors file with the settings and a fingerprint of the
   source model in its metadata, so a rerun reuses them (`compress` writes `heal_text.safetensors` into OUT).
 The loss and its held-out measurement are `lm.metrics.next_token_kl` / `teacher_kl`, the training loop
-`training.distillation.DistillationTrainer`; `compress.heal.heal(..., loss="kd", teacher=...)` puts them together.
+`training.distillation.DistillationTrainer`; `training.heal.heal(..., loss="kd", teacher=...)` puts them together.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def generate_teacher_text(
     return torch.stack(rows)  # type: ignore[arg-type]
 
 
-#: Options of `teacher_text` that `compress_model` and the `compress` command take as heal_samples, heal_length, ...
+#: Options of `teacher_text` that `jobs.compress_model` and the `compress` command take as heal_samples, heal_length, ...
 TEXT_OPTIONS: tuple[str, ...] = ("samples", "length", "chat_share")
 #: Their defaults (those of `teacher_text`).
 TEXT_DEFAULTS: dict[str, Any] = {"samples": 256, "length": 256, "chat_share": 0.5}

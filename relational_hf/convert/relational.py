@@ -24,11 +24,11 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from ..architectures import UnsupportedModelError, get_adapter
+from ..compress.slicing import SliceReport, slice_relational
 from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
 from .preflight import ConversionError, check_pivot_gauge_exists
-from .slicing import SliceReport, slice_relational
 
 logger = logging.getLogger(__name__)
 

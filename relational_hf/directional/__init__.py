@@ -5,22 +5,19 @@ reference z and the perpendicular rest, measure it, edit it, and use it to diagn
 - `statistics`, `decompose`: what is measured, per layer and site;
 - `edits`, `evaluation`: `scale_components` and the perplexity sweeps (all layers at once, or one layer at a time);
 - `replay`: `CleanPass`, the unedited pass kept so that an edit of layer l reruns only layers l..L-1;
-- `compression`: compressors and the layer-local counterfactual error;
+- `compression`: the layer-local counterfactual error of a compressed model, split along the dense update, and the
+  report that ranks compression settings by it (the compressors themselves: `relational_hf.compress.ops`);
 - `plots`, `analysis`: figures and the whole analysis `relational-hf analyze` runs (`directional_analysis`).
 """
 
 from ..lm.data import lm_blocks as token_blocks
 from .analysis import directional_analysis
 from .compression import (
-    COMPRESSION_SETTINGS,
     CompressionReport,
     CompressionResult,
     LayerCompressionError,
-    compress,
     compression_error,
     compression_report,
-    prune_weights,
-    quantize_weights,
 )
 from .decompose import collect_updates, decompose, decompose_dataset
 from .edits import scale_components
@@ -39,7 +36,6 @@ from .sites import EDIT_SITES, SITES, VALUE_SITES
 from .statistics import DirectionalReport, LayerStatistics
 
 __all__ = [
-    "COMPRESSION_SETTINGS",
     "EDIT_SITES",
     "SITES",
     "VALUE_SITES",
@@ -52,7 +48,6 @@ __all__ = [
     "LayerStatistics",
     "SweepResult",
     "collect_updates",
-    "compress",
     "compression_error",
     "compression_report",
     "decompose",
@@ -63,8 +58,6 @@ __all__ = [
     "plot_parallel_profile",
     "plot_per_layer",
     "plot_sweeps",
-    "prune_weights",
-    "quantize_weights",
     "scale_components",
     "sweep_all",
     "sweep_components",

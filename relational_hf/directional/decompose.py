@@ -9,15 +9,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..lm.metrics import model_device
 from .sites import SITES, check_sites, select_layers, tap_sites
 from .statistics import DirectionalReport, Moments, select_tokens
 
 Batch = torch.Tensor | Mapping[str, torch.Tensor]
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (CPU for a model without parameters)."""
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def unpack_batch(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

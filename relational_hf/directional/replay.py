@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import get_adapter
-from .decompose import model_device
+from ..lm.metrics import model_device
 from .sites import first_input, main_output, replace_main_output
 
 #: tokens per chunk of the output head (bounds the logits held at once to HEAD_CHUNK x V floats)

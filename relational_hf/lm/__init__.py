@@ -1,10 +1,12 @@
 """Language-modelling data and metrics shared by training, analysis, conversion and the Hub cards.
 
 - `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
-- `metrics`: token NLL and perplexity of a causal LM, the next-token KL between two of them.
+- `metrics`: token NLL and perplexity of a causal LM, the next-token KL between two of them, the device to feed a
+  model its inputs on (`model_device`).
 - `offload`: Accelerate's big-model loading with disk offload, device-map summaries and peak memory.
 
-The package sits below `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer, no PEFT).
+The package sits below `compress`, `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer,
+no PEFT).
 """
 
 from .data import (

@@ -15,6 +15,13 @@ from tqdm.auto import tqdm
 from ..modeling.modeling_gauge import weight_cache
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device to put a model's inputs on: that of its first parameter not on the meta device (a model dispatched
+    by Accelerate with CPU / disk offload holds meta parameters, and its hooks move the inputs to each module's
+    execution device, so any real device will do), CPU for a model without one."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 def _batches(
     input_ids: torch.Tensor | Sequence[torch.Tensor], attention_mask: torch.Tensor | None, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -41,9 +48,7 @@ def token_nll(
     and the token before it are real (attention_mask 1). Eval mode, no autograd, and the gauge-fixed weights
     assembled once (`weight_cache`, unless Accelerate offloads the model) while it runs; the training flag is
     restored."""
-    # a model dispatched by Accelerate (device_map with CPU / disk offload) holds meta parameters; its hooks move the
-    # inputs to each module's execution device, so any real device will do for them
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    device = model_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

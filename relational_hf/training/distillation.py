@@ -3,7 +3,7 @@
 The teacher runs on every batch under `torch.no_grad()` (no labels, no cached logits: a vocabulary of 50k makes
 stored logits far larger than the text); the loss is `lm.metrics.next_token_kl`, KL(p_teacher || p_student) averaged
 over the micro-batch's positions. Everything else (optimiser, schedule, callbacks, PEFT models, checkpoints) is the
-Trainer's. `relational_hf.compress.heal.heal(..., loss="kd")` uses it to repair a compressed model from its source.
+Trainer's. `relational_hf.training.heal.heal(..., loss="kd")` uses it to repair a compressed model from its source.
 """
 
 from __future__ import annotations

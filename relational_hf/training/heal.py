@@ -1,17 +1,17 @@
 """Healing a compressed model: a short LoRA recovery fine-tune, merged back.
 
-The adapters (PEFT LoRA, `training.peft_support.relational_lora_config`, on every linear map of the decoder layers)
-train on random blocks of the given token ids for `steps` steps with one of two losses:
+The adapters (PEFT LoRA, `peft_support.relational_lora_config`, on every linear map of the decoder layers) train on
+random blocks of the given token ids for `steps` steps with one of two losses:
 
 - `loss="kd"` (repair, DESIGN.md 2.2a): distillation from the source model, KL(p_teacher || p_model) of the
-  next-token distributions at every position (`training.distillation.DistillationTrainer`), typically on text the
-  teacher sampled itself (`compress.distill.generate_teacher_text`). It asks for the source's function back and
-  nothing else: the same run on the source itself leaves it where it is.
+  next-token distributions at every position (`distillation.DistillationTrainer`), typically on text the teacher
+  sampled itself (`relational_hf.compress.distill.generate_teacher_text`). It asks for the source's function back
+  and nothing else: the same run on the source itself leaves it where it is.
 - `loss="lm"`: the language-model loss on a user's text (`RelationalTrainer`). It also adapts the model to that
   text; report it beside the same healing of the uncompressed model.
 
 The adapters are then merged and every merged module is put back into its pivot gauge
-(`training.peft_support.merge_and_unload`), so the result has exactly the compressed model's shapes and stored size.
+(`peft_support.merge_and_unload`), so the result has exactly the compressed model's shapes and stored size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import tempfile
 import time
 
 import torch
+from peft import get_peft_model
 from torch import nn
+
+from ..lm.data import RandomBlockDataset
+from .arguments import RelationalTrainingArguments
+from .distillation import DistillationTrainer
+from .peft_support import RELATIONAL_LORA_TARGETS, merge_and_unload, relational_lora_config
+from .trainer import RelationalTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +59,6 @@ def heal(
     `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
     computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
-    from peft import get_peft_model
-
-    from ..lm.data import RandomBlockDataset
-    from ..training.arguments import RelationalTrainingArguments
-    from ..training.peft_support import RELATIONAL_LORA_TARGETS, merge_and_unload, relational_lora_config
-    from ..training.trainer import RelationalTrainer
-
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
     if not 0.0 < heal_lr < 1.0:
@@ -103,8 +103,6 @@ def heal(
         )
         dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
         if loss == "kd":
-            from ..training.distillation import DistillationTrainer
-
             trainer = DistillationTrainer(
                 model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks, teacher=teacher
             )

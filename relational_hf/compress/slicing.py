@@ -13,7 +13,8 @@ the kept subspace is free (the gain-free norms commute with any rotation of the 
 Q_s P with M = P diag(lambda) P^T: M becomes the diagonal gain lambda (d' values) and the head stays tied (Rayleigh-Ritz
 of the gain on the kept subspace). A constant gain is the special case P = I. An untied head absorbs the gain.
 One rotation serves the whole stream (the relational architecture has no per-layer shortcut maps, unlike SliceGPT).
-A slice never stores more parameters than its source (`compress.eval.check_not_grown`).
+A slice never stores more parameters than its source (`compress.eval.check_not_grown`). Callers:
+`convert.to_relational(slice_fraction=...)`, `jobs.compress_model(method="slice")` and its `slice_fraction` option.
 """
 
 from __future__ import annotations

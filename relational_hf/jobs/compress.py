@@ -1,13 +1,15 @@
-"""`compress_model`: one entry point for the project's compression methods (DESIGN.md 2.2a).
+"""`compress_model`: one entry point for the project's compression methods (DESIGN.md 2.2a), the job that converts,
+compresses and heals.
 
 Methods:
 - "relational": exact conversion to the relational pivot gauge (`convert.to_relational`), then activation-aware
   truncation of the invariants with a sensitivity-planned budget (`compress.lowrank.compress_relational`);
   optionally composed with a global-rotation slice of the residual stream first (option `slice_fraction`).
 - "slice": exact conversion, then principal-gauge slicing with one rotation for the whole stream
-  (`convert.slicing.slice_relational`), its width chosen to meet the requested size.
+  (`compress.slicing.slice_relational`), its width chosen to meet the requested size.
 `remove` is the share of the SOURCE model's stored parameters (every stored tensor once, embeddings and head
-included) to remove; the result stores at most (1 - remove) times as many.
+included) to remove; the result stores at most (1 - remove) times as many. Healing (`heal_steps` > 0) is the LoRA
+recovery fine-tune of `training.heal` (this module loads the Trainer and PEFT with it).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compress.distill import TEXT_OPTIONS, teacher_text
+from ..compress.lowrank import KINDS, LowRankOptions, compress_relational
+from ..compress.slicing import slice_relational
+from ..convert.relational import to_relational
 from ..lm.metrics import perplexity
 from ..modeling import RelationalForCausalLM
-from ..params import stored_parameters
-from .distill import TEXT_OPTIONS, teacher_text
-from .lowrank import KINDS, LowRankOptions, compress_relational
+from ..params import relational_parameter_count, stored_parameters
+from ..training.heal import HEAL_LOSSES, heal
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +45,6 @@ def _peak_rss_mib() -> float:
 def _as_relational(model: nn.Module) -> RelationalForCausalLM:
     if isinstance(model, RelationalForCausalLM):
         return model
-    from ..convert.relational import to_relational
-
     return to_relational(model)
 
 
@@ -55,8 +58,6 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
         raise ValueError(f"`calibration` must be token ids of shape (N, T) with T >= 2, got {shape}")
     if isinstance(heal_steps, bool) or not isinstance(heal_steps, int) or heal_steps < 0:
         raise ValueError(f"`heal_steps` must be an integer >= 0, got {heal_steps!r}")
-    from .heal import HEAL_LOSSES
-
     if heal_loss not in HEAL_LOSSES:
         raise ValueError(f"`heal_loss` must be one of {', '.join(HEAL_LOSSES)}, got {heal_loss!r}")
 
@@ -64,9 +65,6 @@ def _check_arguments(remove: float, method: str, calibration: Any, heal_steps: i
 def _slice_to_budget(model: RelationalForCausalLM, calibration: torch.Tensor, budget: int):
     """Global-rotation slice keeping the largest width d' whose stored size (closed form; slicing keeps a tied head
     tied and the final gain a vector, so only the width changes) is <= budget."""
-    from ..convert.slicing import slice_relational
-    from ..params import relational_parameter_count
-
     config = model.config
     d = config.hidden_size
     tied = config.tie_word_embeddings
@@ -102,7 +100,7 @@ def compress_model(
     most (1 - remove) x its stored parameters, and report what was done.
 
     calibration: token ids (N, T) (e.g. `compress.eval.text_windows`). method: "relational" or "slice" (module
-    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps, merged back (`compress.heal.heal`).
+    docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps, merged back (`training.heal.heal`).
     heal_loss "kd" (default): distillation from `model` itself (KL to its next-token distributions) on `heal_data`,
     by default text `model` samples itself (`compress.distill.teacher_text`: heal_samples rows of heal_length tokens,
     seeded by heal_seed, chat prompts when `tokenizer` has a template). heal_loss "lm": the language-model loss on
@@ -151,8 +149,6 @@ def compress_model(
         if not set(opts.kinds) <= set(KINDS):
             raise ValueError(f"`kinds` must be a subset of {KINDS}, got {opts.kinds}")
         if slice_fraction > 0:
-            from ..convert.slicing import slice_relational
-
             rel, slice_report = slice_relational(rel, slice_fraction, calibration)
             report["slice"] = {"hidden_size": slice_report.hidden_size_after, "variance_kept": slice_report.variance_kept}
         out, result = compress_relational(
@@ -166,8 +162,6 @@ def compress_model(
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
-        from .heal import heal
-
         text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
         if heal_loss == "kd" and heal_data is None:
             seed = heal_keys.get("heal_seed", 0)
