@@ -225,4 +225,9 @@ def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(offloaded(ids).logits, expected, rtol=0, atol=1e-5)
     modules = gauge_modules(offloaded)
-    assert modules and not any("_weight_cache" in m.__dict__ or m.keep_assembled for m in modules)
+    assert modules and not any("_weight_cache" in m.__dict__ for m in modules) and all(m._offloaded for m in modules)
+    kept = []
+    original = GaugeFixedLinear._kept_weight
+    monkeypatch.setattr(GaugeFixedLinear, "_kept_weight", lambda self: kept.append(self) or original(self))
+    offloaded.generate(ids, max_new_tokens=3, do_sample=False)  # generate's weight_cache keeps nothing either
+    assert not kept and not any("_weight_cache" in m.__dict__ for m in modules)

@@ -3,7 +3,6 @@ perplexity for the trainer, the converter and the analysis tools."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -46,13 +45,12 @@ def token_nll(
 ) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and the number of predicted tokens. A target counts when it
     and the token before it are real (attention_mask 1). Eval mode, no autograd, and the gauge-fixed weights
-    assembled once (`weight_cache`, unless Accelerate offloads the model) while it runs; the training flag is
+    assembled once (`weight_cache`) while it runs; the training flag is
     restored."""
     device = model_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    kept = contextlib.nullcontext() if getattr(model, "hf_device_map", None) else weight_cache(model)
     try:
         n = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else len(input_ids)
         steps = math.ceil(n / batch_size) if isinstance(input_ids, torch.Tensor) else n
@@ -60,7 +58,7 @@ def token_nll(
             _batches(input_ids, attention_mask, batch_size), total=steps, desc="evaluating", disable=not progress,
             leave=False,
         )  # fmt: skip
-        with torch.no_grad(), kept:
+        with torch.no_grad(), weight_cache(model):
             for ids, mask in batches:
                 ids = ids.to(device)
                 mask = None if mask is None else mask.to(device)

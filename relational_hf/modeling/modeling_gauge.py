@@ -150,7 +150,8 @@ class GaugeFixedLinear(nn.Module):
     the module switches between train and eval mode, and by `clear_weight_caches`; writes that bypass the version
     counter (through `.data`) are seen only after one of those events, which is why keeping outside
     `weight_cache()` is opt-in. A forward pass with gradients always assembles W afresh. The kept W costs the memory
-    of W (the model switches keeping off itself when Accelerate offloads it).
+    of W; a model that Accelerate offloads keeps nothing, inside `weight_cache()` too (its hooks bring each offloaded
+    layer in for one call, and kept copies would hold them all in memory again).
     """
 
     keep_assembled: bool = False  # opt-in: keep the assembled weight in eval-mode inference outside weight_cache()
@@ -191,6 +192,7 @@ class GaugeFixedLinear(nn.Module):
         self._layout_key: tuple | None = None
         self._layout_version = 0
         self._cache_assembled = False
+        self._offloaded = False  # set by the model when Accelerate offloads it: nothing is kept, weight_cache included
         self._sync_layout()
 
     # ---- initialisation: a layout derived from the shape, factors drawn in it ----
@@ -321,7 +323,7 @@ class GaugeFixedLinear(nn.Module):
             base = base.scatter(1, self.fixed_index, self.fixed_value.to(self.weight.dtype))
             return base.scatter(1, self.free_index, self.weight)
         self._ensure_layout()
-        if not self._cache_assembled or (torch.is_grad_enabled() and self.weight.requires_grad):
+        if not self._cache_assembled or self._offloaded or (torch.is_grad_enabled() and self.weight.requires_grad):
             return self._assemble()
         return self._kept_weight()
 
@@ -382,7 +384,9 @@ class GaugeFixedLinear(nn.Module):
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._drop_caches()  # an optimiser step may follow, possibly one that does not bump the version counter
             weight = self.full_weight()
-        elif self._cache_assembled or (self.keep_assembled and not (self.training or torch.is_grad_enabled())):
+        elif not self._offloaded and (
+            self._cache_assembled or (self.keep_assembled and not (self.training or torch.is_grad_enabled()))
+        ):
             self._ensure_layout()
             weight = self._kept_weight()  # inference: assembled once, like a plain Linear's weight
         else:

@@ -422,7 +422,7 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
 
 
 def follow_device_map(model: nn.Module) -> None:
-    """Switch off the inference weights that gauge-fixed layers keep (`GaugeFixedLinear.keep_assembled`) in a model
+    """Switch off the assembled weights that gauge-fixed layers keep for inference (`GaugeFixedLinear`) in a model
     that Accelerate offloads (a `hf_device_map` with "disk", or with "cpu" beside an accelerator): its hooks bring each
     offloaded layer's weights in for one call, and a kept copy per layer would hold them all in memory again. Cheap
     when the placement has not changed."""
@@ -432,7 +432,7 @@ def follow_device_map(model: nn.Module) -> None:
     if model.__dict__.get("_offloaded_weights", False) != offloaded:
         for module in model.modules():
             if isinstance(module, GaugeFixedLinear):
-                module.keep_assembled = False if offloaded else type(module).keep_assembled
+                module._offloaded = offloaded
                 module._drop_caches()
         model.__dict__["_offloaded_weights"] = offloaded
 
