@@ -56,6 +56,7 @@ from .relational import (
     _FIXED_GROUPS,
     ConversionError,
     ConversionReport,
+    PhaseTimes,
     _check_supported,
     _sliding_window,
     convert_layer,
@@ -66,6 +67,7 @@ from .relational import (
 )
 
 logger = logging.getLogger(__name__)
+
 
 def _layer_prefixes(model: nn.Module, layers: list[nn.Module]) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
@@ -110,6 +112,7 @@ def stream_to_relational(
     copy_tokenizer: bool = True,
     progress: bool = True,
     lock: OutputLock | None = None,
+    times: PhaseTimes | None = None,
 ) -> ConversionReport:
     """Convert the safetensors checkpoint folder `src` (Llama / Mistral / Qwen2) to a relational checkpoint `out`
     one decoder layer at a time; returns the ConversionReport (also written to out/conversion_report.json).
@@ -122,8 +125,18 @@ def stream_to_relational(
     untied). Shards of at most `max_shard_size` bytes ("5GB"), named and indexed like `save_pretrained`; config,
     generation config, the code files for trust_remote_code and the tokenizer (`copy_tokenizer`) are written
     beside. Everything is written through `relational_hf.outputs.write_new_output` (`lock`: the caller's lock on
-    `out`): `out` must not exist or be empty (`UsageError` otherwise), and a failure leaves `out` untouched."""
+    `out`): `out` must not exist or be empty (`UsageError` otherwise), and a failure leaves `out` untouched.
+
+    `times` (a `PhaseTimes`, optional) receives where the wall time went, in seconds: "open" (reading the config,
+    the index and the small tensors, the checks of the model), "read" (each layer's tensors from the shards),
+    "preflight" (does the pivot gauge exist), "fold", "gauge_attention", "gauge_mlp" (`convert_layer`),
+    "check_read" and "check_forward" (the per-layer check), "write" (each layer's tensors cast and written),
+    "embedding_head" (copied in row blocks), "finish" (closing the shards, the report, config and tokenizer) and
+    "publish" (fsync of the staged folder, its marker and the rename into place)."""
     from tqdm.auto import tqdm
+
+    times = times if times is not None else PhaseTimes()
+    opened = time.perf_counter()
 
     src, out = Path(src), Path(out)
     out_dtype = parse_dtype(dtype)
@@ -174,6 +187,7 @@ def stream_to_relational(
     written: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     results: dict = {"worst": (0.0, 1.0, 0.0)}
     start = time.perf_counter()
+    times["open"] = times.get("open", 0.0) + start - opened
 
     def write(stage: Path) -> None:
         writer = ShardWriter(stage, max_shard_bytes, header_reserve)
@@ -191,24 +205,29 @@ def stream_to_relational(
             written[name] = (shape, expected.get(name, (None, None))[1])
 
         dst_modules = {id(m): n for n, m in target.named_modules()}
-        emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
+        with times("embedding_head"):
+            emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
         with no_init_weights():
             layer = RelationalDecoderLayer(rconfig, 0).float().eval()
         generator = torch.Generator().manual_seed(0)
         src_rotary = _rotary(source) if verify else None
         dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
-            block = materialize(source, reader, src_prefixes[i])  # stored dtype
-            raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
+            with times("read"):
+                block = materialize(source, reader, src_prefixes[i])  # stored dtype
+            with times("preflight"):
+                raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer drops them as it goes
-            convert_layer(layer, tensors)
+            convert_layer(layer, tensors, times)
             if i in verify:  # read again (from the page cache, usually) rather than kept during the conversion
-                block = materialize(source, reader, src_prefixes[i], dtype=torch.float32)
-                hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
-                result = relative_difference(
-                    _layer_outputs(block, hidden, src_rotary), _layer_outputs(layer, hidden, dst_rotary)
-                )
+                with times("check_read"):
+                    block = materialize(source, reader, src_prefixes[i], dtype=torch.float32)
+                with times("check_forward"):
+                    hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
+                    result = relative_difference(
+                        _layer_outputs(block, hidden, src_rotary), _layer_outputs(layer, hidden, dst_rotary)
+                    )
                 results["worst"] = max(results["worst"], result, key=lambda r: r[2])
                 if not result[2] <= tolerance:
                     raise ConversionError(
@@ -217,17 +236,20 @@ def stream_to_relational(
                     )
                 release(block)
             drop_caches(layer)
-            for key, tensor in layer.state_dict().items():
-                emit(f"{dst_prefixes[i]}.{key}", tensor)
+            with times("write"):
+                for key, tensor in layer.state_dict().items():
+                    emit(f"{dst_prefixes[i]}.{key}", tensor)
             trim_heap()
         del layer
-        final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
-        g_final = reader.get([final_key])[final_key]
-        if tie:
-            emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
-        else:
-            head_key = embed_name[src_names[id(adapter.output_head().weight)]]
-            emit_rows(dst_modules[id(dst_adapter.output_head())] + ".weight", head_key, fold_gain=g_final)
+        with times("embedding_head"):
+            final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
+            g_final = reader.get([final_key])[final_key]
+            if tie:
+                emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
+            else:
+                head_key = embed_name[src_names[id(adapter.output_head().weight)]]
+                emit_rows(dst_modules[id(dst_adapter.output_head())] + ".weight", head_key, fold_gain=g_final)
+        finish = time.perf_counter()
         # every parameter written once with its shape (buffers: whatever the layer's own state_dict holds)
         params = {n: tuple(p.shape) for n, p in target.named_parameters()}
         mismatch = sorted(k for k, shape in params.items() if written.get(k, (None,))[0] != shape)
@@ -242,8 +264,11 @@ def stream_to_relational(
             _copy_tokenizer(src, stage, trust_remote_code)
         (stage / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
         results["report"] = report
+        results["written"] = time.perf_counter()
+        times["finish"] = times.get("finish", 0.0) + results["written"] - finish
 
     write_new_output(out, write, command="convert", kind="relational", lock=lock)
+    times["publish"] = times.get("publish", 0.0) + time.perf_counter() - results["written"]
     report, worst = results["report"], results["worst"]
     logger.info(
         "streamed %s (%d layers) to %s in %.1f s; max relative layer difference %.3g",
