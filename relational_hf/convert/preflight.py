@@ -49,11 +49,14 @@ def _rank_deficient(blocks: torch.Tensor) -> list[tuple[int, int]]:
     return [(h, int(rank)) for h, rank in zip(suspect, ranks.tolist()) if rank < r]
 
 
-def _nonzero_folded(w: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
-    """Where W diag(g) is non-zero (bool, W's shape), without forming it: a product of two non-zero fp32, bf16 or
-    fp16 numbers is non-zero in float64, so this is exactly where the float64 fold is non-zero."""
-    nonzero = w != 0
-    return nonzero if gain is None else nonzero & (gain != 0)
+def _nonzero_rows(w: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """Whether each row of W diag(g) has a non-zero entry (bool, W's rows), without forming it: a product of two
+    non-zero fp32, bf16 or fp16 numbers is non-zero in float64, so a row of the float64 fold is non-zero exactly where
+    W has a non-zero entry in a column of non-zero gain."""
+    if gain is not None and not bool((gain != 0).all()):
+        w = w[:, gain != 0]
+    low, high = torch.aminmax(w, dim=-1)  # one pass, no temporary of W's size
+    return (low != 0) | (high != 0)
 
 
 @torch.no_grad()
@@ -68,21 +71,21 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
     gain = layer.attention_norm.weight.detach() if layer.attention_norm is not None else None
 
     def folded(x: torch.Tensor) -> torch.Tensor:  # W diag(g) in float64, one block per key/value head
-        x = x.double() if gain is None else x.double() * gain.double()
+        x = x.double() if gain is None else x.to(torch.float64, copy=True).mul_(gain.double())
         return x.view(h_kv, d_h, -1)
 
     for h, rank in _rank_deficient(folded(w.v)):
         found.append(f"layer {index}, key/value head {h}: W_V block has rank {rank} < head_dim {d_h}")
     if rope:
         half = d_h // 2
-        nonzero = _nonzero_folded(w.k, gain).view(h_kv, d_h, -1).any(-1)  # (H_kv, d_h): rows with a non-zero entry
+        nonzero = _nonzero_rows(w.k, gain).view(h_kv, d_h)  # rows of each key head with a non-zero entry
         for h, j in (~(nonzero[:, :half] | nonzero[:, half:])).nonzero().tolist():
             found.append(f"layer {index}, key/value head {h}: W_K rotary pair {j} is zero")
     else:
         for h, rank in _rank_deficient(folded(w.k)):
             found.append(f"layer {index}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
     mlp_gain = layer.mlp_norm.weight.detach() if layer.mlp_norm is not None else None
-    zero_units = (~_nonzero_folded(layer.mlp.up_proj.weight.detach(), mlp_gain).any(-1)).nonzero().flatten().tolist()
+    zero_units = (~_nonzero_rows(layer.mlp.up_proj.weight.detach(), mlp_gain)).nonzero().flatten().tolist()
     if zero_units:
         shown = ", ".join(map(str, zero_units[:8])) + (", ..." if len(zero_units) > 8 else "")
         found.append(f"layer {index}: {len(zero_units)} SwiGLU unit(s) with a zero up-projection row ({shown})")

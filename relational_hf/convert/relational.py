@@ -231,27 +231,30 @@ def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     }
 
 
-def _times_gain(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-    """W diag(g) in fp32 from a weight in any floating dtype (one new tensor: the cast, multiplied in place)."""
+def _times_gain(w: torch.Tensor, gain: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """W diag(g) in fp32 from a weight in any floating dtype: one new tensor (the cast, multiplied in place), or,
+    with `in_place` and an fp32 W, W itself multiplied in place."""
     out = w.float()
-    return out.mul_(gain) if out is not w else out * gain
+    return out.mul_(gain) if out is not w or in_place else out * gain
 
 
 @torch.no_grad()
 def fold_layer_gains(
-    tensors: dict[str, torch.Tensor | None],
+    tensors: dict[str, torch.Tensor | None], in_place: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fold one layer's RMSNorm gains into their readers: W_Q, W_K, W_V -> W diag(g_attn), W_gate, W_up ->
     W diag(g_mlp). Returns the (attention, mlp) full weights in fp32 for `RelationalAttention.set_full_weights` /
     `RelationalMLP.set_full_weights`; a half whose tensors are not in `tensors` comes back empty. The products are
     taken in fp32 and are exactly the float64 products rounded to fp32: weights and gains in fp32, bf16 or fp16 are
     exact in fp32, their exact product fits a float64 (48 significant bits, no overflow or underflow), so both ways
-    round the exact product once (IEEE multiplication is correctly rounded)."""
+    round the exact product once (IEEE multiplication is correctly rounded). `in_place`: the caller's fp32 tensors
+    may be overwritten (they are the caller's to give away, as in the streaming converter); otherwise no tensor of
+    `tensors` is changed."""
     attention, mlp = {}, {}
     if "q" in tensors:
         g_attn = tensors["attention_gain"].float()
         for key in ("q", "k", "v"):
-            attention[key] = _times_gain(tensors[key], g_attn)
+            attention[key] = _times_gain(tensors[key], g_attn, in_place)
         attention["o"] = tensors["o"].float()
         for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
             if tensors.get(key) is not None:
@@ -259,34 +262,41 @@ def fold_layer_gains(
     if "up" in tensors:
         g_mlp = tensors["mlp_gain"].float()
         mlp = {
-            "gate": _times_gain(tensors["gate"], g_mlp),
-            "up": _times_gain(tensors["up"], g_mlp),
+            "gate": _times_gain(tensors["gate"], g_mlp, in_place),
+            "up": _times_gain(tensors["up"], g_mlp, in_place),
             "down": tensors["down"].float(),
         }
     return attention, mlp
 
 
 @torch.no_grad()
-def convert_layer(target: nn.Module, tensors: dict[str, torch.Tensor | None], times: PhaseTimes | None = None) -> None:
+def convert_layer(
+    target: nn.Module,
+    tensors: dict[str, torch.Tensor | None],
+    times: PhaseTimes | None = None,
+    *,
+    consume: bool = False,
+) -> None:
     """Load one source layer (`LAYER_ROLES` tensors) into a `RelationalDecoderLayer` `target`: gains folded
     (`fold_layer_gains`), then QK pairs, VO pairs and SwiGLU scales moved to the target's gauge by its own
     `set_full_weights`. The layer computes the same map as the source layer (its norms are gain-free). The dict
-    `tensors` is emptied (memory: its tensors are dropped as soon as they are converted). `times` (optional)
-    receives the seconds of the phases "fold", "gauge_attention" and "gauge_mlp" (pivot selection, the gauge maps
-    and storing the free entries)."""
+    `tensors` is emptied (memory: its tensors are dropped as soon as they are converted); with `consume` its fp32
+    tensors are also overwritten (folded in place: the caller gives them away). `times` (optional) receives the
+    seconds of the phases "fold", "gauge_attention" and "gauge_mlp" (pivot selection, the gauge maps and storing
+    the free entries)."""
     times = times if times is not None else PhaseTimes()
     # one half at a time, and `tensors` is emptied as it is used: a caller that holds no other reference (the
     # streaming converter) keeps only what is still to be converted in memory
     part = {k: tensors.pop(k) for k in list(tensors) if k not in _MLP_ROLES}
     with times("fold"):
-        attention = fold_layer_gains(part)[0]
+        attention = fold_layer_gains(part, in_place=consume)[0]
     del part
     with times("gauge_attention"):
         target.self_attn.set_full_weights(attention)
     del attention
     part = {k: tensors.pop(k) for k in list(tensors)}
     with times("fold"):
-        mlp = fold_layer_gains(part)[1]
+        mlp = fold_layer_gains(part, in_place=consume)[1]
     del part
     with times("gauge_mlp"):
         target.mlp.set_full_weights(mlp)

@@ -37,7 +37,7 @@ def max_volume_rows(w: torch.Tensor, rank: int) -> torch.Tensor:
     # float64, w^T contiguous as (b, r, n): each step's n dot products are one (1 x r) by (r x n) product that reads
     # the rows in memory order (the (n x r) matrix-vector product of the other layout is several times slower)
     xt = w.detach().double().transpose(-1, -2).reshape(-1, w.shape[-1], w.shape[-2]).contiguous()  # (b, r, n)
-    norms = xt.pow(2).sum(-2)  # (b, n)
+    norms = torch.linalg.vector_norm(xt, dim=-2).square_()  # (b, n), without a temporary of x's size
     basis = xt.new_zeros(xt.shape[0], rank, xt.shape[-2])  # (b, rank, r) directions removed so far
     picked = torch.empty(xt.shape[0], rank, dtype=torch.long, device=w.device)
     heads = torch.arange(xt.shape[0], device=w.device)
@@ -105,7 +105,10 @@ def complex_pair_scale(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     half, dtype = w.shape[-2] // 2, _working_dtype(w)
     re, im = w[..., :half, :].to(dtype), w[..., half:, :].to(dtype)
     a, b = z.real.to(dtype).unsqueeze(-1), z.imag.to(dtype).unsqueeze(-1)
-    return torch.cat([re * a - im * b, re * b + im * a], dim=-2).to(w.dtype)
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)  # both halves written in place: one new tensor
+    torch.mul(re, a, out=out[..., :half, :]).addcmul_(im, b, value=-1)
+    torch.mul(re, b, out=out[..., half:, :]).addcmul_(im, a)
+    return out.to(w.dtype)
 
 
 def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,15 +287,28 @@ class GaugeFixedLinear(nn.Module):
                 raise ValueError(f"{self!r}: pivot positions must be in [0, {n}), got {low if low < 0 else high}")
             if m > 1 and bool((fixed_index.sort(dim=1).values.diff(dim=1) == 0).any()):
                 raise ValueError(f"{self!r}: the {m} pivot positions of a row must be distinct")
-        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1)
-        shifted = fixed_index.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
-        k = torch.arange(n - m, device=fixed_index.device).expand(self.out_features, n - m)
+        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1); rows
+        # of a block that share their fixed columns (the block pattern) are computed once; the int64 free indices are
+        # written into the previous buffer when it has their shape (no new allocation of out x in entries)
+        shape = (self.out_features, n - m)
+        free = self.free_index
+        if tuple(free.shape) != shape or free.device != fixed_index.device or free.dtype != torch.long:
+            free = torch.empty(shape, dtype=torch.long, device=fixed_index.device)
+        rows = fixed_index
+        blocks = fixed_index.view(-1, m, m)
+        if m > 1 and fixed_index.device.type != "meta" and bool((blocks == blocks[:, :1]).all()):
+            rows = fixed_index[::m]  # one row per block
+        shifted = rows.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
+        k = torch.arange(n - m, device=fixed_index.device).expand(rows.shape[0], n - m)
         if m == 1:
-            free = k + (k >= shifted).long()
+            torch.ge(k, shifted, out=free).add_(k)  # (k >= s) + k, without a mixed-dtype sum (several times slower)
+        elif rows is fixed_index:
+            torch.add(k, torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True), out=free)
         else:
-            free = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
+            per_block = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
+            free.view(rows.shape[0], m, n - m).copy_(per_block.unsqueeze(1))
         self.fixed_index = fixed_index.contiguous()
-        self.free_index = free.contiguous()
+        self.free_index = free
         self.fixed_value = fixed_value.reshape(self.out_features, m).to(torch.float32).contiguous()
         self._layout_version += 1
 
@@ -350,14 +366,21 @@ class GaugeFixedLinear(nn.Module):
         key = (w._version, w.data_ptr(), w.dtype, w.device, self._layout_version)
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
+            self.__dict__.pop("_weight_cache", None)  # the old one is not needed to build the new one
             cached = (key, self._assemble().detach())
             self.__dict__["_weight_cache"] = cached
         return cached[1]
 
     def _assemble(self) -> torch.Tensor:
-        # one out-of-place scatter of the free entries into a constant holding the pivots (cached per layout):
-        # its backward is a single gather, the constant needs none
-        return self._pivot_base().scatter(1, self.free_index, self.weight)
+        # with autograd: one out-of-place scatter of the free entries into a constant holding the pivots (cached per
+        # layout); its backward is a single gather, the constant needs none
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return self._pivot_base().scatter(1, self.free_index, w)
+        # without: fixed and free entries partition each row, so one new tensor and two in-place scatters
+        full = torch.empty(self.out_features, self.in_features, dtype=w.dtype, device=w.device)
+        full.scatter_(1, self.free_index, w.detach())
+        return full.scatter_(1, self.fixed_index, self.fixed_value.to(w.dtype))
 
     def _pivot_base(self) -> torch.Tensor:
         """The (out x in) constant with the fixed values at the pivots and zeros elsewhere, rebuilt when the layout,
@@ -392,7 +415,10 @@ class GaugeFixedLinear(nn.Module):
             err = (fixed - self.fixed_value.float()).abs().max().item() if fixed.numel() else 0.0
             if err > 1e-4 * max(1.0, self.fixed_value.abs().max().item()):
                 raise ValueError(f"weight is not in this module's pivot gauge (pivot entries off by {err:.3g})")
-        self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
+        if w.dtype == self.weight.dtype and w.device == self.weight.device:
+            torch.gather(w, 1, self.free_index, out=self.weight)  # straight into the parameter (no temporary)
+        else:
+            self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -482,10 +508,10 @@ def write_full_weight(module: nn.Module, w: torch.Tensor, bias: torch.Tensor | N
         module.bias.copy_((bias if bias is not None else torch.zeros_like(module.bias)).to(module.bias))
 
 
-def _times_inverse_block(b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _times_inverse_block(b: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """b^T x for the float64 gauge blocks b (..., r, r) = c W[P]^-1 and weights x (..., r, d), taken in float64 and
-    rounded once to x's dtype: the entries of an inverse may be large and cancel in the sum."""
-    return (b.transpose(-1, -2) @ x.double()).to(x.dtype)
+    rounded once to `dtype`: the entries of an inverse may be large and cancel in the sum."""
+    return (b.transpose(-1, -2) @ x.double()).to(dtype)
 
 
 def _times_pivot_block(block: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -532,7 +558,7 @@ def qk_to_pivot_gauge(
         pivots = max_volume_rows(k.transpose(1, 2), rank)  # rows of W_K (d x r)
         block = torch.gather(k, 2, pivots.unsqueeze(1).expand(num_kv_heads, rank, rank)).double()  # W_K[P]^T
         a = scale * torch.linalg.inv(block.transpose(1, 2))  # A = c W_K[P]^-1
-        k_new = _times_inverse_block(a, k)  # (W_K A)^T = A^T W_K^T
+        k_new = _times_inverse_block(a, k, k.dtype)  # (W_K A)^T = A^T W_K^T
         q_new = _times_pivot_block(block.transpose(1, 2).unsqueeze(1), q, scale)  # (W_Q A^-T)^T = A^-1 W_Q^T
         fixed_index, fixed_value = identity_pivot_layout(pivots, scale)
     a_inv_t = torch.linalg.inv(a).transpose(1, 2)  # A^-T
@@ -570,10 +596,12 @@ def vo_to_pivot_gauge(
     d = wv.shape[-1]
     g = wo.shape[1] // (head_dim * num_kv_heads)
     v = wv.view(num_kv_heads, head_dim, d)  # W_V^T per head
-    pivots = max_volume_rows(v.transpose(1, 2), head_dim)
-    block = torch.gather(v, 2, pivots.unsqueeze(1).expand(num_kv_heads, head_dim, head_dim)).double()  # W_V[P]^T
+    v64 = v.double()  # one float64 copy for the pivot search and the product
+    pivots = max_volume_rows(v64.transpose(1, 2), head_dim)
+    block = torch.gather(v64, 2, pivots.unsqueeze(1).expand(num_kv_heads, head_dim, head_dim))  # W_V[P]^T
     b = scale * torch.linalg.inv(block.transpose(1, 2))  # (H_kv, d_h, d_h)
-    v_new = _times_inverse_block(b, v)  # (W_V B)^T = B^T W_V^T
+    v_new = _times_inverse_block(b, v64, wv.dtype)  # (W_V B)^T = B^T W_V^T
+    del v64
     o = wo.view(d, num_kv_heads, g, head_dim).permute(1, 2, 3, 0)  # W_O per head (H_kv, g, d_h, d)
     o_new = _times_pivot_block(block.transpose(1, 2).unsqueeze(1), o, scale)  # B^-1 W_O
     o_new = o_new.permute(3, 0, 1, 2).reshape(d, -1)
@@ -588,6 +616,14 @@ def vo_to_pivot_gauge(
     )
 
 
+def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
+    """Index (..., 1) of the first entry of largest |w| along the last dimension, as `w.abs().argmax(-1)` gives it,
+    from the largest and the smallest entry (two reductions, no |w| of w's size)."""
+    high, low = w.argmax(-1, keepdim=True), w.argmin(-1, keepdim=True)
+    a, b = torch.gather(w, -1, high).abs(), torch.gather(w, -1, low).abs()
+    return torch.where((a > b) | ((a == b) & (high < low)), high, low)
+
+
 def mlp_to_pivot_gauge(
     w_up: torch.Tensor, w_down: torch.Tensor, *, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -596,7 +632,7 @@ def mlp_to_pivot_gauge(
     w_up: (d_ff, d), w_down: (d, d_ff) in Linear layout. Returns (w_up, w_down, fixed_index, fixed_value). The scales
     c_k are float64, rounded to `_working_dtype` for the products (each entry within two roundings of the exact
     product), the results in the weights' dtypes."""
-    pivots = w_up.abs().argmax(-1, keepdim=True)  # (d_ff, 1)
+    pivots = _largest_magnitude(w_up)  # (d_ff, 1)
     c = scale / torch.gather(w_up, 1, pivots).double()  # (d_ff, 1)
     up_dtype, down_dtype = _working_dtype(w_up), _working_dtype(w_down)
     up_new = (w_up.to(up_dtype) * c.to(up_dtype)).to(w_up.dtype)
