@@ -5,8 +5,17 @@ safetensors folder). A random Llama of each size is generated on disk as sharded
 time (never the whole model in memory; weights N(0, 0.02), norm gains 1 + N(0, 0.1) so that folding is not
 trivial). Then, each in its own child process so that its peak resident memory (`ru_maxrss` of that process: the
 WHOLE process, Python, torch and Transformers included) belongs to that step alone:
+- `floor`: the I/O floor of a conversion, measured in the same run: every tensor of SRC read (`CheckpointReader`) and
+  written back unchanged as safetensors shards (`ShardWriter`) through the same staging folder, fsync and rename as
+  `convert` (`relational_hf.outputs.write_new_output`); `convert_over_floor` states conversion time as a multiple
+  of it (medians, and minima, over `--repeats`);
 - `convert`: stream_to_relational SRC OUT (bf16 kept on disk), whose own check runs every layer against the source
-  layer on random hidden states in fp32; wall time and peak RSS;
+  layer on random hidden states in fp32; wall time and peak RSS, and where the time went (`phases`: the
+  converter's own `PhaseTimes`: read, preflight, fold, gauge, check, write, publish). With `--repeats N` the floor and
+  the conversion run N times, alternately (`runs` holds each; `wall_s` is the median). `--baseline REV` also
+  converts with the `relational_hf` of git revision REV (exported into the work folder, imported by the child
+  through PYTHONPATH), alternating with the current code: a before/after measured on the same machine in the same
+  session. `--profile` adds one conversion under cProfile (`profile`: the functions with the most own time);
 - `redundancy`: redundancy_report_from_checkpoint SRC (counts and per-layer invariant descriptors); wall time, RSS;
 - `check`: an independent exactness check, on a sample of layers (source layer vs converted layer read back from
   OUT, same random input, fp32 compute) and on full logits computed layer by layer (`layerwise_logits`, so it runs
@@ -25,6 +34,8 @@ Perplexity is `relational_hf.lm.metrics.perplexity`.
     python benchmarks/convert.py                          # 0.1B and 1B streamed, slicing with 1500 steps
     python benchmarks/convert.py --sizes 1B 7B --no-slicing   # writes convert_stream.json / .png (7B: ~27 GB disk)
     python benchmarks/convert.py --quick                  # a ~10M conversion, 100 training steps (about 2 min)
+    python benchmarks/convert.py --sizes 1B --no-slicing --threads auto --repeats 2 --baseline REV --profile \
+        --only floor convert check_bf16 --tag speed_1B         # conversion speed against the I/O floor, before/after
 
 Writes benchmarks/results/convert.json and convert.png (`_quick` with --quick, `_stream` with --no-slicing).
 The machine running it may be shared: wall times are then pessimistic.
@@ -39,6 +50,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,21 +149,48 @@ def generate_checkpoint(size: str, directory: Path, seed: int, shard: str = "2GB
     }
 
 
-def _child(kind: str, paths: list[str], threads: int) -> dict:
-    """One measured step in this (fresh) process."""
+def _set_threads(threads: str) -> None:
+    """torch's intra-op threads: a number, or "auto" for the count `relational-hf` itself uses (the idle cores,
+    `relational_hf.commands.main.cpu_threads`)."""
+    if threads == "auto":
+        from relational_hf.commands.main import cpu_threads
+
+        torch.set_num_threads(cpu_threads()[0])
+    else:
+        torch.set_num_threads(int(threads))
+
+
+def _child(kind: str, paths: list[str], threads: str) -> dict:
+    """One measured step in this (fresh) process, with `threads` as `_set_threads` reads it."""
     import relational_hf  # noqa: F401  (registers the architecture)
 
-    torch.set_num_threads(threads)
+    _set_threads(threads)
     logging.getLogger("relational_hf").setLevel(logging.WARNING)
     base_rss = _rss_peak_mib()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     base_cpu = usage.ru_utime + usage.ru_stime
+    base_sys = usage.ru_stime
     start = time.perf_counter()
-    if kind == "convert":
+    if kind == "floor":
+        out = io_floor(paths[0], paths[1])
+    elif kind in ("convert", "convert_profile"):
         from relational_hf.convert.streaming import stream_to_relational
 
         dtype = paths[2] if len(paths) > 2 else None
-        report = stream_to_relational(paths[0], paths[1], dtype=dtype, progress=False)
+        try:  # the phase timers (absent from the code of an earlier revision, see --baseline)
+            from relational_hf.convert.relational import PhaseTimes
+
+            times, extra = PhaseTimes(), {}
+            extra["times"] = times
+        except ImportError:
+            times, extra = None, {}
+        profiler = None
+        if kind == "convert_profile":
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        report = stream_to_relational(paths[0], paths[1], dtype=dtype, progress=False, **extra)
         out = {
             "source_parameters": report.source_parameters,
             "relational_parameters": report.relational_parameters,
@@ -159,6 +198,11 @@ def _child(kind: str, paths: list[str], threads: int) -> dict:
             "converter_check_relative": report.relative_logit_difference,
             "output_bytes": sum(f.stat().st_size for f in Path(paths[1]).glob("*.safetensors")),
         }
+        if times is not None:
+            out["phases"] = {k: round(v, 3) for k, v in times.items()}
+        if profiler is not None:
+            profiler.disable()
+            out["profile"] = _profile_rows(profiler)
     elif kind in ("redundancy", "redundancy_counts"):
         from relational_hf.symmetry.report import redundancy_report_from_checkpoint
 
@@ -176,10 +220,54 @@ def _child(kind: str, paths: list[str], threads: int) -> dict:
     out.update(
         wall_s=time.perf_counter() - start,
         cpu_s=usage.ru_utime + usage.ru_stime - base_cpu,  # load-independent: CPU time of this step
+        system_cpu_s=usage.ru_stime - base_sys,  # of which in the kernel (page faults, file I/O)
+        torch_threads=torch.get_num_threads(),
         peak_rss_mib=_rss_peak_mib(),
         startup_rss_mib=base_rss,
     )
     return out
+
+
+def _profile_rows(profiler, top: int = 25) -> list[dict]:
+    """The `top` functions by own time (tottime) of a cProfile run, with their cumulative time and call counts
+    (file paths shortened to the package: no path of the machine)."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (file, line, name), (_cc, calls, tottime, cumtime, _callers) in stats.items():
+        for marker in ("relational_hf/", "site-packages/"):
+            if marker in file:
+                file = file[file.index(marker) + (0 if marker == "relational_hf/" else len(marker)) :]
+        where = f"{file}:{line}({name})" if line else name
+        rows.append({"function": where, "calls": calls, "tottime_s": round(tottime, 3), "cumtime_s": round(cumtime, 3)})
+    rows.sort(key=lambda r: -r["tottime_s"])
+    return rows[:top]
+
+
+def io_floor(src: str, out: str, max_shard_size: str = "5GB") -> dict:
+    """Read every tensor of the checkpoint SRC and write the same bytes into OUT as safetensors shards, through the
+    project's shard writer and the staging folder, fsync and rename that `convert` writes through: what any
+    streaming conversion must at least do. OUT is removed afterwards (not timed: the caller's clock stops first)."""
+    from relational_hf.outputs import write_new_output
+    from relational_hf.shards import CheckpointReader, ShardWriter, parse_size
+
+    reader = CheckpointReader(src)
+    names = reader.keys()
+    counts = {"tensors": 0, "bytes": 0}
+
+    def write(stage: Path) -> None:
+        writer = ShardWriter(stage, parse_size(max_shard_size), 4096 + 2 * sum(len(k) + 160 for k in names))
+        for name in names:
+            tensor = reader.get([name])[name]
+            writer.add(name, tensor)
+            counts["tensors"] += 1
+            counts["bytes"] += tensor.numel() * tensor.element_size()
+            del tensor
+        writer.finish(sum(math.prod(reader.shape(k)) for k in names))
+
+    write_new_output(out, write, command="convert", kind="io-floor")
+    return counts
 
 
 @torch.no_grad()
@@ -188,15 +276,8 @@ def exactness(src: str, out: str, tokens: int = 32, layers: int = 3) -> dict:
     from transformers import AutoConfig
 
     from relational_hf.convert.relational import relative_difference
-    from relational_hf.convert.streaming import (
-        CheckpointReader,
-        _layer_outputs,
-        _rotary,
-        layerwise_logits,
-        materialize,
-        meta_model,
-        release,
-    )
+    from relational_hf.convert.streaming import _layer_outputs, _rotary, layerwise_logits
+    from relational_hf.shards import CheckpointReader, materialize, meta_model, release
 
     results = {}
     src_model = meta_model(AutoConfig.from_pretrained(src))
@@ -231,11 +312,15 @@ def exactness(src: str, out: str, tokens: int = 32, layers: int = 3) -> dict:
     return results
 
 
-def _run_child(kind: str, paths: list[str], threads: int, timeout_s: float) -> dict:
+def _run_child(kind: str, paths: list[str], threads: str, timeout_s: float, code: Path | None = None) -> dict:
+    """Run one step in a fresh process; `code`: a folder holding another `relational_hf` to import instead."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--threads", str(threads), *paths]
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [env.get("PYTHONPATH")])])
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish within {timeout_s:.0f} s (time box)"}
     if proc.returncode != 0:
@@ -245,16 +330,80 @@ def _run_child(kind: str, paths: list[str], threads: int, timeout_s: float) -> d
     return result
 
 
-STEPS = ("convert", "redundancy_counts", "redundancy", "check_bf16", "convert_fp32", "check_fp32")
+def export_code(revision: str, into: Path) -> dict:
+    """`relational_hf` as of git revision `revision` of this repository, written into the folder `into` (for a
+    child to import through PYTHONPATH); returns the revision's commit and subject."""
+    root = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True, exist_ok=True)
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "--verify", f"{revision}^{{commit}}"], capture_output=True, text=True)
+    if commit.returncode != 0:
+        raise SystemExit(f"--baseline: {revision!r} is not a revision of this repository")
+    archive = subprocess.run([*git, "archive", "--format=tar", commit.stdout.strip(), "relational_hf"],
+                             capture_output=True, check=True)  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    subject = subprocess.run([*git, "log", "-1", "--format=%s", commit.stdout.strip()], capture_output=True, text=True)
+    return {"revision": revision, "commit": commit.stdout.strip(), "subject": subject.stdout.strip()}
+
+
+def _repeated(runs: list[dict]) -> dict:
+    """One step measured several times: the last run's fields, with `wall_s` / `cpu_s` the medians, their minima,
+    and every run's times and load average under `runs`."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    out = dict(ok[-1])
+    walls, cpus = [r["wall_s"] for r in ok], [r["cpu_s"] for r in ok]
+    keys = ("wall_s", "cpu_s", "system_cpu_s", "torch_threads", "load_average_before", "load_average_after", "phases")
+    out.update(
+        wall_s=statistics.median(walls),
+        wall_s_min=min(walls),
+        cpu_s=statistics.median(cpus),
+        cpu_s_min=min(cpus),
+        runs=[{k: r[k] for k in keys if k in r} for r in runs],
+    )
+    return out
+
+
+def floor_ratio(row: dict) -> dict:
+    """convert time over the I/O floor measured in the same run: medians and minima (empty until both ran)."""
+    floor, convert = row.get("floor", {}), row.get("convert", {})
+    if "wall_s" not in floor or "wall_s" not in convert:
+        return {}
+    out = {
+        "io_floor_s": floor["wall_s"],
+        "convert_over_floor": convert["wall_s"] / floor["wall_s"],
+        "convert_over_floor_min": convert.get("wall_s_min", convert["wall_s"])
+        / floor.get("wall_s_min", floor["wall_s"]),
+    }
+    base = row.get("convert_baseline", {})
+    if "wall_s" in base:
+        out["baseline_over_floor"] = base["wall_s"] / floor["wall_s"]
+        out["speedup_over_baseline"] = base["wall_s"] / convert["wall_s"]
+    return out
+
+
+STEPS = ("floor", "convert", "redundancy_counts", "redundancy", "check_bf16", "convert_fp32", "check_fp32")
 
 
 def run_conversions(
-    sizes: list[str], seed: int, threads: int, timeout_s: float, workdir: Path | None, save=None,
-    only: list[str] | None = None, previous: dict | None = None,
+    sizes: list[str],
+    seed: int,
+    threads: str,
+    timeout_s: float,
+    workdir: Path | None,
+    save=None,
+    only: list[str] | None = None,
+    previous: dict | None = None,
+    repeats: int = 1,
+    baseline: str | None = None,
+    profile: bool = False,
 ) -> dict:
     """Generate, convert, analyse and check each size; `save(out)` runs after every step, so partial results
     survive an interrupted run. `only`: run just these steps and keep the other measured steps of `previous` (the
-    rows of an earlier run of the same sizes); each step records the 1-minute load average before it ran."""
+    rows of an earlier run of the same sizes); each step records the 1-minute load average before it ran.
+    `repeats`: the floor and the conversion run this many times, alternately (with the `baseline` revision's
+    conversion after each of ours when given); `profile`: one more conversion under cProfile."""
     out = {}
     save = save or (lambda _: None)
     if workdir is not None:
@@ -266,13 +415,63 @@ def run_conversions(
             row = out[size] = {"size": size, "config": CONVERT_SIZES[size], "threads": threads}
             if only is not None:
                 row.update({k: v for k, v in (previous or {}).get(size, {}).items() if k not in row})
+                for key in (
+                    "floor",
+                    "convert",
+                    "convert_baseline",
+                    "profile",
+                    "io_floor_s",
+                    "convert_over_floor",
+                    "convert_over_floor_min",
+                    "baseline_over_floor",
+                    "speedup_over_baseline",
+                    "baseline",
+                ):
+                    row.pop(key, None)  # fmt: skip  (measured again, or not at all: never mixed with an old run)
+            code = None
+            if baseline is not None:
+                row["baseline"] = export_code(baseline, base / "baseline_code")
+                code = base / "baseline_code"
             row["generate"] = generate_checkpoint(size, src, seed)
             logger.info(
                 "%s: generated %.2f GB in %.0f s", size, row["generate"]["bytes"] / 1e9, row["generate"]["generate_s"]
             )
             save(out)
+
+            def step(key: str, kind: str, paths: list[str], code: Path | None = None, size: str = size) -> dict:
+                load = os.getloadavg()[0]
+                result = _run_child(kind, paths, threads, timeout_s, code)
+                result["load_average_before"] = round(load, 2)
+                result["load_average_after"] = round(os.getloadavg()[0], 2)
+                logger.info("%s: %s %s", size, key, {k: v for k, v in result.items() if k != "profile"})
+                return result
+
+            timed = [("floor", "floor"), ("convert", "convert")] + ([("convert_baseline", "convert")] if code else [])
+            runs: dict[str, list[dict]] = {key: [] for key, _ in timed}
+            for _ in range(repeats if only is None or {"floor", "convert"} & set(only) else 0):
+                for key, kind in timed:
+                    if only is not None and key.replace("_baseline", "") not in only:
+                        continue
+                    target = base / ("floor_out" if key == "floor" else f"{key}_out")
+                    shutil.rmtree(target, ignore_errors=True)
+                    runs[key].append(
+                        step(key, kind, [str(src), str(target)], code if key == "convert_baseline" else None)
+                    )
+                    if key != "convert":
+                        shutil.rmtree(target, ignore_errors=True)
+                    else:
+                        shutil.rmtree(dst, ignore_errors=True)
+                        if (target).exists():
+                            target.rename(dst)  # the last conversion is the one checked
+                    row.update({k: _repeated(v) for k, v in runs.items() if v})
+                    row.update(floor_ratio(row))
+                    save(out)
+            if profile:
+                target = base / "profile_out"
+                row["profile"] = step("profile", "convert_profile", [str(src), str(target)])
+                shutil.rmtree(target, ignore_errors=True)
+                save(out)
             steps = [
-                ("convert", "convert", [str(src), str(dst)]),
                 ("redundancy_counts", "redundancy_counts", [str(src)]),
                 ("redundancy", "redundancy", [str(src)]),
                 ("check_bf16", "check", [str(src), str(dst)]),
@@ -287,10 +486,7 @@ def run_conversions(
                     continue
                 if kind == "check" and "error" in row.get(key.replace("check", "convert").replace("_bf16", ""), {}):
                     continue
-                load = os.getloadavg()[0]
-                row[key] = _run_child(kind, paths, threads, timeout_s)
-                row[key]["load_average_before"] = round(load, 2)
-                logger.info("%s: %s %s", size, key, row[key])
+                row[key] = step(key, kind, paths)
                 save(out)
                 if key == "check_bf16":
                     shutil.rmtree(dst, ignore_errors=True)  # disk: one converted copy at a time
@@ -443,7 +639,14 @@ def plot(conversions: dict, slicing: dict | None, path) -> None:
     labels = [f"{c['size']}\n({c['generate']['parameters'] / 1e9:.2f}B, bf16)" for c in ok]
     x = list(range(len(ok)))
     ax = axes[0]
-    steps = [("convert", "convert"), ("redundancy_counts", "redundancy (counts)"), ("redundancy", "redundancy + ranks")]
+    steps = [
+        ("floor", "I/O floor (read + write)"),
+        ("convert_baseline", "convert, before"),
+        ("convert", "convert"),
+        ("redundancy_counts", "redundancy (counts)"),
+        ("redundancy", "redundancy + ranks"),
+    ]
+    steps = [(key, label) for key, label in steps if any(key in c for c in ok)]
     width = 0.8 / len(steps)
     for j, (key, label) in enumerate(steps):
         offs = [i - 0.4 + width * (j + 0.5) for i in x]
@@ -452,6 +655,12 @@ def plot(conversions: dict, slicing: dict | None, path) -> None:
         ax.bar(offs, walls, width, label=f"{label}: wall", alpha=0.45, color=f"C{j}")
         ax.bar(offs, cpus, width * 0.5, label=f"{label}: CPU", color=f"C{j}")
     ax.axhline(60, color="gray", ls=":", lw=0.8, label="60 s")
+    for i, c in enumerate(ok):
+        if "convert_over_floor" in c:
+            text = f"convert = {c['convert_over_floor']:.1f} x floor"
+            if "baseline_over_floor" in c:
+                text += f"\n(before: {c['baseline_over_floor']:.1f} x)"
+            ax.annotate(text, (i, c["convert"]["wall_s"]), fontsize=7, ha="center", va="bottom")
     ax.set_xticks(x, labels, fontsize=8)
     threads = ok[0]["threads"] if ok else "?"
     ax.set_ylabel(f"seconds ({threads} thread(s); wall on a shared, loaded machine)")
@@ -459,7 +668,7 @@ def plot(conversions: dict, slicing: dict | None, path) -> None:
     ax.legend(fontsize=6)
     ax = axes[1]
     ax.bar([i - 0.2 for i in x], [c["convert"]["peak_rss_mib"] for c in ok], 0.4, label="convert")
-    ax.bar([i + 0.2 for i in x], [c["redundancy"].get("peak_rss_mib", 0) for c in ok], 0.4, label="redundancy")
+    ax.bar([i + 0.2 for i in x], [c.get("redundancy", {}).get("peak_rss_mib", 0) for c in ok], 0.4, label="redundancy")
     for target in (2048, 4096):
         ax.axhline(target, color="gray", ls=":", lw=0.8)
     for i, c in enumerate(ok):
@@ -505,6 +714,12 @@ def _summary(conversions: dict) -> None:
             f"{red.get('peak_rss_mib', float('nan')):8.0f} {conv['converter_check_relative']:17.2e} {layers:11.2e} "
             f"{bf.get('logits', {}).get('relative', float('nan')):17.2e}"
         )
+        if "convert_over_floor" in c:
+            print(
+                f"      I/O floor {c['io_floor_s']:.1f} s: convert = {c['convert_over_floor']:.2f} x floor (medians), "
+                f"{c['convert_over_floor_min']:.2f} x (minima)"
+                + (f"; before: {c['baseline_over_floor']:.2f} x" if "baseline_over_floor" in c else "")
+            )
         if "check_fp32" in c:
             lg = c["check_fp32"]["logits"]
             print(f"      fp32 output: logits max |diff| {lg['max_abs']:.2e} (relative {lg['relative']:.2e})")
@@ -518,7 +733,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps of the small model (1500; quick 100)")
     parser.add_argument("--convert-timeout", type=float, default=3600.0, help="seconds allowed per child step")
     parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoints go (temp dir)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="2", help="torch threads of each step: a number, or auto (idle cores)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the floor and of the conversion, alternately")
+    parser.add_argument("--baseline", default=None, help="git revision whose relational_hf also converts (before)")
+    parser.add_argument("--profile", action="store_true", help="one more conversion under cProfile (own time)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
@@ -526,9 +744,13 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. 7B -> convert_stream_7B.json)")
     parser.add_argument(
         "--only", nargs="+", choices=STEPS, default=None,
-        help="rerun just these steps (the checkpoint is generated again) and keep the others from the existing JSON",
+        help="run just these steps (the checkpoint is generated again), keeping the others from the existing JSON if any",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) > 0):
+        parser.error(f"--threads: a positive number or auto, got {args.threads!r}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.only and any(s.startswith("check") for s in args.only) and not {"convert", "convert_fp32"} & set(args.only):
         parser.error("--only: a check step needs its convert step (convert / convert_fp32) in the same run")
     name = "convert_quick" if args.quick else ("convert_stream" if args.no_slicing else "convert")
@@ -537,9 +759,10 @@ def main() -> None:
         saved = json.loads((RESULTS / f"{name}.json").read_text())
         plot(saved["conversion"], saved.get("slicing"), RESULTS / f"{name}.png")
         return
-    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.child:  # the parent's own work (generating checkpoints, the slicing part)
+        _set_threads(args.threads)
     if args.child:
         print(json.dumps(_child(args.child, args.paths, args.threads)))
         return
@@ -555,12 +778,11 @@ def main() -> None:
     previous = None
     if args.only:
         path = RESULTS / f"{name}.json"
-        if not path.is_file():
-            parser.error(f"--only: {path} does not exist; run every step first")
-        previous = json.loads(path.read_text())["conversion"]
+        previous = json.loads(path.read_text())["conversion"] if path.is_file() else {}
     conversions = run_conversions(
-        sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save, args.only, previous
-    )
+        sizes, args.seed, args.threads, args.convert_timeout, args.workdir, save, args.only, previous,
+        repeats=args.repeats, baseline=args.baseline, profile=args.profile,
+    )  # fmt: skip
     slicing = None if args.no_slicing else slicing_vs_pruning(args.quick, steps, args.seed)
     result = {
         "seed": args.seed,

@@ -42,6 +42,7 @@ _ST_DTYPES = {
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BLOCK_BYTES = 64 * 2**20  # embedding / head rows copied per block
+_CAST_BLOCK_BYTES = 16 * 2**20  # a tensor cast while written: bytes per block
 
 
 def is_safetensors_checkpoint(path: str | os.PathLike) -> bool:
@@ -250,10 +251,19 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader, prefix: str = "
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, reader: CheckpointReader, prefix: str, *, dtype: torch.dtype | None = None, strict: bool = True
+    model: nn.Module,
+    reader: CheckpointReader,
+    prefix: str,
+    *,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Load the tensors of the submodule `prefix` of a meta-device `model` from the checkpoint (assigned, so the
-    module holds exactly these tensors; `dtype` casts floating ones) and return the submodule. `release` frees it."""
+    module holds exactly these tensors; `dtype` casts floating ones) and return the submodule. `release` frees it.
+    `buffers` (a dict the caller keeps, empty at first): the casts are written into the tensors it holds from the
+    previous call, by local name and shape, instead of new ones (layer after layer of one shape: no new memory for
+    the page faults of a fresh allocation); the caller must hold no other reference to them by then."""
     module = model.get_submodule(prefix) if prefix else model
     names = checkpoint_names(model, reader, prefix)
     expected = [k for k, v in module.state_dict(keep_vars=True).items()]
@@ -265,7 +275,15 @@ def materialize(
     state = {}
     for local, name in names.items():
         t = tensors.pop(name)
-        state[local] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if dtype is None or not t.is_floating_point():
+            state[local] = t
+        elif buffers is None:
+            state[local] = t.to(dtype)
+        else:
+            buffer = buffers.get(local)
+            if buffer is None or buffer.shape != t.shape or buffer.dtype != dtype:
+                buffer = buffers[local] = torch.empty(t.shape, dtype=dtype)
+            state[local] = buffer.copy_(t)
     module.load_state_dict(state, strict=False, assign=True)
     return module
 
@@ -332,6 +350,7 @@ class ShardWriter:
         self._header: dict = {}
         self._offset = 0
         self._pending: tuple[str, int] | None = None  # name, bytes still expected
+        self._scratch: torch.Tensor | None = None  # the block buffer of casts in `add`
         self.total_bytes = 0
 
     def _open(self) -> None:
@@ -358,7 +377,7 @@ class ShardWriter:
         """Start tensor `name`; its bytes follow through `write`."""
         if self._pending is not None:
             raise RuntimeError(f"tensor {self._pending[0]!r} is incomplete")
-        nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else _int_bits(dtype)) // 8
+        nbytes = math.prod(shape) * _element_bytes(dtype)
         if self._file is None or (self._offset > 0 and self._offset + nbytes > self.max_shard_bytes):
             self._open()
         self._header[name] = {
@@ -379,13 +398,24 @@ class ShardWriter:
         self.total_bytes += data.nbytes
         self._pending = (name, left - data.nbytes) if left > data.nbytes else None
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one whole tensor."""
-        self.begin(name, tuple(tensor.shape), tensor.dtype)
-        if tensor.numel():
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Write one whole tensor, stored as `dtype` (None: its own). A cast goes through a block buffer the writer
+        keeps (`_CAST_BLOCK_BYTES`), so it costs no new memory of the tensor's size."""
+        dtype = dtype or tensor.dtype
+        self.begin(name, tuple(tensor.shape), dtype)
+        if not tensor.numel():
+            self._pending = None
+        elif dtype == tensor.dtype:
             self.write(tensor)
         else:
-            self._pending = None
+            flat = tensor.detach().reshape(-1)
+            step = max(1, _CAST_BLOCK_BYTES // max(flat.element_size(), _element_bytes(dtype)))
+            for start in range(0, flat.numel(), step):
+                part = flat[start : start + step]
+                if self._scratch is None or self._scratch.device != part.device:
+                    self._scratch = torch.empty(_CAST_BLOCK_BYTES, dtype=torch.uint8, device=part.device)
+                block = self._scratch[: part.numel() * _element_bytes(dtype)].view(dtype)
+                self.write(block.copy_(part))
 
     def finish(self, total_parameters: int) -> dict[str, str]:
         """Close the last shard, rename the shards (model.safetensors, or model-0000i-of-0000N.safetensors with an
@@ -410,3 +440,7 @@ class ShardWriter:
 
 def _int_bits(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.bool else torch.iinfo(dtype).bits
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return (torch.finfo(dtype).bits if dtype.is_floating_point else _int_bits(dtype)) // 8

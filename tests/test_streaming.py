@@ -110,19 +110,19 @@ def test_a_failed_conversion_leaves_no_output(tmp_path, monkeypatch):
     real = streaming.convert_layer
     calls = []
 
-    def failing(target, tensors):
+    def failing(target, tensors, *times, **options):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("disk full (simulated)")
-        real(target, tensors)
+        real(target, tensors, *times, **options)
 
     monkeypatch.setattr(streaming, "convert_layer", failing)
     with pytest.raises(RuntimeError, match="simulated"):
         stream_to_relational(src, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no OUT, no staging folder left
 
-    def wrong(target, tensors):  # a conversion that changes the function must be refused, not written
-        real(target, tensors)
+    def wrong(target, tensors, *times, **options):  # a conversion that changes the function: refused, not written
+        real(target, tensors, *times, **options)
         with torch.no_grad():
             target.mlp.down_proj.weight.mul_(1.01)
 

@@ -13,10 +13,12 @@ cannot fold into a matrix that is also the input embedding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -90,6 +92,19 @@ class ConversionReport:
             lines += ["", self.slicing.to_markdown()]
         lines += [f"- note: {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
+
+
+class PhaseTimes(dict):
+    """Seconds spent per named phase of a conversion (wall clock, summed over the layers): `with times("fold"): ...`
+    adds the block's duration to times["fold"]. The converters take one to say where their time goes."""
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
 def _sliding_window(config) -> int | None:
@@ -216,50 +231,75 @@ def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     }
 
 
+def _times_gain(w: torch.Tensor, gain: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """W diag(g) in fp32 from a weight in any floating dtype: one new tensor (the cast, multiplied in place), or,
+    with `in_place` and an fp32 W, W itself multiplied in place."""
+    out = w.float()
+    return out.mul_(gain) if out is not w or in_place else out * gain
+
+
 @torch.no_grad()
 def fold_layer_gains(
-    tensors: dict[str, torch.Tensor | None],
+    tensors: dict[str, torch.Tensor | None], in_place: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fold one layer's RMSNorm gains into their readers: W_Q, W_K, W_V -> W diag(g_attn), W_gate, W_up ->
-    W diag(g_mlp) (products in float64). Returns the (attention, mlp) full weights in fp32 for
-    `RelationalAttention.set_full_weights` / `RelationalMLP.set_full_weights`; a half whose tensors are not in
-    `tensors` comes back empty."""
+    W diag(g_mlp). Returns the (attention, mlp) full weights in fp32 for `RelationalAttention.set_full_weights` /
+    `RelationalMLP.set_full_weights`; a half whose tensors are not in `tensors` comes back empty. The products are
+    taken in fp32 and are exactly the float64 products rounded to fp32: weights and gains in fp32, bf16 or fp16 are
+    exact in fp32, their exact product fits a float64 (48 significant bits, no overflow or underflow), so both ways
+    round the exact product once (IEEE multiplication is correctly rounded). `in_place`: the caller's fp32 tensors
+    may be overwritten (they are the caller's to give away, as in the streaming converter); otherwise no tensor of
+    `tensors` is changed."""
     attention, mlp = {}, {}
     if "q" in tensors:
-        g_attn = tensors["attention_gain"].double()
+        g_attn = tensors["attention_gain"].float()
         for key in ("q", "k", "v"):
-            attention[key] = (tensors[key].double() * g_attn).float()
+            attention[key] = _times_gain(tensors[key], g_attn, in_place)
         attention["o"] = tensors["o"].float()
         for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
             if tensors.get(key) is not None:
                 attention[key] = tensors[key].float()
     if "up" in tensors:
-        g_mlp = tensors["mlp_gain"].double()
+        g_mlp = tensors["mlp_gain"].float()
         mlp = {
-            "gate": (tensors["gate"].double() * g_mlp).float(),
-            "up": (tensors["up"].double() * g_mlp).float(),
+            "gate": _times_gain(tensors["gate"], g_mlp, in_place),
+            "up": _times_gain(tensors["up"], g_mlp, in_place),
             "down": tensors["down"].float(),
         }
     return attention, mlp
 
 
 @torch.no_grad()
-def convert_layer(target: nn.Module, tensors: dict[str, torch.Tensor | None]) -> None:
+def convert_layer(
+    target: nn.Module,
+    tensors: dict[str, torch.Tensor | None],
+    times: PhaseTimes | None = None,
+    *,
+    consume: bool = False,
+) -> None:
     """Load one source layer (`LAYER_ROLES` tensors) into a `RelationalDecoderLayer` `target`: gains folded
     (`fold_layer_gains`), then QK pairs, VO pairs and SwiGLU scales moved to the target's gauge by its own
     `set_full_weights`. The layer computes the same map as the source layer (its norms are gain-free). The dict
-    `tensors` is emptied (memory: its tensors are dropped as soon as they are converted)."""
+    `tensors` is emptied (memory: its tensors are dropped as soon as they are converted); with `consume` its fp32
+    tensors are also overwritten (folded in place: the caller gives them away). `times` (optional) receives the
+    seconds of the phases "fold", "gauge_attention" and "gauge_mlp" (pivot selection, the gauge maps and storing
+    the free entries)."""
+    times = times if times is not None else PhaseTimes()
     # one half at a time, and `tensors` is emptied as it is used: a caller that holds no other reference (the
     # streaming converter) keeps only what is still to be converted in memory
     part = {k: tensors.pop(k) for k in list(tensors) if k not in _MLP_ROLES}
-    attention = fold_layer_gains(part)[0]
+    with times("fold"):
+        attention = fold_layer_gains(part, in_place=consume)[0]
     del part
-    target.self_attn.set_full_weights(attention)
+    with times("gauge_attention"):
+        target.self_attn.set_full_weights(attention)
     del attention
     part = {k: tensors.pop(k) for k in list(tensors)}
-    mlp = fold_layer_gains(part)[1]
+    with times("fold"):
+        mlp = fold_layer_gains(part, in_place=consume)[1]
     del part
-    target.mlp.set_full_weights(mlp)
+    with times("gauge_mlp"):
+        target.mlp.set_full_weights(mlp)
 
 
 @torch.no_grad()
@@ -456,6 +496,7 @@ __all__ = [
     "LAYER_ROLES",
     "ConversionError",
     "ConversionReport",
+    "PhaseTimes",
     "convert_layer",
     "fold_head",
     "fold_layer_gains",

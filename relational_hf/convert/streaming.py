@@ -2,11 +2,11 @@
 
 A Llama / Mistral / Qwen2 checkpoint stored as safetensors (one file, or shards listed in
 `model.safetensors.index.json`) is never loaded whole. The model is built on the meta device (no memory), and
-one layer at a time is materialised from the shards with `safetensors.safe_open` (each file opened and closed per
-layer, so no mapping of the whole checkpoint stays resident), converted with the same per-layer functions as the
-in-memory converter (`relational.convert_layer`: gains folded, QK / VO / SwiGLU moved to the pivot gauge, float64
-products, float32 gauge maths), checked against the source layer on random hidden states, and written to the
-output shard before the next layer is read. Embedding and head are copied (the head folded with the final gain) in
+one layer at a time is materialised in fp32 from the shards with `safetensors.safe_open` (each file opened and
+closed per layer, so no mapping of the whole checkpoint stays resident), run on random hidden states (the check's
+reference), converted with the same per-layer functions as the in-memory converter (`relational.convert_layer`:
+gains folded in place, exactly; QK / VO / SwiGLU moved to the pivot gauge, gauge blocks and products with an inverse
+in float64), checked against those outputs, and written to the output shard before the next layer is read. Embedding and head are copied (the head folded with the final gain) in
 row blocks. Memory is one layer's working set, independent of depth.
 
 Output names and layout come from the relational model itself: a `RelationalDecoderLayer` is loaded with the
@@ -56,6 +56,7 @@ from .relational import (
     _FIXED_GROUPS,
     ConversionError,
     ConversionReport,
+    PhaseTimes,
     _check_supported,
     _sliding_window,
     convert_layer,
@@ -66,6 +67,7 @@ from .relational import (
 )
 
 logger = logging.getLogger(__name__)
+
 
 def _layer_prefixes(model: nn.Module, layers: list[nn.Module]) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
@@ -110,20 +112,32 @@ def stream_to_relational(
     copy_tokenizer: bool = True,
     progress: bool = True,
     lock: OutputLock | None = None,
+    times: PhaseTimes | None = None,
 ) -> ConversionReport:
     """Convert the safetensors checkpoint folder `src` (Llama / Mistral / Qwen2) to a relational checkpoint `out`
     one decoder layer at a time; returns the ConversionReport (also written to out/conversion_report.json).
 
-    Per layer: its tensors read from the shards, `convert_layer` (the in-memory converter's per-layer maths), then,
-    for the layers chosen by `verify_layers` (None: all; n: n evenly spaced; 0: none), the source layer and the
-    converted layer run on the same random hidden states (1 x `verify_length` x d, fp32): max |difference| must be
+    Per layer: its tensors read from the shards in fp32, `convert_layer` (the in-memory converter's per-layer maths,
+    consuming them), and, for the layers chosen by `verify_layers` (None: all; n: n evenly spaced; 0: none), the
+    source layer (run before its weights are folded) and the converted layer on the same random hidden states
+    (1 x `verify_length` x d, fp32): max |difference| must be
     <= `tolerance` x max(1, max |output|), else `ConversionError`. The layer's `state_dict()` is written in
     `dtype` (None: the source's dtype on disk). Embedding and head are copied in row blocks (head x final gain when
     untied). Shards of at most `max_shard_size` bytes ("5GB"), named and indexed like `save_pretrained`; config,
     generation config, the code files for trust_remote_code and the tokenizer (`copy_tokenizer`) are written
     beside. Everything is written through `relational_hf.outputs.write_new_output` (`lock`: the caller's lock on
-    `out`): `out` must not exist or be empty (`UsageError` otherwise), and a failure leaves `out` untouched."""
+    `out`): `out` must not exist or be empty (`UsageError` otherwise), and a failure leaves `out` untouched.
+
+    `times` (a `PhaseTimes`, optional) receives where the wall time went, in seconds: "open" (reading the config,
+    the index and the small tensors, the checks of the model), "read" (each layer's tensors from the shards, in fp32),
+    "preflight" (does the pivot gauge exist), "fold", "gauge_attention", "gauge_mlp" (`convert_layer`),
+    "check_forward" (the per-layer check: both layers run on the same hidden states), "write" (each layer's tensors cast and written),
+    "embedding_head" (copied in row blocks), "finish" (closing the shards, the report, config and tokenizer) and
+    "publish" (fsync of the staged folder, its marker and the rename into place)."""
     from tqdm.auto import tqdm
+
+    times = times if times is not None else PhaseTimes()
+    opened = time.perf_counter()
 
     src, out = Path(src), Path(out)
     out_dtype = parse_dtype(dtype)
@@ -174,14 +188,15 @@ def stream_to_relational(
     written: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     results: dict = {"worst": (0.0, 1.0, 0.0)}
     start = time.perf_counter()
+    times["open"] = times.get("open", 0.0) + start - opened
 
     def write(stage: Path) -> None:
         writer = ShardWriter(stage, max_shard_bytes, header_reserve)
 
         def emit(name: str, tensor: torch.Tensor) -> None:
-            t = tensor.to(write_dtype) if tensor.is_floating_point() else tensor
-            writer.add(name, t)
-            written[name] = (tuple(t.shape), expected.get(name, (None, t.dtype))[1])
+            dtype = write_dtype if tensor.is_floating_point() else tensor.dtype
+            writer.add(name, tensor, dtype)  # cast block by block while written
+            written[name] = (tuple(tensor.shape), expected.get(name, (None, dtype))[1])
 
         def emit_rows(name: str, key: str, fold_gain: torch.Tensor | None = None) -> None:
             shape = reader.shape(key)
@@ -191,43 +206,50 @@ def stream_to_relational(
             written[name] = (shape, expected.get(name, (None, None))[1])
 
         dst_modules = {id(m): n for n, m in target.named_modules()}
-        emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
+        with times("embedding_head"):
+            emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
         with no_init_weights():
             layer = RelationalDecoderLayer(rconfig, 0).float().eval()
         generator = torch.Generator().manual_seed(0)
+        buffers: dict[str, torch.Tensor] = {}  # the fp32 source tensors, reused layer after layer
         src_rotary = _rotary(source) if verify else None
         dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
-            block = materialize(source, reader, src_prefixes[i])  # stored dtype
-            raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
+            with times("read"):  # in fp32 once (into the previous layer's tensors): the check's source, then the input
+                block = materialize(source, reader, src_prefixes[i], dtype=torch.float32, buffers=buffers)
+            with times("preflight"):
+                raise_obstructions(layer_pivot_obstructions(source, i, src_layers[i]))  # a zeroed head, named
+            if i in verify:  # the source layer's outputs first: its weights are then folded in place
+                with times("check_forward"):
+                    hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
+                    reference = _layer_outputs(block, hidden, src_rotary)
             tensors = source_layer_tensors(adapter, src_layers[i])
-            release(block)  # `tensors` holds the only references: convert_layer drops them as it goes
-            convert_layer(layer, tensors)
-            if i in verify:  # read again (from the page cache, usually) rather than kept during the conversion
-                block = materialize(source, reader, src_prefixes[i], dtype=torch.float32)
-                hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
-                result = relative_difference(
-                    _layer_outputs(block, hidden, src_rotary), _layer_outputs(layer, hidden, dst_rotary)
-                )
+            release(block)  # `tensors` holds the only references: convert_layer consumes them as it goes
+            convert_layer(layer, tensors, times, consume=True)
+            if i in verify:
+                with times("check_forward"):
+                    result = relative_difference(reference, _layer_outputs(layer, hidden, dst_rotary))
                 results["worst"] = max(results["worst"], result, key=lambda r: r[2])
                 if not result[2] <= tolerance:
                     raise ConversionError(
                         f"layer {i}: converted layer's outputs differ from the source layer's by {result[0]:.3g} = "
                         f"{result[2]:.3g} x the output scale {result[1]:.3g} > tolerance {tolerance:g}"
                     )
-                release(block)
             drop_caches(layer)
-            for key, tensor in layer.state_dict().items():
-                emit(f"{dst_prefixes[i]}.{key}", tensor)
+            with times("write"):
+                for key, tensor in layer.state_dict().items():
+                    emit(f"{dst_prefixes[i]}.{key}", tensor)
             trim_heap()
         del layer
-        final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
-        g_final = reader.get([final_key])[final_key]
-        if tie:
-            emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
-        else:
-            head_key = embed_name[src_names[id(adapter.output_head().weight)]]
-            emit_rows(dst_modules[id(dst_adapter.output_head())] + ".weight", head_key, fold_gain=g_final)
+        with times("embedding_head"):
+            final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
+            g_final = reader.get([final_key])[final_key]
+            if tie:
+                emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
+            else:
+                head_key = embed_name[src_names[id(adapter.output_head().weight)]]
+                emit_rows(dst_modules[id(dst_adapter.output_head())] + ".weight", head_key, fold_gain=g_final)
+        finish = time.perf_counter()
         # every parameter written once with its shape (buffers: whatever the layer's own state_dict holds)
         params = {n: tuple(p.shape) for n, p in target.named_parameters()}
         mismatch = sorted(k for k, shape in params.items() if written.get(k, (None,))[0] != shape)
@@ -242,8 +264,11 @@ def stream_to_relational(
             _copy_tokenizer(src, stage, trust_remote_code)
         (stage / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
         results["report"] = report
+        results["written"] = time.perf_counter()
+        times["finish"] = times.get("finish", 0.0) + results["written"] - finish
 
     write_new_output(out, write, command="convert", kind="relational", lock=lock)
+    times["publish"] = times.get("publish", 0.0) + time.perf_counter() - results["written"]
     report, worst = results["report"], results["worst"]
     logger.info(
         "streamed %s (%d layers) to %s in %.1f s; max relative layer difference %.3g",

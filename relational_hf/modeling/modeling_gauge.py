@@ -34,25 +34,27 @@ def max_volume_rows(w: torch.Tensor, rank: int) -> torch.Tensor:
     over the orthonormal directions u_j removed so far), so each step reads w once and writes nothing of its size.
     Returns a long tensor (..., rank), each row distinct.
     """
-    x = w.detach().double()
-    norms = x.pow(2).sum(-1)  # (..., n)
-    basis = x.new_zeros(*x.shape[:-2], rank, x.shape[-1])  # (..., rank, r) directions removed so far
-    picked = []
-    taken = torch.zeros(norms.shape, dtype=torch.bool, device=w.device)
+    # float64, w^T contiguous as (b, r, n): each step's n dot products are one (1 x r) by (r x n) product that reads
+    # the rows in memory order (the (n x r) matrix-vector product of the other layout is several times slower)
+    xt = w.detach().double().transpose(-1, -2).reshape(-1, w.shape[-1], w.shape[-2]).contiguous()  # (b, r, n)
+    norms = torch.linalg.vector_norm(xt, dim=-2).square_()  # (b, n), without a temporary of x's size
+    basis = xt.new_zeros(xt.shape[0], rank, xt.shape[-2])  # (b, rank, r) directions removed so far
+    picked = torch.empty(xt.shape[0], rank, dtype=torch.long, device=w.device)
+    heads = torch.arange(xt.shape[0], device=w.device)
     for k in range(rank):
-        idx = norms.masked_fill(taken, -1.0).argmax(-1)  # (...)
-        picked.append(idx)
-        taken.scatter_(-1, idx.unsqueeze(-1), True)
-        row = torch.gather(x, -2, idx[..., None, None].expand(*idx.shape, 1, x.shape[-1]))  # (..., 1, r)
+        idx = norms.argmax(-1)  # (b,); rows already taken hold -1 or less, below every residual norm
+        picked[:, k] = idx
+        row = xt[heads, :, idx].unsqueeze(1)  # (b, 1, r)
         if k:
-            q = basis[..., :k, :]
+            q = basis[:, :k, :]
             for _ in range(2):  # Gram-Schmidt, twice for orthogonality to rounding
                 row = row - (row @ q.transpose(-1, -2)) @ q
-        unit = row / row.norm(dim=-1, keepdim=True).clamp_min(1e-300)  # (..., 1, r)
-        basis[..., k : k + 1, :] = unit
-        coeff = (x @ unit.transpose(-1, -2)).squeeze(-1)  # (..., n)
-        norms = norms - coeff * coeff
-    return torch.stack(picked, dim=-1)
+        unit = row / row.norm(dim=-1, keepdim=True).clamp_min(1e-300)  # (b, 1, r)
+        basis[:, k : k + 1, :] = unit
+        coeff = torch.bmm(unit, xt).squeeze(1)  # (b, n)
+        norms.sub_(coeff * coeff)
+        norms[heads, idx] = -1.0
+    return picked.view(*w.shape[:-2], rank)
 
 
 def identity_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +69,12 @@ def identity_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Ten
 def complex_pair_gauge(w: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE-commutant gauge of key factors w (..., r, d) in Linear layout, pairs (j, j + r/2) read as complex rows
     w_j = w[j] + i w[j + r/2]. Picks per pair the input coordinate p_j of largest modulus and the complex scalar
-    z_j = c / w_j[p_j] that makes that entry (c, 0). Returns (pivots (..., r/2), z (..., r/2) complex)."""
+    z_j = c / w_j[p_j] (float64) that makes that entry (c, 0). Returns (pivots (..., r/2), z (..., r/2) complex)."""
     half = w.shape[-2] // 2
-    wc = torch.complex(w[..., :half, :].double(), w[..., half:, :].double())  # (..., r/2, d)
-    pivots = wc.abs().argmax(-1)  # (..., r/2)
-    at_pivot = torch.gather(wc, -1, pivots.unsqueeze(-1)).squeeze(-1)
+    re, im = w[..., :half, :], w[..., half:, :]
+    pivots = (re * re + im * im).argmax(-1)  # (..., r/2): the largest modulus, without forming complex rows
+    at = pivots.unsqueeze(-1)
+    at_pivot = torch.complex(torch.gather(re, -1, at).double(), torch.gather(im, -1, at).double()).squeeze(-1)
     return pivots, scale / at_pivot
 
 
@@ -86,6 +89,26 @@ def complex_pair_matrix(z: torch.Tensor) -> torch.Tensor:
     m[..., j, j + half] = b
     m[..., j + half, j] = -b
     return m
+
+
+def _working_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the gauge maps multiply weights in: theirs, at least float32 (a bf16 / fp16 weight is multiplied in
+    float32 and rounded once to its dtype)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def complex_pair_scale(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Rows (..., r, d) in Linear layout with each rotary pair (w_j + i w_{j+r/2}) multiplied by z_j (..., r/2): the
+    map w^T -> w^T M of `complex_pair_matrix` as a few elementwise passes instead of an r x r product, in
+    `_working_dtype(w)` with z rounded to it, returned in w's dtype. A complex product is well conditioned: each pair
+    comes out within a few roundings of the exact product."""
+    half, dtype = w.shape[-2] // 2, _working_dtype(w)
+    re, im = w[..., :half, :].to(dtype), w[..., half:, :].to(dtype)
+    a, b = z.real.to(dtype).unsqueeze(-1), z.imag.to(dtype).unsqueeze(-1)
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)  # both halves written in place: one new tensor
+    torch.mul(re, a, out=out[..., :half, :]).addcmul_(im, b, value=-1)
+    torch.mul(re, b, out=out[..., half:, :]).addcmul_(im, a)
+    return out.to(w.dtype)
 
 
 def rope_pivot_layout(pivots: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,15 +291,28 @@ class GaugeFixedLinear(nn.Module):
                 raise ValueError(f"{self!r}: pivot positions must be in [0, {n}), got {low if low < 0 else high}")
             if m > 1 and bool((fixed_index.sort(dim=1).values.diff(dim=1) == 0).any()):
                 raise ValueError(f"{self!r}: the {m} pivot positions of a row must be distinct")
-        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1)
-        shifted = fixed_index.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
-        k = torch.arange(n - m, device=fixed_index.device).expand(self.out_features, n - m)
+        # the k-th free column of a row is k + #{fixed columns s_i with s_i - i <= k} (s sorted, i = 0..m-1); rows
+        # of a block that share their fixed columns (the block pattern) are computed once; the int64 free indices are
+        # written into the previous buffer when it has their shape (no new allocation of out x in entries)
+        shape = (self.out_features, n - m)
+        free = self.free_index
+        if tuple(free.shape) != shape or free.device != fixed_index.device or free.dtype != torch.long:
+            free = torch.empty(shape, dtype=torch.long, device=fixed_index.device)
+        rows = fixed_index
+        blocks = fixed_index.view(-1, m, m)
+        if m > 1 and fixed_index.device.type != "meta" and bool((blocks == blocks[:, :1]).all()):
+            rows = fixed_index[::m]  # one row per block
+        shifted = rows.sort(dim=1).values - torch.arange(m, device=fixed_index.device)
+        k = torch.arange(n - m, device=fixed_index.device).expand(rows.shape[0], n - m)
         if m == 1:
-            free = k + (k >= shifted).long()
+            torch.ge(k, shifted, out=free).add_(k)  # (k >= s) + k, without a mixed-dtype sum (several times slower)
+        elif rows is fixed_index:
+            torch.add(k, torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True), out=free)
         else:
-            free = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
+            per_block = k + torch.searchsorted(shifted.contiguous(), k.contiguous(), right=True)
+            free.view(rows.shape[0], m, n - m).copy_(per_block.unsqueeze(1))
         self.fixed_index = fixed_index.contiguous()
-        self.free_index = free.contiguous()
+        self.free_index = free
         self.fixed_value = fixed_value.reshape(self.out_features, m).to(torch.float32).contiguous()
         self._layout_version += 1
 
@@ -334,14 +370,21 @@ class GaugeFixedLinear(nn.Module):
         key = (w._version, w.data_ptr(), w.dtype, w.device, self._layout_version)
         cached = self.__dict__.get("_weight_cache")
         if cached is None or cached[0] != key:
+            self.__dict__.pop("_weight_cache", None)  # the old one is not needed to build the new one
             cached = (key, self._assemble().detach())
             self.__dict__["_weight_cache"] = cached
         return cached[1]
 
     def _assemble(self) -> torch.Tensor:
-        # one out-of-place scatter of the free entries into a constant holding the pivots (cached per layout):
-        # its backward is a single gather, the constant needs none
-        return self._pivot_base().scatter(1, self.free_index, self.weight)
+        # with autograd: one out-of-place scatter of the free entries into a constant holding the pivots (cached per
+        # layout); its backward is a single gather, the constant needs none
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return self._pivot_base().scatter(1, self.free_index, w)
+        # without: fixed and free entries partition each row, so one new tensor and two in-place scatters
+        full = torch.empty(self.out_features, self.in_features, dtype=w.dtype, device=w.device)
+        full.scatter_(1, self.free_index, w.detach())
+        return full.scatter_(1, self.fixed_index, self.fixed_value.to(w.dtype))
 
     def _pivot_base(self) -> torch.Tensor:
         """The (out x in) constant with the fixed values at the pivots and zeros elsewhere, rebuilt when the layout,
@@ -376,7 +419,10 @@ class GaugeFixedLinear(nn.Module):
             err = (fixed - self.fixed_value.float()).abs().max().item() if fixed.numel() else 0.0
             if err > 1e-4 * max(1.0, self.fixed_value.abs().max().item()):
                 raise ValueError(f"weight is not in this module's pivot gauge (pivot entries off by {err:.3g})")
-        self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
+        if w.dtype == self.weight.dtype and w.device == self.weight.device:
+            torch.gather(w, 1, self.free_index, out=self.weight)  # straight into the parameter (no temporary)
+        else:
+            self.weight.copy_(torch.gather(w, 1, self.free_index).to(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -468,9 +514,18 @@ def write_full_weight(module: nn.Module, w: torch.Tensor, bias: torch.Tensor | N
         module.bias.copy_((bias if bias is not None else torch.zeros_like(module.bias)).to(module.bias))
 
 
-def _solve_right(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """w A^-1 for batched square A (w: (..., m, r), A: (..., r, r))."""
-    return torch.linalg.solve(a, w, left=False)
+def _times_inverse_block(b: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """b^T x for the float64 gauge blocks b (..., r, r) = c W[P]^-1 and weights x (..., r, d), taken in float64 and
+    rounded once to `dtype`: the entries of an inverse may be large and cancel in the sum."""
+    return (b.transpose(-1, -2) @ x.double()).to(dtype)
+
+
+def _times_pivot_block(block: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """(block / c) x for pivot blocks block (..., r, r) (float64, entries of the source weights) and weights x, in
+    `_working_dtype(x)`, returned in x's dtype: no inverse, so no more cancellation than in the layer's own
+    products."""
+    dtype = _working_dtype(x)
+    return ((block / scale).to(dtype) @ x.to(dtype)).to(x.dtype)
 
 
 def qk_to_pivot_gauge(
@@ -488,33 +543,39 @@ def qk_to_pivot_gauge(
 
     wq: (H r, d), wk: (H_kv r, d) in Linear layout; biases (H r,), (H_kv r,). Each key head's gauge
     A (r x r; the RoPE commutant if `rope`) acts as W_K -> W_K A, W_Q -> W_Q A^-T for the query heads of its group,
-    b_K -> b_K A, b_Q -> b_Q A^-T. Returns (wq, wk, bq, bk, fixed_index, fixed_value) with wk in the gauge.
+    b_K -> b_K A, b_Q -> b_Q A^-T. Returns (wq, wk, bq, bk, fixed_index, fixed_value) with wk in the gauge, the
+    weights in the dtype of wq, wk.
+
+    A is computed in float64 (r x r per head). With RoPE, A multiplies each rotary pair by a complex scalar z_j and
+    A^-T by 1 / conj(z_j): elementwise maps in the weights' dtype (`complex_pair_scale`). Without, A = c W_K[P]^-1:
+    W_K A in float64 (an inverse), W_Q A^-T = W_Q W_K[P]^T / c in the weights' dtype. Biases in float64.
     """
     d = wk.shape[-1]
     g = wq.shape[0] // (rank * num_kv_heads)
-    dtype = wk.dtype
-    k = wk.double().view(num_kv_heads, rank, d)  # (H_kv, r, d) = W_K^T per head
+    k = wk.view(num_kv_heads, rank, d)  # (H_kv, r, d) = W_K^T per head
+    q = wq.view(num_kv_heads, g, rank, d)
     if rope:
         pivots, z = complex_pair_gauge(k, scale)
-        a = complex_pair_matrix(z)  # (H_kv, r, r)
+        k_new = complex_pair_scale(k, z)  # (W_K A)^T
+        q_new = complex_pair_scale(q, (1 / z.conj()).unsqueeze(1))  # (W_Q A^-T)^T
+        a = complex_pair_matrix(z)  # (H_kv, r, r), for the biases
         fixed_index, fixed_value = rope_pivot_layout(pivots, scale)
     else:
         pivots = max_volume_rows(k.transpose(1, 2), rank)  # rows of W_K (d x r)
-        block = torch.gather(k, 2, pivots.unsqueeze(1).expand(num_kv_heads, rank, rank))  # W_K[P]^T (H_kv, r, r)
+        block = torch.gather(k, 2, pivots.unsqueeze(1).expand(num_kv_heads, rank, rank)).double()  # W_K[P]^T
         a = scale * torch.linalg.inv(block.transpose(1, 2))  # A = c W_K[P]^-1
+        k_new = _times_inverse_block(a, k, k.dtype)  # (W_K A)^T = A^T W_K^T
+        q_new = _times_pivot_block(block.transpose(1, 2).unsqueeze(1), q, scale)  # (W_Q A^-T)^T = A^-1 W_Q^T
         fixed_index, fixed_value = identity_pivot_layout(pivots, scale)
-    k_new = a.transpose(1, 2) @ k  # (W_K A)^T = A^T W_K^T
-    q = wq.double().view(num_kv_heads, g, rank, d)
     a_inv_t = torch.linalg.inv(a).transpose(1, 2)  # A^-T
-    q_new = a_inv_t.transpose(1, 2).unsqueeze(1) @ q  # (W_Q A^-T)^T = A^-1 W_Q^T
     bk_new = bq_new = None
     if bk is not None:
         bk_new = (bk.double().view(num_kv_heads, 1, rank) @ a).reshape(-1).to(bk.dtype)
     if bq is not None:
         bq_new = (bq.double().view(num_kv_heads, g, 1, rank) @ a_inv_t.unsqueeze(1)).reshape(-1).to(bq.dtype)
     return (
-        q_new.reshape(-1, d).to(dtype),
-        k_new.reshape(-1, d).to(dtype),
+        q_new.reshape(-1, d),
+        k_new.reshape(-1, d),
         bq_new,
         bk_new,
         fixed_index.reshape(num_kv_heads * rank, -1),
@@ -534,28 +595,39 @@ def vo_to_pivot_gauge(
     """Move a VO pair to the pivot gauge W_V[P] = c I with the same maps G_VO = W_V W_O.
 
     wv: (H_kv d_h, d), wo: (d, H d_h) in Linear layout. B = c W_V[P]^-1 per key/value head acts as W_V -> W_V B,
-    W_O -> B^-1 W_O for each query head of the group, b_V -> b_V B. Returns (wv, wo, bv, fixed_index, fixed_value).
+    W_O -> B^-1 W_O = W_V[P] W_O / c for each query head of the group, b_V -> b_V B. Returns (wv, wo, bv,
+    fixed_index, fixed_value), the weights in the dtypes of wv, wo. B in float64 (d_h x d_h per head); W_V B in
+    float64 (an inverse), W_V[P] W_O / c in the dtype of wo.
     """
     d = wv.shape[-1]
     g = wo.shape[1] // (head_dim * num_kv_heads)
-    v = wv.double().view(num_kv_heads, head_dim, d)  # W_V^T per head
-    pivots = max_volume_rows(v.transpose(1, 2), head_dim)
-    block = torch.gather(v, 2, pivots.unsqueeze(1).expand(num_kv_heads, head_dim, head_dim))  # W_V[P]^T
+    v = wv.view(num_kv_heads, head_dim, d)  # W_V^T per head
+    v64 = v.double()  # one float64 copy for the pivot search and the product
+    pivots = max_volume_rows(v64.transpose(1, 2), head_dim)
+    block = torch.gather(v64, 2, pivots.unsqueeze(1).expand(num_kv_heads, head_dim, head_dim))  # W_V[P]^T
     b = scale * torch.linalg.inv(block.transpose(1, 2))  # (H_kv, d_h, d_h)
-    v_new = b.transpose(1, 2) @ v
-    o = wo.double().view(d, num_kv_heads, g, head_dim).permute(1, 2, 3, 0)  # W_O per head (H_kv, g, d_h, d)
-    o_new = _solve_right(o.transpose(-1, -2), b.unsqueeze(1).transpose(-1, -2)).transpose(-1, -2)
-    # o_new = B^-1 W_O  (solve B X = W_O written through X^T B^T = W_O^T)
+    v_new = _times_inverse_block(b, v64, wv.dtype)  # (W_V B)^T = B^T W_V^T
+    del v64
+    o = wo.view(d, num_kv_heads, g, head_dim).permute(1, 2, 3, 0)  # W_O per head (H_kv, g, d_h, d)
+    o_new = _times_pivot_block(block.transpose(1, 2).unsqueeze(1), o, scale)  # B^-1 W_O
     o_new = o_new.permute(3, 0, 1, 2).reshape(d, -1)
     bv_new = None if bv is None else (bv.double().view(num_kv_heads, 1, head_dim) @ b).reshape(-1).to(bv.dtype)
     fixed_index, fixed_value = identity_pivot_layout(pivots, scale)
     return (
-        v_new.reshape(-1, d).to(wv.dtype),
-        o_new.to(wo.dtype),
+        v_new.reshape(-1, d),
+        o_new,
         bv_new,
         fixed_index.reshape(num_kv_heads * head_dim, -1),
         fixed_value.reshape(num_kv_heads * head_dim, -1),
     )
+
+
+def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
+    """Index (..., 1) of the first entry of largest |w| along the last dimension, as `w.abs().argmax(-1)` gives it,
+    from the largest and the smallest entry (two reductions, no |w| of w's size)."""
+    high, low = w.argmax(-1, keepdim=True), w.argmin(-1, keepdim=True)
+    a, b = torch.gather(w, -1, high).abs(), torch.gather(w, -1, low).abs()
+    return torch.where((a > b) | ((a == b) & (high < low)), high, low)
 
 
 def mlp_to_pivot_gauge(
@@ -563,12 +635,14 @@ def mlp_to_pivot_gauge(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fix the SwiGLU scaling gauge: hidden unit k gets W_up[k, p_k] = c (p_k its largest entry), W_down[:, k] / c_k.
 
-    w_up: (d_ff, d), w_down: (d, d_ff) in Linear layout. Returns (w_up, w_down, fixed_index, fixed_value)."""
-    pivots = w_up.abs().argmax(-1, keepdim=True)  # (d_ff, 1)
-    at_pivot = torch.gather(w_up.double(), 1, pivots)  # (d_ff, 1)
-    c = scale / at_pivot
-    up_new = (w_up.double() * c).to(w_up.dtype)
-    down_new = (w_down.double() / c.T).to(w_down.dtype)
+    w_up: (d_ff, d), w_down: (d, d_ff) in Linear layout. Returns (w_up, w_down, fixed_index, fixed_value). The scales
+    c_k are float64, rounded to `_working_dtype` for the products (each entry within two roundings of the exact
+    product), the results in the weights' dtypes."""
+    pivots = _largest_magnitude(w_up)  # (d_ff, 1)
+    c = scale / torch.gather(w_up, 1, pivots).double()  # (d_ff, 1)
+    up_dtype, down_dtype = _working_dtype(w_up), _working_dtype(w_down)
+    up_new = (w_up.to(up_dtype) * c.to(up_dtype)).to(w_up.dtype)
+    down_new = (w_down.to(down_dtype) * (1 / c.T).to(down_dtype)).to(w_down.dtype)
     return up_new, down_new, pivots, torch.full(pivots.shape, float(scale))
 
 
