@@ -9,7 +9,10 @@ README's 16- and 64-window models at a fraction of the time) is timed against th
 as a plain `LlamaForCausalLM`, both in the same dtype (`--dtype`) and attention implementation (`--attn`), in one
 process, in alternated rounds (the order flips every round, one warm-up round first), on:
 
-- prefill: one forward pass over random token ids, batch 1 x `--prefill` tokens and `--batch` x `--prefill-batched`;
+- prefill: one forward pass over random token ids, batch 1 x `--prefill` tokens and `--batch` x `--prefill-batched`,
+  inside `relational_hf.modeling.weight_cache` (what `generate()` and the project's evaluation loops enter: the
+  gauge-fixed weights assembled once; a no-op for the dense Llama); prefill_bare: the batch-1 pass as a bare
+  forward call, which assembles every gauge-fixed weight at each call;
 - decode: `generate(do_sample=False)` of `--decode` new tokens (no early stop) after a `--prompt`-token prompt,
   batch 1 (the prompt's prefill included).
 
@@ -39,10 +42,12 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average, sync, write_json
 
+from relational_hf.modeling import weight_cache
+
 logger = logging.getLogger("compress_speed")
 
 LEVELS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5)
-CASES = ("prefill", "prefill_batched", "decode")
+CASES = ("prefill", "prefill_batched", "decode", "prefill_bare")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,8 +68,10 @@ def measure(model, args, device: str, generator: torch.Generator) -> dict[str, t
     prompt = torch.randint(0, vocab, (1, args.prompt), generator=generator).to(device)
     out = {}
     with torch.no_grad():
-        out["prefill"] = (*clocked(lambda: model(input_ids=one, use_cache=False)), one.numel())
-        out["prefill_batched"] = (*clocked(lambda: model(input_ids=many, use_cache=False)), many.numel())
+        out["prefill_bare"] = (*clocked(lambda: model(input_ids=one, use_cache=False)), one.numel())
+        with weight_cache(model):  # what generate() and the project's evaluation loops enter (no-op for Llama)
+            out["prefill"] = (*clocked(lambda: model(input_ids=one, use_cache=False)), one.numel())
+            out["prefill_batched"] = (*clocked(lambda: model(input_ids=many, use_cache=False)), many.numel())
         out["decode"] = (
             *clocked(
                 lambda: model.generate(
@@ -119,7 +126,7 @@ def plot(payload: dict, path: Path) -> None:
     levels = sorted(payload["levels"], key=float)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, key, title in ((axes[0], "speedup", "wall clock"), (axes[1], "speedup_cpu_time", "process CPU time")):
-        for case, marker in zip(CASES, "osd"):
+        for case, marker in zip(CASES, "osd^"):
             ax.plot(
                 [100 * float(lv) for lv in levels], [payload["levels"][lv][key][case] for lv in levels], marker=marker,
                 label=case.replace("_", " "),

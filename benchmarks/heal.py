@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, window, args.calibration_windows or (4 if args.quick else 16), 4 if args.quick else 12, args.quick,
         args.threads,
     )
+    compressed = report = None
+    if not args.dense_control:  # compressed first: a --dense-control run beside this one can cache the teacher text
+        compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
     held_out_text = None
     if args.loss == "kd":
         samples, length = args.text_samples or (32 if args.quick else 256), args.text_length or (64 if args.quick else 256)
@@ -323,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dense control: held-out perplexity {dense_ppl:.2f} -> {merged:.2f} after {steps} LoRA steps")
         return 0
 
-    compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
     payload = {
         "protocol": protocol,
         "loss": args.loss,
