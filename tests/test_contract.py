@@ -9,28 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import CONTRACT_BASE as BASE
+from tiny_models import CONTRACT_CONFIGS as CONFIGS
+from tiny_models import CONTRACT_VOCAB as VOCAB
 from transformers import Trainer, TrainingArguments
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.modeling import GaugeFixedLinear
-
-VOCAB = 61
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-CONFIGS = {
-    "pivot": dict(),
-    "free": dict(gauge="free"),
-    "value_removal": dict(value_parallel_removal=True),
-    "thin_keys_gqa": dict(num_key_value_heads=2, qk_rank=4),
-}
 
 
 def build(name: str, seed: int = 0, **overrides) -> RelationalForCausalLM:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_models import CONTRACT_BASE as BASE
+from tiny_models import CONTRACT_CONFIGS
+from tiny_models import CONTRACT_VOCAB as VOCAB
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
 from transformers.initialization import no_init_weights
 
@@ -31,22 +34,8 @@ from relational_hf import (
 from relational_hf.modeling import GaugeFixedLinear
 from relational_hf.modeling.modeling_gauge import max_volume_rows
 
-VOCAB = 61
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 CONFIGS = {
-    "pivot": dict(),
-    "free": dict(gauge="free"),
-    "value_removal": dict(value_parallel_removal=True),
-    "thin_keys_gqa": dict(num_key_value_heads=2, qk_rank=4),
+    **CONTRACT_CONFIGS,
     "per_layer_widths": dict(
         num_key_value_heads=2,
         layer_qk_ranks=[8, 4],

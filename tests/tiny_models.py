@@ -77,3 +77,24 @@ def stored_tensors(path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as st:
             out.update({k: st.get_tensor(k) for k in st.keys()})
     return out
+
+
+#: the relational configurations the generic-contract tests run (tests/test_contract*.py): pivot gauge, free gauge,
+#: value-space parallel removal, thin keys with GQA; CONTRACT_VOCAB tokens, ids 0-2 reserved (pad, bos, eos)
+CONTRACT_VOCAB = 61
+CONTRACT_BASE = dict(
+    vocab_size=CONTRACT_VOCAB,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+CONTRACT_CONFIGS = {
+    "pivot": dict(),
+    "free": dict(gauge="free"),
+    "value_removal": dict(value_parallel_removal=True),
+    "thin_keys_gqa": dict(num_key_value_heads=2, qk_rank=4),
+}
