@@ -11,11 +11,11 @@ OUT_DIR`).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from tiny_models import run_on_two_processes
 
 STEPS = 3
 
@@ -75,13 +75,7 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_two_gloo_processes_keep_replicas_equal_and_match_one_process(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path.cwd())}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-        __file__, str(tmp_path),
-    ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_on_two_processes(__file__, tmp_path, master_port=29517, timeout=240)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert torch.equal(rank0, rank1), "replicas diverged"
     single = _flat(_train(str(tmp_path / "single"), per_device_batch=8))

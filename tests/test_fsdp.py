@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import run_on_two_processes
 
 STEPS = 3
 CONFIG = dict(vocab_size=49, hidden_size=32, intermediate_size=51, num_hidden_layers=2, num_attention_heads=4)
@@ -165,13 +165,7 @@ def fsdp_run(tmp_path_factory) -> Path:
     _model("free", seed=2, vocab_size=len(tokenizer), **special).save_pretrained(out / "base")
     tokenizer.save_pretrained(out / "base")
     (out / "train.txt").write_text(generate_corpus(300, seed=5), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path.cwd())}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523",
-        __file__, str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_on_two_processes(__file__, out, master_port=29523, timeout=420)
     return out
 
 

@@ -98,3 +98,20 @@ CONTRACT_CONFIGS = {
     "value_removal": dict(value_parallel_removal=True),
     "thin_keys_gqa": dict(num_key_value_heads=2, qk_rank=4),
 }
+
+
+def run_on_two_processes(worker: str, out_dir, master_port: int, timeout: float) -> None:
+    """Start `worker` (a test file that is also a torchrun worker) on 2 gloo processes with OUT_DIR = `out_dir`, one
+    thread each; fails the test with the end of both outputs when the launch does not exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path.cwd())}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(master_port),
+        worker, str(out_dir),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
