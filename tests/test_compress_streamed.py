@@ -231,3 +231,17 @@ def test_cli_refuses_what_streaming_cannot_do(tmp_path, capsys, extra, message):
     out = tmp_path / "out"
     assert main(["compress", str(src), str(out), "--remove", "0.2", "--calibration", str(text), *extra]) == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_cli_refuses_a_share_the_planner_cannot_reach_before_the_work(tmp_path, capsys, mode):
+    """A --remove that even the narrowest widths cannot meet (the embedding is not truncated) fails in one line
+    naming the budget, before any layer is measured, and writes nothing."""
+    from relational_hf.commands.main import main
+
+    src, text = _cli_source(tmp_path)
+    out = tmp_path / "out"
+    code = main(["compress", str(src), str(out), "--remove", "0.9", "--calibration", str(text), "--window", "32",
+                 "--calibration-windows", "2", mode])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "narrowest widths" in err and "Traceback" not in err and not out.exists()

@@ -38,9 +38,11 @@ from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
-from .sensitivity import fisher_directions, fisher_energy, fisher_metric, mlp_fisher_curve, vo_fisher_errors
+from .budget import KINDS, WidthOption, layer_kind_parameters, plan_widths
+from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _attention_output,
+    _mix,
     _mixed_grams,
     _pair_coordinates,
     _sqrt_psd,
@@ -50,6 +52,7 @@ from .truncation import (  # noqa: F401  (public here too)
     mlp_refit,
     mlp_unit_scores,
     qk_pair_scores,
+    qk_rows,
     qk_truncate,
     value_grams,
     vo_truncate,
@@ -57,75 +60,9 @@ from .truncation import (  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("qk", "vo", "mlp")
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 
 
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Parameter counts of one layer at given widths (relational pivot gauge; checked against the model in the tests)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> int:
-    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge."""
-    d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    pivot = config.gauge == "pivot"
-    rope = config.position_encoding == "rope"
-    if kind == "qk":
-        n = (h + hkv) * width * d - (hkv * (width if rope else width * width) if pivot else 0)
-        return n + ((h + hkv) * width if config.attention_bias else 0)
-    if kind == "vo":
-        n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
-        return n + (hkv * width if config.attention_bias else 0)
-    if kind == "mlp":
-        return 3 * d * width - (width if pivot else 0)
-    raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Budget: a Lagrangian choice of widths from measured error curves
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WidthOption:
-    """One candidate width of one (layer, kind): its stored parameters and its measured (weighted) error."""
-
-    width: int
-    parameters: int
-    error: float
-
-
-def plan_widths(options: dict[tuple[int, str], list[WidthOption]], budget: int) -> dict[tuple[int, str], WidthOption]:
-    """Choose one option per (layer, kind) minimising the summed error with summed parameters <= budget:
-    for a multiplier lam, each slot takes argmin error + lam parameters; lam is bisected to the smallest value that
-    meets the budget. Raises ValueError when even the narrowest widths exceed the budget."""
-    slots = list(options)
-
-    def choose(lam: float) -> dict:
-        return {s: min(options[s], key=lambda o: (o.error + lam * o.parameters, o.parameters)) for s in slots}
-
-    def total(choice: dict) -> int:
-        return sum(o.parameters for o in choice.values())
-
-    smallest = sum(min(o.parameters for o in options[s]) for s in slots)
-    if smallest > budget:
-        raise ValueError(f"the narrowest widths store {smallest:,} parameters, more than the budget {budget:,}")
-    choice = choose(0.0)
-    if total(choice) <= budget:
-        return choice
-    lo, hi = 0.0, 1e-12
-    while total(choose(hi)) > budget:
-        hi *= 4.0
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if total(choose(mid)) > budget:
-            lo = mid
-        else:
-            hi = mid
-    return choose(hi)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,18 +237,26 @@ def layer_error_curves(
             w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, flat_x.sum(0), flat_x.shape[0], num_kv_heads=nkv
         )
         order = scores.argsort(dim=1, descending=True)
+        # a truncated projection is the full one's columns (`qk_rows`): project once, and measure each candidate's
+        # change in the mixed values, mapped to the output by W_O (or, for "fisher", the directions mapped back)
+        qf, kf, vf = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
+        back = None
+        if fisher:
+            dirs = directions["attn"]
+            back = (dirs.float().reshape(dirs.shape[0], -1, dirs.shape[-1]) @ w["o"].float()).view(
+                dirs.shape[0], *mixed.shape
+            )  # (K, B, T, H, r_v): W_O^T g
         for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
-            keep = order[:, :kp]
-            wq, wk, bq, bk, new_pairs = qk_truncate(
-                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
-            )
-            w2 = dict(w, q=wq, k=wk)
-            if bq is not None:
-                w2.update(q_bias=bq, k_bias=bk)
-            out = _attention_output(x, w2, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
-            change = out - base
-            err = (fisher_energy(change, directions["attn"]) if fisher else _weighted_energy(change, tw)) / scale
-            qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err))
+            qi, ki, factor, new_pairs = qk_rows(pairs, order[:, :kp], r, nh // nkv)
+            new_mixed = _mix(qf[..., qi] * factor, kf[..., ki], vf, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
+            delta = new_mixed - mixed
+            if fisher:
+                proj = (back * delta.unsqueeze(0)).sum((-1, -2))  # (K, B, T): g . (change of the output)
+                err = 0.5 * float(proj.double().pow(2).sum()) / back.shape[0]
+            else:
+                err = _weighted_energy(F.linear(delta.reshape(*delta.shape[:2], -1), w["o"]), tw)
+            qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err / scale))
+        del back
     vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
     if "vo" in opts.kinds:
         per_head, grams = _mixed_grams(mixed, nkv, tw)
@@ -497,6 +442,27 @@ def compress_layer(
     return h, dense_out
 
 
+def check_budget(config: RelationalConfig, budget: int, fixed: int, opts: LowRankOptions) -> None:
+    """ValueError before any work when even the narrowest widths the planner may choose (the grids' smallest,
+    `opts.kinds` only) store more than `budget` with the `fixed` parameters outside the truncated maps."""
+    rope = config.position_encoding == "rope"
+    narrowest = fixed
+    for li in range(config.num_hidden_layers):
+        r, rv, f = config.layer_qk_rank(li), config.layer_value_rank(li), config.layer_intermediate_size(li)
+        if "qk" in opts.kinds and rope:
+            r = min([r, *(2 * kp for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs))])
+        if "vo" in opts.kinds:
+            rv = min([rv, *_grid(rv, opts.vo_step, opts.min_vo_rank)])
+        if "mlp" in opts.kinds:
+            f = min([f, *_grid(f, opts.mlp_step, opts.min_mlp_units)])
+        narrowest += sum(layer_kind_parameters(config, k, w) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
+    if narrowest > budget:
+        raise ValueError(
+            f"the narrowest widths store {narrowest:,} parameters ({fixed:,} of them in the embedding, head and norms, "
+            f"which are not truncated), more than the budget {budget:,}: choose a smaller `remove`"
+        )
+
+
 def fixed_parameters(config: RelationalConfig, total: int) -> int:
     """Of a relational model of `config` storing `total` parameters, those outside the truncated maps."""
     return total - sum(
@@ -534,11 +500,13 @@ def compress_relational(
     n_layers = len(model.model.layers)
     count = count or (lambda m: sum(p.numel() for p in m.parameters()))
     result = LowRankResult(budget=budget)
+    fixed = fixed_parameters(config, count(model))
+    check_budget(config, budget, fixed, opts)
     t0 = time.perf_counter()
     curves = curves if curves is not None else measure_error_curves(model, calibration, opts, progress=progress)
     use_metric = opts.sensitivity == "fisher" and opts.fisher_metric and curves.metrics is not None
     metrics = curves.metrics if use_metric else [None] * n_layers
-    widths = plan(config, curves, budget, fixed_parameters(config, count(model)), result)
+    widths = plan(config, curves, budget, fixed, result)
     result.plan_seconds = time.perf_counter() - t0
 
     # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------
@@ -563,6 +531,7 @@ __all__ = [
     "LowRankOptions",
     "LowRankResult",
     "WidthOption",
+    "check_budget",
     "compress_layer",
     "compress_relational",
     "compressed_config",

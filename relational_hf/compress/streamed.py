@@ -44,6 +44,7 @@ from .lowrank import (
     WidthOption,
     _batches,
     _positions,
+    check_budget,
     compress_layer,
     compressed_config,
     fixed_parameters,
@@ -273,6 +274,7 @@ def compress_streamed(
     with torch.device("meta"):
         dense_meta = RelationalForCausalLM(config)
     fixed = fixed_parameters(config, stored_parameters(dense_meta)["total"])
+    check_budget(config, budget, fixed, opts)
     t0 = time.perf_counter()
     curves, dense_last = measure_error_curves_streamed(
         source, calibration, opts, device=device, progress=progress, seconds=seconds

@@ -145,8 +145,23 @@ def qk_truncate(
     (wq (H 2k, d), wk (H_kv 2k, d), bq, bk, new pair_index (H_kv, k))."""
     r = wk.shape[0] // num_kv_heads
     g = wq.shape[0] // (r * num_kv_heads)
-    k = keep.shape[1]
-    factor = math.sqrt(2 * k / r)
+    qi, ki, factor, pairs = qk_rows(pair_index, keep, r, g)
+    return (
+        wq[qi] * factor,
+        wk[ki],
+        None if bq is None else bq[qi] * factor,
+        None if bk is None else bk[ki],
+        pairs,
+    )
+
+
+def qk_rows(
+    pair_index: torch.Tensor, keep: torch.Tensor, r: int, g: int
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """What `qk_truncate` keeps: the query rows, the key rows (of the Linear-layout W_Q, W_K), the query scale
+    sqrt(2k / r) and the new pair index (H_kv, k), for kept pairs keep (H_kv, k) of width-r heads with g query heads
+    per key head. A truncated projection is the full one's columns at these rows (times the scale for queries)."""
+    num_kv_heads, k = keep.shape
     q_rows, k_rows, pairs = [], [], []
     for kv in range(num_kv_heads):
         order = torch.sort(keep[kv]).values
@@ -155,14 +170,7 @@ def qk_truncate(
         for j in range(g):
             q_rows.append((kv * g + j) * r + coords)
         pairs.append(pair_index[kv][order])
-    qi, ki = torch.cat(q_rows), torch.cat(k_rows)
-    return (
-        wq[qi] * factor,
-        wk[ki],
-        None if bq is None else bq[qi] * factor,
-        None if bk is None else bk[ki],
-        torch.stack(pairs),
-    )
+    return torch.cat(q_rows), torch.cat(k_rows), math.sqrt(2 * k / r), torch.stack(pairs)
 
 
 @torch.no_grad()
@@ -218,11 +226,25 @@ def _attention_output(
     rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
     `return_values` also the mixed values O before W_O (B, T, H, r_v)."""
     b, t, _ = x.shape
-    r = w["k"].shape[0] // num_kv_heads
-    rv = w["v"].shape[0] // num_kv_heads
-    q = F.linear(x, w["q"], w.get("q_bias")).view(b, t, num_heads, r).transpose(1, 2)
-    k = F.linear(x, w["k"], w.get("k_bias")).view(b, t, num_kv_heads, r).transpose(1, 2)
-    v = F.linear(x, w["v"], w.get("v_bias")).view(b, t, num_kv_heads, rv).transpose(1, 2)
+    q, k, v = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
+    out = _mix(q, k, v, pairs, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
+    return (result, out) if return_values else result
+
+
+def _mix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: torch.Tensor | None, cos: torch.Tensor | None,
+    sin: torch.Tensor | None, *, num_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """The mixed values O (B, T, H, r_v) of causal attention from the projections q (B, T, H r), k (B, T, H_kv r) and
+    v (B, T, H_kv r_v), rotary pair pairs[h, j] at the model table's angles, logits scaled by 1/sqrt(r)."""
+    b, t, _ = q.shape
+    r = k.shape[-1] // num_kv_heads
+    rv = v.shape[-1] // num_kv_heads
+    q = q.view(b, t, num_heads, r).transpose(1, 2)
+    k = k.view(b, t, num_kv_heads, r).transpose(1, 2)
+    v = v.view(b, t, num_kv_heads, rv).transpose(1, 2)
+    g = num_heads // num_kv_heads
     if cos is not None:
         half = cos.shape[-1] // 2
 
@@ -231,14 +253,10 @@ def _attention_output(
             return torch.cat((tt, tt), -1).transpose(1, 2)
 
         ck, sk = per_head(cos), per_head(sin)
-        g = num_heads // num_kv_heads
         cq, sq = ck.repeat_interleave(g, 1), sk.repeat_interleave(g, 1)
         q, k = q * cq + rotate_half(q) * sq, k * ck + rotate_half(k) * sk
-    g = num_heads // num_kv_heads
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)  # (B, T, H, r_v)
-    result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
-    return (result, out) if return_values else result
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)
 
 
 def _mixed_grams(
