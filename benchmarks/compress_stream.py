@@ -8,6 +8,7 @@ mean nothing here: this measures memory and time). The compression runs in a chi
 memory (VmHWM) is its own; the parent waits. The target of the issue: under 6 GiB for the 7B shape.
 
     python benchmarks/compress_stream.py --size 7B --workdir /big/disk      # writes compress_stream_7B.json / .png
+    python benchmarks/compress_stream.py --size 7B --layers 4               # the 7B layer shape, 4 layers deep
     python benchmarks/compress_stream.py --quick                            # the 10M shape, a few seconds
 
 Options of the compression are the CLI defaults unless given (`--qk-step`, `--vo-step`, `--mlp-step`: coarser
@@ -67,7 +68,7 @@ def plot(payload: dict, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("seconds")
-    ax.set_title(f"{payload['size']}: time per layer (total {report['wall_seconds']:.0f} s)")
+    ax.set_title(f"{payload['size']} ({payload['shape']['num_hidden_layers']} layers): time per layer (total {report['wall_seconds']:.0f} s)")
     ax.legend()
     bx.bar(["peak RSS"], [report["vm_hwm_mib"] / 1024], color="tab:green")
     bx.axhline(TARGET_MIB / 1024, color="red", linestyle="--", label="target 6 GiB")
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=list(CONVERT_SIZES), default="7B")
     parser.add_argument("--quick", action="store_true", help="the 10M shape")
     parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoint is kept")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the shape (default: its own depth)")
     parser.add_argument("--remove", type=float, default=None, help="share removed (0.25; quick 0.05: 10M is 80%% embedding)")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=256)
@@ -98,22 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         _child(*args.child)
         return 0
     size = "10M" if args.quick else args.size
-    json_path = RESULTS / f"compress_stream_{size}.json"
+    tag = f"{size}" + (f"_{args.layers}layers" if args.layers else "")
+    json_path = RESULTS / f"compress_stream_{tag}.json"
     png_path = json_path.with_suffix(".png")
     if args.plot_only:
         plot(json.loads(json_path.read_text()), png_path)
         return 0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="compress-stream-"))
-    src = workdir / f"llama-{size}-bf16"
+    src = workdir / f"llama-{tag}-bf16"
     generated = None
     if not (src / "config.json").is_file():
-        generated = generate_checkpoint(size, src, seed=0)
+        generated = generate_checkpoint(size, src, seed=0, layers=args.layers)
     remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
     settings = {"remove": remove, "windows": args.windows, "window": args.window, "threads": args.threads}
     for key in ("qk_step", "vo_step", "mlp_step", "sensitivity"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    out = workdir / f"compressed-{size}"
+    out = workdir / f"compressed-{tag}"
     if out.exists():
         shutil.rmtree(out)  # this benchmark's own output of an earlier run
     command = [sys.executable, __file__, "--child", str(src), str(out), json.dumps(settings)]
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out)
     payload = {
         "size": size,
-        "shape": CONVERT_SIZES[size],
+        "shape": CONVERT_SIZES[size] | ({"num_hidden_layers": args.layers} if args.layers else {}),
         "settings": settings,
         "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
         "output_bytes": out_bytes,

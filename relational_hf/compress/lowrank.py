@@ -76,10 +76,12 @@ def _causal_mask(t: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pair_index_of(attn: nn.Module) -> torch.Tensor:
+    """The model frequency pair of each head pair (H_kv, r/2), on the attention's device."""
     pairs = getattr(attn, "rope_pair_index", None)
     if pairs is not None:
-        return pairs.detach().cpu().clone()
-    return torch.arange(attn.qk_rank // 2).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
+        return pairs.detach().clone()
+    device = next(attn.parameters()).device
+    return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
 
 
 def _grid(width: int, step: int, smallest: int) -> range:

@@ -2,7 +2,8 @@
 
 The mathematics is `compress.lowrank`'s, per layer (`layer_error_curves` for pass 1, `compress_layer` for pass 2,
 `plan` between them) and `compress.sensitivity`'s for the Fisher directions, which a layer-streamed run gets by a
-forward sweep that keeps each layer's input hidden states of the `plan_windows` planning windows, the gradients of
+forward sweep that keeps each layer's input hidden states of the `plan_windows` planning windows (in temporary files,
+so memory does not grow with depth), the gradients of
 the sampled label sets at the head (`head_label_gradients`), and a backward sweep (`layer_fisher_step`) that measures
 each layer's error curves as soon as its directions are known. So a layer is read three times (forward, backward,
 compression) with sensitivity "fisher", twice otherwise.
@@ -13,14 +14,16 @@ on the fly (the exact conversion of `convert`). The compressed layers go to a `s
 
 Memory: one dense and one compressed layer (fp32), the embedding or the head while they are used (fp32), the hidden
 states of the calibration windows (N x T x d fp32, twice with correction="dense"), in pass 1 with "fisher" the
-hidden states of the planning windows at every layer input ((L + 1) x plan_windows x T x d fp32) and the gradients
-of the label sets (fisher_samples x plan_windows x T x d), and the MLP statistics of one layer (d_ff x d_ff float64).
+gradients of the label sets (fisher_samples x plan_windows x T x d; the hidden states at each layer's input wait on
+disk, L x plan_windows x T x d fp32), and the MLP statistics of one layer (d_ff x d_ff float64).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -208,37 +211,39 @@ def measure_error_curves_streamed(
             trim_heap()
             seconds[li]["measure"] = time.perf_counter() - start
         return ErrorCurves(options), h
-    inputs: list[torch.Tensor | None] = [h]
-    for li in tqdm(range(n_layers), desc="forward (Fisher)", disable=not progress):
-        start = time.perf_counter()
-        layer = source.layer(li, device)
-        h = torch.cat([_run(layer, inputs[-1][s], positions) for s in _batches(h.shape[0], opts.batch_size)])
-        inputs.append(h)
-        del layer
-        trim_heap()
-        seconds[li]["fisher"] = time.perf_counter() - start
-    last = inputs[-1]
-    grads = head_label_gradients(
-        source.head(device), last, samples=opts.fisher_samples, batch_size=opts.batch_size
-    )
-    inputs[-1] = None
+    with tempfile.TemporaryDirectory(prefix="relational-hf-activations-") as spill:
+        # each layer's input on the planning windows goes to disk (memory independent of depth), read back once
+        def path(li: int) -> str:
+            return os.path.join(spill, f"input-{li}.pt")
 
-    def run(layer, x):
-        return _run(layer, x, positions)
+        for li in tqdm(range(n_layers), desc="forward (Fisher)", disable=not progress):
+            start = time.perf_counter()
+            torch.save(h.cpu(), path(li))
+            layer = source.layer(li, device)
+            h = torch.cat([_run(layer, h[s], positions) for s in _batches(h.shape[0], opts.batch_size)])
+            del layer
+            trim_heap()
+            seconds[li]["fisher"] = time.perf_counter() - start
+        last = h
+        grads = head_label_gradients(source.head(device), last, samples=opts.fisher_samples, batch_size=opts.batch_size)
 
-    for li in tqdm(reversed(range(n_layers)), total=n_layers, desc="measuring error curves", disable=not progress):
-        start = time.perf_counter()
-        layer = source.layer(li, device)
-        grads, dirs = layer_fisher_step(layer, run, inputs[li], grads, batch_size=opts.batch_size)
-        seconds[li]["fisher"] += time.perf_counter() - start
-        start = time.perf_counter()
-        dirs = {k: v.to(device) for k, v in dirs.items()}
-        kinds, _ = layer_error_curves(config, layer, inputs[li], opts, positions, directions=dirs, weight=weights[li])
-        options.update({(li, kind): o for kind, o in kinds.items()})
-        inputs[li] = None
-        del layer, dirs
-        trim_heap()
-        seconds[li]["measure"] = time.perf_counter() - start
+        def run(layer, x):
+            return _run(layer, x, positions)
+
+        for li in tqdm(reversed(range(n_layers)), total=n_layers, desc="measuring error curves", disable=not progress):
+            start = time.perf_counter()
+            layer = source.layer(li, device)
+            x = torch.load(path(li)).to(device)
+            os.remove(path(li))
+            grads, dirs = layer_fisher_step(layer, run, x, grads, batch_size=opts.batch_size)
+            seconds[li]["fisher"] += time.perf_counter() - start
+            start = time.perf_counter()
+            dirs = {k: v.to(device) for k, v in dirs.items()}
+            kinds, _ = layer_error_curves(config, layer, x, opts, positions, directions=dirs, weight=weights[li])
+            options.update({(li, kind): o for kind, o in kinds.items()})
+            del layer, dirs, x
+            trim_heap()
+            seconds[li]["measure"] = time.perf_counter() - start
     return ErrorCurves(options), last
 
 
