@@ -277,13 +277,18 @@ def layer_error_curves(
         zf = z.reshape(-1, f).double()
         yf = y.reshape(-1, y.shape[-1]).double()
         zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
+        order = mlp_unit_scores(m["down"], (zw * zf).sum(0), metric["mlp"]).argsort(descending=True)
+        # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
+        zf, zw = zf[:, order], (None if tw is None else zw[:, order])
+        zw = zf if zw is None else zw
         gram, cross = zw.T @ zf, zw.T @ yf
+        del zw
         y_energy = _weighted_energy(y, tw)
-        order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
         if fisher:
-            curve = mlp_fisher_curve(zf, yf, gram, cross, order, opts.ridge, directions["mlp"])
+            curve = mlp_fisher_curve(zf, yf, gram, cross, None, opts.ridge, directions["mlp"])
         else:
-            curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
+            curve = mlp_error_curve(gram, cross, y_energy, None, opts.ridge)
+        del gram, cross, zf
         full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
         for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
             err = max(float(curve[units - 1]) - full, 0.0) / scale

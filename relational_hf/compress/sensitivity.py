@@ -231,21 +231,24 @@ def vo_fisher_errors(
 
 
 def mlp_fisher_curve(
-    z: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, order: torch.Tensor, ridge: float,
-    directions: torch.Tensor,
+    z: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, order: torch.Tensor | None,
+    ridge: float, directions: torch.Tensor,
 ) -> torch.Tensor:
     """Predicted KL of keeping the first k units of `order` with the refitted W_down of `mlp_refit`, for every
     k = 1..d_ff at once. z: (n, d_ff) unit activations, y: (n, d) the dense MLP output, gram/cross: the (weighted)
     refit statistics Z^T W Z and Z^T W Y, directions (K, n, d). With the Cholesky factor L L^T = G_oo + lam I of the
     Gram in that order, the refit output with k units is Zh[:, :k] P[:k] (Zh = Z_o L^-T, P = L^-1 (Z^T W Y)_o, the
-    same factors as `mlp_error_curve`), so g . yhat_k is a cumulative sum over units. Returns (d_ff,) (entry k-1)."""
+    same factors as `mlp_error_curve`), so g . yhat_k is a cumulative sum over units. Returns (d_ff,) (entry k-1).
+    order None: z, gram and cross are already in that order, and gram (float64) is overwritten."""
     chol = ordered_cholesky(gram, order, ridge)
-    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
-    zh = torch.linalg.solve_triangular(chol, z[:, order].double().T, upper=False).T  # (n, d_ff) = Z_o L^-T
+    c, zo = (cross, z) if order is None else (cross[order], z[:, order])
+    proj = torch.linalg.solve_triangular(chol, c.double(), upper=False)  # (d_ff, d)
+    zh = torch.linalg.solve_triangular(chol, zo.double().T, upper=False).T  # (n, d_ff) = Z_o L^-T
+    del chol, zo
     dirs = directions.reshape(directions.shape[0], -1, directions.shape[-1]).double()  # (K, n, d)
     target = (dirs * y.double().unsqueeze(0)).sum(-1)  # (K, n): g . y
     total = torch.zeros(zh.shape[1], dtype=torch.float64, device=zh.device)
-    step = max(1, (1 << 25) // max(1, dirs.shape[0] * zh.shape[1]))  # rows per block: (K, rows, d_ff) of 256 MiB
+    step = max(1, (1 << 23) // max(1, dirs.shape[0] * zh.shape[1]))  # rows per block: (K, rows, d_ff) of 64 MiB
     for start in range(0, zh.shape[0], step):
         rows = slice(start, start + step)
         along = (zh[rows].unsqueeze(0) * (dirs[:, rows] @ proj.T)).cumsum(-1)  # (K, rows, d_ff): g . yhat_k

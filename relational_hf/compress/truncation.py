@@ -189,9 +189,8 @@ def mlp_refit(
 ) -> torch.Tensor:
     """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
     from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d)."""
-    g_ss = _regularised(gram, keep, ridge)
-    sol = torch.linalg.solve(g_ss, cross[keep].double())  # (k, d)
-    return sol.T
+    chol = ordered_cholesky(gram, keep, ridge)  # the regularised G_SS is positive definite: one factor, in place
+    return torch.cholesky_solve(cross[keep].double(), chol).T  # (d, k)
 
 
 def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -202,18 +201,32 @@ def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch
     return g
 
 
-def ordered_cholesky(gram: torch.Tensor, order: torch.Tensor, ridge: float) -> torch.Tensor:
+def ordered_cholesky(gram: torch.Tensor, order: torch.Tensor | None, ridge: float) -> torch.Tensor:
     """The Cholesky factor L of the regularised Gram in the order `order` (`_regularised`): the prefix k of L is the
-    factor of the first k units, so one factorisation gives the refit of every prefix at once."""
-    return torch.linalg.cholesky(_regularised(gram, order, ridge))
+    factor of the first k units, so one factorisation gives the refit of every prefix at once. order None: `gram`
+    (float64) is already in that order and is regularised and factored in place (no second d_ff x d_ff matrix)."""
+    if order is None:
+        g = gram
+        g.diagonal().add_(ridge * float(torch.diagonal(g).mean().clamp_min(1e-12)))
+    else:
+        g = _regularised(gram, order, ridge)
+    info = torch.empty((), dtype=torch.int32, device=g.device)
+    torch.linalg.cholesky_ex(g, out=(g, info))
+    if int(info):
+        raise torch.linalg.LinAlgError(f"the regularised Gram of the refit is not positive definite (order {int(info)})")
+    return g.tril_()
 
 
-def mlp_error_curve(gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+def mlp_error_curve(
+    gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor | None, ridge: float = 1e-4
+) -> torch.Tensor:
     """Least-squares residual ||Z_S W* - Y||^2 after the refit for every prefix S = order[:k], k = 1..d_ff, at once:
     with the Cholesky factor G_oo + ridge = L L^T of the Gram in that order, the energy explained by the first k units
-    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units)."""
+    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units).
+    order None: gram and cross are already in that order, and gram (float64) is overwritten (`ordered_cholesky`)."""
     chol = ordered_cholesky(gram, order, ridge)
-    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
+    c = cross if order is None else cross[order]
+    proj = torch.linalg.solve_triangular(chol, c.double(), upper=False)  # (d_ff, d)
     explained = proj.pow(2).sum(1).cumsum(0)
     return (y_energy - explained).clamp_min(0.0)
 
