@@ -84,6 +84,14 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
 
 
+def _release(layer: nn.Module) -> None:
+    """Drop a layer's parameters and buffers (moved to the meta device) and its cached assembled weights."""
+    layer.to("meta")
+    for module in layer.modules():
+        for key in [k for k in vars(module) if k.endswith("_cache")]:
+            del module.__dict__[key]
+
+
 def _grid(width: int, step: int, smallest: int) -> range:
     """Candidate widths below `width`: steps of `step` down to `smallest`, both shrunk for narrow maps (at least
     8 candidates when the width allows)."""
@@ -203,13 +211,15 @@ class ErrorCurves:
 def layer_error_curves(
     config: RelationalConfig, layer: nn.Module, h: torch.Tensor, opts: LowRankOptions, positions: tuple, *,
     directions: dict[str, torch.Tensor] | None = None, metric: dict[str, torch.Tensor | None] | None = None,
-    weight: float = 1.0,
+    weight: float = 1.0, release: bool = False,
 ) -> tuple[dict[str, list[WidthOption]], torch.Tensor]:
     """Pass 1 for one dense decoder layer: its candidate widths per kind ({"qk", "vo", "mlp"} -> [WidthOption]) with
     the error each truncation adds (currency of `opts.sensitivity`; `directions`: the layer's sampled Fisher
     directions {"attn", "mlp"} when it is "fisher"; `metric`: the Fisher metrics used with `fisher_metric`), measured
     on the layer's input hidden states h (B, T, d); and the layer's output (B, T, d). `positions`: `_positions`. The
-    same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths."""
+    same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths.
+    release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
+    its memory is not held twice)."""
     cos, sin = positions[0], positions[1]
     rope = config.position_encoding == "rope"
     fisher = opts.sensitivity == "fisher"
@@ -223,6 +233,8 @@ def layer_error_curves(
     h_mid = h + base
     xm = layer.post_attention_layernorm(h_mid)
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
+    if release:
+        _release(layer)
     z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
     y = F.linear(z, m["down"])
     h_out = h_mid + y
@@ -276,11 +288,12 @@ def layer_error_curves(
     if "mlp" in opts.kinds:
         zf = z.reshape(-1, f).double()
         yf = y.reshape(-1, y.shape[-1]).double()
-        zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
-        order = mlp_unit_scores(m["down"], (zw * zf).sum(0), metric["mlp"]).argsort(descending=True)
+        weights = None if tw is None else tw.reshape(-1, 1).double()
+        energy = (zf.pow(2) if weights is None else zf.pow(2) * weights).sum(0)  # the Gram's diagonal
+        order = mlp_unit_scores(m["down"], energy, metric["mlp"]).argsort(descending=True)
         # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
-        zf, zw = zf[:, order], (None if tw is None else zw[:, order])
-        zw = zf if zw is None else zw
+        zf = zf[:, order]
+        zw = zf if weights is None else zf * weights
         gram, cross = zw.T @ zf, zw.T @ yf
         del zw
         y_energy = _weighted_energy(y, tw)
@@ -359,11 +372,14 @@ def compressed_config(config: RelationalConfig, widths: dict[str, list[int]]) ->
 def compress_layer(
     layer: nn.Module, target: nn.Module, h: torch.Tensor, h_dense: torch.Tensor | None, widths: dict[str, int],
     opts: LowRankOptions, positions: tuple, metric: dict[str, torch.Tensor | None] | None = None,
+    release: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2 for one layer: load into `target` (a `RelationalDecoderLayer` of the planned widths {"qk": r, "vo": r_v,
     "mlp": d_ff}) the truncation of the dense `layer` fitted on the calibration hidden states h (N, T, d) that reach
     it through the already-compressed layers (`h_dense`: the dense model's own, for correction="dense", else None).
-    Returns the next (h, h_dense); h is updated in place. Shared by the in-memory and the layer-streamed paths."""
+    Returns the next (h, h_dense); h is updated in place. Shared by the in-memory and the layer-streamed paths.
+    release: the dense layer's parameters are dropped once its full weights are assembled (the caller is done with
+    it; not with correction="dense", which runs it)."""
     cos, sin, mask, pos = positions
     rope = cos is not None
     metric = metric or {"attn": None, "mlp": None}
@@ -413,6 +429,9 @@ def compress_layer(
         target.self_attn.rope_pair_index.copy_(pairs)
     # MLP: statistics at the compressed attention's output
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
+    norm = layer.post_attention_layernorm
+    if release and opts.correction != "dense":
+        _release(layer)
     f = m["down"].shape[1]
     f_new = widths["mlp"]
     h_mid = torch.empty_like(h)
@@ -425,7 +444,7 @@ def compress_layer(
         gram = torch.zeros(f, f, dtype=torch.float64, device=h.device)
         cross = torch.zeros(f, d, dtype=torch.float64, device=h.device)
         for s in _batches(n, opts.batch_size):
-            xm = layer.post_attention_layernorm(h_mid[s])
+            xm = norm(h_mid[s])
             # per-batch products in fp32 (twice as fast as fp64 on CPUs), accumulated in fp64
             z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
             tw = _token_weights(h_mid[s], opts.sensitivity)
@@ -440,8 +459,10 @@ def compress_layer(
         order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
         keep = torch.sort(order[:f_new]).values
         down = m["down"][:, keep]
-        if opts.correction != "none":
-            down = mlp_refit(gram, cross, keep, opts.ridge).to(down.dtype)
+        if opts.correction != "none":  # the kept units' statistics only, the full ones freed first (memory)
+            gram, cross = gram[keep[:, None], keep[None, :]], cross[keep]
+            down = mlp_refit(gram, cross, None, opts.ridge).to(down.dtype)
+        del gram, cross
         m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
     target.mlp.set_full_weights(m)
     for s in _batches(n, opts.batch_size):

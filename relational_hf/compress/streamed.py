@@ -205,7 +205,7 @@ def measure_error_curves_streamed(
         for li in tqdm(range(n_layers), desc="measuring error curves", disable=not progress):
             start = time.perf_counter()
             layer = source.layer(li, device)
-            kinds, h = layer_error_curves(config, layer, h, opts, positions, weight=weights[li])
+            kinds, h = layer_error_curves(config, layer, h, opts, positions, weight=weights[li], release=True)
             options.update({(li, kind): o for kind, o in kinds.items()})
             del layer
             trim_heap()
@@ -239,7 +239,9 @@ def measure_error_curves_streamed(
             seconds[li]["fisher"] += time.perf_counter() - start
             start = time.perf_counter()
             dirs = {k: v.to(device) for k, v in dirs.items()}
-            kinds, _ = layer_error_curves(config, layer, x, opts, positions, directions=dirs, weight=weights[li])
+            kinds, _ = layer_error_curves(
+                config, layer, x, opts, positions, directions=dirs, weight=weights[li], release=True
+            )
             options.update({(li, kind): o for kind, o in kinds.items()})
             del layer, dirs, x
             trim_heap()
@@ -310,7 +312,7 @@ def compress_streamed(
             target = RelationalDecoderLayer(new_config, li)
         target = target.float().eval().to(device)
         chosen = {kind: widths[kind][li] for kind in KINDS}
-        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions)
+        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions, release=True)
         del dense
         for key, tensor in target.state_dict().items():
             emit(f"model.layers.{li}.{key}", tensor)

@@ -185,12 +185,14 @@ def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor, metric: torch.T
 
 @torch.no_grad()
 def mlp_refit(
-    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, ridge: float = 1e-4
+    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor | None, ridge: float = 1e-4
 ) -> torch.Tensor:
     """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
-    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d)."""
+    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d). keep None: gram and cross are those
+    of the kept units already, and gram (float64) is overwritten (no second k x k matrix)."""
     chol = ordered_cholesky(gram, keep, ridge)  # the regularised G_SS is positive definite: one factor, in place
-    return torch.cholesky_solve(cross[keep].double(), chol).T  # (d, k)
+    c = cross if keep is None else cross[keep]
+    return torch.cholesky_solve(c.double(), chol).T  # (d, k)
 
 
 def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch.Tensor:
