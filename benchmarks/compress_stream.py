@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, machine, write_json
+from common import RESULTS, write_json
 from convert import CONVERT_SIZES, generate_checkpoint
 
 TARGET_MIB = 6 * 1024
@@ -134,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         "generated": generated,
         "target_peak_mib": TARGET_MIB,
         "report": report,
-        "machine": machine(),
-        "command": "python benchmarks/compress_stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     write_json(json_path.stem, payload)
     plot(payload, png_path)
