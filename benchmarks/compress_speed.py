@@ -24,8 +24,13 @@ The figure of merit is compressed / dense.
     python benchmarks/compress_speed.py --quick          # 2 layers, 1 level, short inputs: a minute or two
     python benchmarks/compress_speed.py --gpu            # on a CUDA device, bf16 by default (synchronised timing)
     python benchmarks/compress_speed.py --plot-only
+    python benchmarks/compress_speed.py --widths-from results/compress_curve.json --levels 0.1 0.2 0.3 0.4 0.5
 
-Writes results/compress_speed.json and compress_speed.png (`_quick`, `_gpu` suffixes), atomically.
+`--widths-from JSON`: the per-layer widths that the quality benchmark's relational cells chose (their reports keep
+them), built as relational models of exactly those shapes with freshly initialised weights instead of compressing
+again: on dense kernels the time depends on the shapes only, not on the values.
+
+Writes results/compress_speed.json and compress_speed.png (`_curve`, `_gpu`, `_quick` suffixes), atomically.
 """
 
 from __future__ import annotations
@@ -160,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where compressed models are kept between runs")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument(
+        "--widths-from", type=Path, default=None, metavar="JSON",
+        help="time models of the widths that benchmarks/compress.py's relational cells chose (no compression run)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    name = "compress_speed" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
+    name = "compress_speed" + ("_curve" if args.widths_from else "") + ("_gpu" if args.gpu else "")
+    name += "_quick" if args.quick else ""
     if args.plot_only:
         path = RESULTS / f"{name}.json"
         if not path.is_file():
@@ -215,8 +225,24 @@ def main(argv: list[str] | None = None) -> int:
         "dense_stored_parameters": stored_parameters(dense)["total"],
         "levels": {},
     }
+    planned = {}
+    if args.widths_from is not None:
+        cells = json.loads(args.widths_from.read_text())["cells"].values()
+        planned = {c["target"]: c["details"]["widths"] for c in cells if c["method"] == "relational" and c["status"] == "ok"}
+        missing = [lv for lv in levels if lv and lv not in planned]
+        if missing:
+            parser.error(f"--widths-from {args.widths_from} has no relational cell at level(s) {missing}")
+        payload["protocol"]["compression"] = f"models of the widths chosen in {args.widths_from.name}, fresh weights"
     for level in levels:
-        if level == 0.0:
+        if level in planned:
+            from relational_hf.compress.lowrank import compressed_config
+            from relational_hf.modeling import RelationalForCausalLM
+
+            config = compressed_config(to_relational(source.float()).config, planned[level])
+            compressed = RelationalForCausalLM(config).eval()
+            dense = source.to(device=device, dtype=dtype)
+            info = {"stored_parameters": stored_parameters(compressed)["total"], "widths": planned[level]}
+        elif level == 0.0:
             compressed = to_relational(source.float()).eval()
             dense = source.to(device=device, dtype=dtype)  # to_relational reads fp32 on the CPU
             info = {"stored_parameters": stored_parameters(compressed)["total"], "widths": None}

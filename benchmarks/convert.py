@@ -120,11 +120,13 @@ def _rss_peak_mib() -> float:
 
 
 # ---- (a) streaming conversion ----------------------------------------------------------------------------------------
-def generate_checkpoint(size: str, directory: Path, seed: int, shard: str = "2GB") -> dict:
-    """Write a random bf16 Llama of `size` as sharded safetensors, one tensor at a time."""
+def generate_checkpoint(size: str, directory: Path, seed: int, shard: str = "2GB", layers: int | None = None) -> dict:
+    """Write a random bf16 Llama of `size` as sharded safetensors, one tensor at a time (`layers`: that many decoder
+    layers of the shape instead of its own depth)."""
     from relational_hf.shards import ShardWriter, meta_model, parse_size
 
-    config = LlamaConfig(**CONVERT_SIZES[size], max_position_embeddings=4096, dtype="bfloat16")
+    shape = CONVERT_SIZES[size] | ({"num_hidden_layers": layers} if layers else {})
+    config = LlamaConfig(**shape, max_position_embeddings=4096, dtype="bfloat16")
     model = meta_model(config)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     names = [(n, tuple(t.shape)) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]

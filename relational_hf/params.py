@@ -86,7 +86,10 @@ def _stored_tensors(model: nn.Module):
     seen: set[tuple[int, int, tuple]] = set()
 
     def first_time(t: torch.Tensor) -> bool:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.device.type == "meta":  # no storage: tied tensors are one object
+            key = (id(t), 0, tuple(t.shape))
+        else:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key in seen:
             return False
         seen.add(key)
@@ -112,14 +115,15 @@ def _stored_tensors(model: nn.Module):
 def stored_parameters(model: nn.Module) -> dict:
     """Stored parameters of `model`: {"total": int, "by_kind": {kind: int}, "by_layer": [int per decoder layer],
     "nonzero": int}. Every stored tensor counts once (see the module docstring); "by_layer" sums the tensors whose
-    name holds `layers.<i>.`; "nonzero" counts the non-zero entries (what a sparse format would store)."""
+    name holds `layers.<i>.`; "nonzero" counts the non-zero entries (what a sparse format would store). A model on
+    the meta device (built from its config, no weights) is counted too (its "nonzero" is then its total)."""
     by_kind = dict.fromkeys(PARAMETER_KINDS, 0)
     layers: dict[int, int] = defaultdict(int)
     total = nonzero = 0
     for name, t in _stored_tensors(model):
         n = t.numel()
         total += n
-        nonzero += int(torch.count_nonzero(t.detach()))
+        nonzero += n if t.device.type == "meta" else int(torch.count_nonzero(t.detach()))
         by_kind[parameter_kind(name)] += n
         m = _LAYER.search(name)
         if m:

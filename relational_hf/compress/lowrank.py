@@ -37,16 +37,22 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
-from ..modeling.modeling_relational import rotate_half
-from .sensitivity import fisher_directions, fisher_energy, fisher_metric, mlp_fisher_curve, vo_fisher_errors
+from ..modeling.modeling_relational import RelationalRotaryEmbedding
+from .budget import KINDS, WidthOption, layer_kind_parameters, plan_widths
+from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
+    _attention_output,
+    _mix,
+    _mixed_grams,
     _pair_coordinates,
     _sqrt_psd,
+    _vo_errors,
     _vo_factors,
     mlp_error_curve,
     mlp_refit,
     mlp_unit_scores,
     qk_pair_scores,
+    qk_rows,
     qk_truncate,
     value_grams,
     vo_truncate,
@@ -54,75 +60,9 @@ from .truncation import (  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("qk", "vo", "mlp")
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 
 
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Parameter counts of one layer at given widths (relational pivot gauge; checked against the model in the tests)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> int:
-    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge."""
-    d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    pivot = config.gauge == "pivot"
-    rope = config.position_encoding == "rope"
-    if kind == "qk":
-        n = (h + hkv) * width * d - (hkv * (width if rope else width * width) if pivot else 0)
-        return n + ((h + hkv) * width if config.attention_bias else 0)
-    if kind == "vo":
-        n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
-        return n + (hkv * width if config.attention_bias else 0)
-    if kind == "mlp":
-        return 3 * d * width - (width if pivot else 0)
-    raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Budget: a Lagrangian choice of widths from measured error curves
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WidthOption:
-    """One candidate width of one (layer, kind): its stored parameters and its measured (weighted) error."""
-
-    width: int
-    parameters: int
-    error: float
-
-
-def plan_widths(options: dict[tuple[int, str], list[WidthOption]], budget: int) -> dict[tuple[int, str], WidthOption]:
-    """Choose one option per (layer, kind) minimising the summed error with summed parameters <= budget:
-    for a multiplier lam, each slot takes argmin error + lam parameters; lam is bisected to the smallest value that
-    meets the budget. Raises ValueError when even the narrowest widths exceed the budget."""
-    slots = list(options)
-
-    def choose(lam: float) -> dict:
-        return {s: min(options[s], key=lambda o: (o.error + lam * o.parameters, o.parameters)) for s in slots}
-
-    def total(choice: dict) -> int:
-        return sum(o.parameters for o in choice.values())
-
-    smallest = sum(min(o.parameters for o in options[s]) for s in slots)
-    if smallest > budget:
-        raise ValueError(f"the narrowest widths store {smallest:,} parameters, more than the budget {budget:,}")
-    choice = choose(0.0)
-    if total(choice) <= budget:
-        return choice
-    lo, hi = 0.0, 1e-12
-    while total(choose(hi)) > budget:
-        hi *= 4.0
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if total(choose(mid)) > budget:
-            lo = mid
-        else:
-            hi = mid
-    return choose(hi)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,68 +76,20 @@ def _causal_mask(t: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pair_index_of(attn: nn.Module) -> torch.Tensor:
+    """The model frequency pair of each head pair (H_kv, r/2), on the attention's device."""
     pairs = getattr(attn, "rope_pair_index", None)
     if pairs is not None:
-        return pairs.detach().cpu().clone()
-    return torch.arange(attn.qk_rank // 2).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
+        return pairs.detach().clone()
+    device = next(attn.parameters()).device
+    return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
 
 
-def _attention_output(
-    x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-    *, num_heads: int, num_kv_heads: int, return_values: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of full Linear-layout weights w (q, k, v, o, biases) on normalised inputs x (B, T, d); the
-    rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
-    `return_values` also the mixed values O before W_O (B, T, H, r_v)."""
-    b, t, _ = x.shape
-    r = w["k"].shape[0] // num_kv_heads
-    rv = w["v"].shape[0] // num_kv_heads
-    q = F.linear(x, w["q"], w.get("q_bias")).view(b, t, num_heads, r).transpose(1, 2)
-    k = F.linear(x, w["k"], w.get("k_bias")).view(b, t, num_kv_heads, r).transpose(1, 2)
-    v = F.linear(x, w["v"], w.get("v_bias")).view(b, t, num_kv_heads, rv).transpose(1, 2)
-    if cos is not None:
-        half = cos.shape[-1] // 2
-
-        def per_head(table):
-            tt = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
-            return torch.cat((tt, tt), -1).transpose(1, 2)
-
-        ck, sk = per_head(cos), per_head(sin)
-        g = num_heads // num_kv_heads
-        cq, sq = ck.repeat_interleave(g, 1), sk.repeat_interleave(g, 1)
-        q, k = q * cq + rotate_half(q) * sq, k * ck + rotate_half(k) * sk
-    g = num_heads // num_kv_heads
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)  # (B, T, H, r_v)
-    result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
-    return (result, out) if return_values else result
-
-
-def _mixed_grams(
-    values: torch.Tensor, num_kv_heads: int, token_weights: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """From mixed values O (B, T, H, r_v): per query head E_j = O_j^T diag(w) O_j (H, r_v, r_v) and their sums over
-    each key/value head's group (H_kv, r_v, r_v); w: optional token weights (B, T)."""
-    h, rv = values.shape[2], values.shape[3]
-    o = values.reshape(-1, h, rv).double().transpose(0, 1)  # (H, n, r_v)
-    ow = o if token_weights is None else o * token_weights.reshape(1, -1, 1).double()
-    per_head = ow.transpose(1, 2) @ o
-    return per_head, per_head.view(num_kv_heads, h // num_kv_heads, rv, rv).sum(1)
-
-
-def _vo_errors(per_head: torch.Tensor, wo: torch.Tensor, factors: list[tuple], rank: int) -> float:
-    """sum_j ||O_j (I - T T') W_O^j||^2 for the rank-r projection of `vo_truncate`, from the Grams E_j."""
-    rv = per_head.shape[-1]
-    g = per_head.shape[0] // len(factors)
-    total = 0.0
-    for kv, (p, u, _, blocks) in enumerate(factors):
-        u_r = u[:, :rank]
-        proj = torch.linalg.pinv(p, hermitian=True) @ u_r @ u_r.T @ p  # T T'
-        rest = torch.eye(rv, dtype=torch.float64) - proj
-        for j, b in enumerate(blocks):
-            a = rest @ b  # (r_v, d)
-            total += float(((per_head[kv * g + j] @ a) * a).sum())
-    return total
+def _release(layer: nn.Module) -> None:
+    """Drop a layer's parameters and buffers (moved to the meta device) and its cached assembled weights."""
+    layer.to("meta")
+    for module in layer.modules():
+        for key in [k for k in vars(module) if k.endswith("_cache")]:
+            del module.__dict__[key]
 
 
 def _grid(width: int, step: int, smallest: int) -> range:
@@ -269,11 +161,7 @@ def _batches(n: int, size: int):
 
 @torch.no_grad()
 def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> RelationalForCausalLM:
-    config = copy.deepcopy(model.config)
-    config.layer_qk_ranks = list(widths["qk"])
-    config.layer_value_ranks = list(widths["vo"])
-    config.layer_intermediate_sizes = list(widths["mlp"])
-    config.validate()
+    config = compressed_config(model.config, widths)
     with no_init_weights():
         new = type(model)(config)
     if config.tie_word_embeddings and new.lm_head.weight is not new.model.embed_tokens.weight:
@@ -298,13 +186,15 @@ def _check(model: RelationalForCausalLM, calibration: torch.Tensor, opts: LowRan
         raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got shape {tuple(calibration.shape)}")
 
 
-def _positions(model: RelationalForCausalLM, t: int):
-    """(cos, sin, mask, position ids) of windows of t tokens."""
-    pos = torch.arange(t)[None]
-    dummy = model.model.embed_tokens.weight[:1, None, :].expand(1, t, -1)
-    rope = model.config.position_encoding == "rope"
-    cos, sin = model.model.rotary_emb(dummy, pos) if rope else (None, None)
-    return cos, sin, _causal_mask(t, next(model.parameters()).dtype), pos
+def _positions(config: RelationalConfig, t: int, dtype: torch.dtype = torch.float32, device=None):
+    """(cos, sin, mask, position ids) of windows of t tokens, from the config alone (no weights needed)."""
+    pos = torch.arange(t, device=device)[None]
+    if config.position_encoding == "rope":
+        rotary = RelationalRotaryEmbedding(config).to(device)
+        cos, sin = rotary(torch.zeros(1, t, 1, dtype=dtype, device=device), pos)
+    else:
+        cos = sin = None
+    return cos, sin, _causal_mask(t, dtype).to(device), pos
 
 
 @dataclass
@@ -318,106 +208,297 @@ class ErrorCurves:
 
 
 @torch.no_grad()
+def layer_error_curves(
+    config: RelationalConfig, layer: nn.Module, h: torch.Tensor, opts: LowRankOptions, positions: tuple, *,
+    directions: dict[str, torch.Tensor] | None = None, metric: dict[str, torch.Tensor | None] | None = None,
+    weight: float = 1.0, release: bool = False,
+) -> tuple[dict[str, list[WidthOption]], torch.Tensor]:
+    """Pass 1 for one dense decoder layer: its candidate widths per kind ({"qk", "vo", "mlp"} -> [WidthOption]) with
+    the error each truncation adds (currency of `opts.sensitivity`; `directions`: the layer's sampled Fisher
+    directions {"attn", "mlp"} when it is "fisher"; `metric`: the Fisher metrics used with `fisher_metric`), measured
+    on the layer's input hidden states h (B, T, d); and the layer's output (B, T, d). `positions`: `_positions`. The
+    same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths.
+    release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
+    its memory is not held twice)."""
+    cos, sin = positions[0], positions[1]
+    rope = config.position_encoding == "rope"
+    fisher = opts.sensitivity == "fisher"
+    metric = metric or {"attn": None, "mlp": None}
+    attn, mlp = layer.self_attn, layer.mlp
+    x = layer.input_layernorm(h)
+    w = {k: v.detach() for k, v in attn.full_weights().items()}
+    pairs = _pair_index_of(attn)
+    nh, nkv = attn.num_heads, attn.num_kv_heads
+    base, mixed = _attention_output(x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True)
+    h_mid = h + base
+    xm = layer.post_attention_layernorm(h_mid)
+    m = {k: v.detach() for k, v in mlp.full_weights().items()}
+    if release:
+        _release(layer)
+    z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
+    y = F.linear(z, m["down"])
+    h_out = h_mid + y
+    tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
+    scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0  # fisher: nats
+    scale = scale / weight
+    flat_x = x.reshape(-1, x.shape[-1]).double()
+    cov = flat_x.T @ flat_x
+    r, rv, f = attn.qk_rank, attn.head_dim, m["down"].shape[1]
+    # QK: drop the least important pairs, measure the attention output change
+    qk_opts = [WidthOption(r, layer_kind_parameters(config, "qk", r), 0.0)]
+    if "qk" in opts.kinds and rope:
+        scores = qk_pair_scores(
+            w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, flat_x.sum(0), flat_x.shape[0], num_kv_heads=nkv
+        )
+        order = scores.argsort(dim=1, descending=True)
+        # a truncated projection is the full one's columns (`qk_rows`): project once, and measure each candidate's
+        # change in the mixed values, mapped to the output by W_O (or, for "fisher", the directions mapped back)
+        qf, kf, vf = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
+        back = None
+        if fisher:
+            dirs = directions["attn"]
+            back = (dirs.float().reshape(dirs.shape[0], -1, dirs.shape[-1]) @ w["o"].float()).view(
+                dirs.shape[0], *mixed.shape
+            )  # (K, B, T, H, r_v): W_O^T g
+        for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
+            qi, ki, factor, new_pairs = qk_rows(pairs, order[:, :kp], r, nh // nkv)
+            new_mixed = _mix(qf[..., qi] * factor, kf[..., ki], vf, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
+            delta = new_mixed - mixed
+            if fisher:
+                proj = (back * delta.unsqueeze(0)).sum((-1, -2))  # (K, B, T): g . (change of the output)
+                err = 0.5 * float(proj.double().pow(2).sum()) / back.shape[0]
+            else:
+                err = _weighted_energy(F.linear(delta.reshape(*delta.shape[:2], -1), w["o"]), tw)
+            qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err / scale))
+        del back
+    vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
+    if "vo" in opts.kinds:
+        per_head, grams = _mixed_grams(mixed, nkv, tw)
+        if opts.vo_weighting == "input":
+            grams = value_grams(w["v"], cov, num_kv_heads=nkv)
+        factors = _vo_factors(w["o"], grams, nkv, metric["attn"])
+        ranks = list(_grid(rv, opts.vo_step, opts.min_vo_rank))
+        if fisher:
+            errs = vo_fisher_errors(mixed, w["o"], factors, ranks, directions["attn"])
+        else:
+            errs = [_vo_errors(per_head, w["o"], factors, rank) for rank in ranks]
+        for rank, err in zip(ranks, errs, strict=True):
+            vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err / scale))
+    mlp_opts = [WidthOption(f, layer_kind_parameters(config, "mlp", f), 0.0)]
+    if "mlp" in opts.kinds:
+        zf = z.reshape(-1, f).double()
+        yf = y.reshape(-1, y.shape[-1]).double()
+        weights = None if tw is None else tw.reshape(-1, 1).double()
+        energy = (zf.pow(2) if weights is None else zf.pow(2) * weights).sum(0)  # the Gram's diagonal
+        order = mlp_unit_scores(m["down"], energy, metric["mlp"]).argsort(descending=True)
+        # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
+        zf = zf[:, order]
+        zw = zf if weights is None else zf * weights
+        gram, cross = zw.T @ zf, zw.T @ yf
+        del zw
+        y_energy = _weighted_energy(y, tw)
+        if fisher:
+            curve = mlp_fisher_curve(zf, yf, gram, cross, None, opts.ridge, directions["mlp"])
+        else:
+            curve = mlp_error_curve(gram, cross, y_energy, None, opts.ridge)
+        del gram, cross, zf
+        full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
+        for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
+            err = max(float(curve[units - 1]) - full, 0.0) / scale
+            mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
+    return {"qk": qk_opts, "vo": vo_opts, "mlp": mlp_opts}, h_out
+
+
+@torch.no_grad()
 def measure_error_curves(
     model: RelationalForCausalLM, calibration: torch.Tensor, options: LowRankOptions | None = None, *,
     progress: bool = True,
 ) -> ErrorCurves:
     """Pass 1 of `compress_relational`: the candidate widths of every (layer, kind) with their stored parameters and
     measured error (in the currency of `options.sensitivity`) on the first `plan_windows` calibration windows of the
-    dense model. They do not depend on the budget, so one measurement serves several budgets (`curves=`)."""
+    dense model (`layer_error_curves`, layer after layer). They do not depend on the budget, so one measurement serves
+    several budgets (`curves=`)."""
     opts = options or LowRankOptions()
     _check(model, calibration, opts)
     model = model.eval()
     config: RelationalConfig = model.config
     layers = model.model.layers
     n_layers = len(layers)
-    rope = config.position_encoding == "rope"
-    cos, sin, _, _ = _positions(model, calibration.shape[1])
+    positions = _positions(config, calibration.shape[1])
     plan_ids = calibration[: opts.plan_windows]
     fisher = opts.sensitivity == "fisher"
     dirs = fisher_directions(model, plan_ids, samples=opts.fisher_samples, batch_size=opts.batch_size) if fisher else None
     h = model.model.embed_tokens(plan_ids)
     options: dict[tuple[int, str], list[WidthOption]] = {}
     metrics = [{s: fisher_metric(d[s]) for s in d} for d in dirs] if fisher else None
-    use = metrics if fisher and opts.fisher_metric else [{"attn": None, "mlp": None}] * n_layers
-    bar = tqdm(total=n_layers, desc="measuring error curves", disable=not progress)
+    use = metrics if fisher and opts.fisher_metric else [None] * n_layers
     weights = opts.layer_weights or [1.0] * n_layers
-    for li, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        x = layer.input_layernorm(h)
-        w = {k: v.detach() for k, v in attn.full_weights().items()}
-        pairs = _pair_index_of(attn)
-        nh, nkv = attn.num_heads, attn.num_kv_heads
-        base, mixed = _attention_output(x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True)
-        h_mid = h + base
-        xm = layer.post_attention_layernorm(h_mid)
-        m = {k: v.detach() for k, v in mlp.full_weights().items()}
-        z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
-        y = F.linear(z, m["down"])
-        h_out = h_mid + y
-        tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
-        scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0  # fisher: nats
-        scale = scale / weights[li]
-        flat_x = x.reshape(-1, x.shape[-1]).double()
-        cov = flat_x.T @ flat_x
-        r, rv, f = attn.qk_rank, attn.head_dim, m["down"].shape[1]
-        # QK: drop the least important pairs, measure the attention output change
-        qk_opts = [WidthOption(r, layer_kind_parameters(config, "qk", r), 0.0)]
-        if "qk" in opts.kinds and rope:
-            scores = qk_pair_scores(
-                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, flat_x.sum(0), flat_x.shape[0],
-                num_kv_heads=nkv,
-            )
-            order = scores.argsort(dim=1, descending=True)
-            for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
-                keep = order[:, :kp]
-                wq, wk, bq, bk, new_pairs = qk_truncate(
-                    w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
-                )
-                w2 = dict(w, q=wq, k=wk)
-                if bq is not None:
-                    w2.update(q_bias=bq, k_bias=bk)
-                out = _attention_output(x, w2, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
-                change = out - base
-                err = (fisher_energy(change, dirs[li]["attn"]) if fisher else _weighted_energy(change, tw)) / scale
-                qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err))
-        options[(li, "qk")] = qk_opts
-        vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
-        if "vo" in opts.kinds:
-            per_head, grams = _mixed_grams(mixed, nkv, tw)
-            if opts.vo_weighting == "input":
-                grams = value_grams(w["v"], cov, num_kv_heads=nkv)
-            factors = _vo_factors(w["o"], grams, nkv, use[li]["attn"])
-            ranks = list(_grid(rv, opts.vo_step, opts.min_vo_rank))
-            if fisher:
-                errs = vo_fisher_errors(mixed, w["o"], factors, ranks, dirs[li]["attn"])
-            else:
-                errs = [_vo_errors(per_head, w["o"], factors, rank) for rank in ranks]
-            for rank, err in zip(ranks, errs, strict=True):
-                vo_opts.append(WidthOption(rank, layer_kind_parameters(config, "vo", rank), err / scale))
-        options[(li, "vo")] = vo_opts
-        mlp_opts = [WidthOption(f, layer_kind_parameters(config, "mlp", f), 0.0)]
-        if "mlp" in opts.kinds:
-            zf = z.reshape(-1, f).double()
-            yf = y.reshape(-1, y.shape[-1]).double()
-            zw = zf if tw is None else zf * tw.reshape(-1, 1).double()
-            gram, cross = zw.T @ zf, zw.T @ yf
-            y_energy = _weighted_energy(y, tw)
-            order = mlp_unit_scores(m["down"], torch.diagonal(gram), use[li]["mlp"]).argsort(descending=True)
-            if fisher:
-                curve = mlp_fisher_curve(zf, yf, gram, cross, order, opts.ridge, dirs[li]["mlp"])
-            else:
-                curve = mlp_error_curve(gram, cross, y_energy, order, opts.ridge)
-            full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
-            for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
-                err = max(float(curve[units - 1]) - full, 0.0) / scale
-                mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
-        options[(li, "mlp")] = mlp_opts
-        h = h_out
-        bar.update()
-    bar.close()
-    del dirs
+    for li, layer in enumerate(tqdm(layers, desc="measuring error curves", disable=not progress)):
+        kinds, h = layer_error_curves(
+            config, layer, h, opts, positions, directions=dirs[li] if fisher else None, metric=use[li],
+            weight=weights[li],
+        )
+        options.update({(li, kind): o for kind, o in kinds.items()})
+        if fisher:
+            dirs[li] = None  # what the later layers do not need
     return ErrorCurves(options, metrics)
+
+
+def plan(
+    config: RelationalConfig, curves: ErrorCurves, budget: int, fixed: int, result: LowRankResult
+) -> dict[str, list[int]]:
+    """The widths {"qk", "vo", "mlp"} -> per layer that minimise the measured error with at most `budget` stored
+    parameters, `fixed` of them outside the truncated maps (embedding, head, norms); recorded in `result`."""
+    n_layers = config.num_hidden_layers
+    choice = plan_widths(curves.options, budget - fixed)
+    widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
+    result.widths = widths
+    result.planned_parameters = fixed + sum(o.parameters for o in choice.values())
+    logger.info("planned widths: %s", widths)
+    return widths
+
+
+def compressed_config(config: RelationalConfig, widths: dict[str, list[int]]) -> RelationalConfig:
+    """`config` with the per-layer widths of a plan."""
+    config = copy.deepcopy(config)
+    config.layer_qk_ranks = list(widths["qk"])
+    config.layer_value_ranks = list(widths["vo"])
+    config.layer_intermediate_sizes = list(widths["mlp"])
+    config.validate()
+    return config
+
+
+@torch.no_grad()
+def compress_layer(
+    layer: nn.Module, target: nn.Module, h: torch.Tensor, h_dense: torch.Tensor | None, widths: dict[str, int],
+    opts: LowRankOptions, positions: tuple, metric: dict[str, torch.Tensor | None] | None = None,
+    release: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pass 2 for one layer: load into `target` (a `RelationalDecoderLayer` of the planned widths {"qk": r, "vo": r_v,
+    "mlp": d_ff}) the truncation of the dense `layer` fitted on the calibration hidden states h (N, T, d) that reach
+    it through the already-compressed layers (`h_dense`: the dense model's own, for correction="dense", else None).
+    Returns the next (h, h_dense); h is updated in place. Shared by the in-memory and the layer-streamed paths.
+    release: the dense layer's parameters are dropped once its full weights are assembled (the caller is done with
+    it; not with correction="dense", which runs it)."""
+    cos, sin, mask, pos = positions
+    rope = cos is not None
+    metric = metric or {"attn": None, "mlp": None}
+    attn, mlp = layer.self_attn, layer.mlp
+    n, t, d = h.shape
+
+    def run_layer(block, hidden):
+        return block(hidden, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
+
+    cov = torch.zeros(d, d, dtype=torch.float64, device=h.device)
+    mean = torch.zeros(d, dtype=torch.float64, device=h.device)
+    for s in _batches(n, opts.batch_size):
+        xb = layer.input_layernorm(h[s]).reshape(-1, d).double()
+        cov += xb.T @ xb
+        mean += xb.sum(0)
+    tokens = n * t
+    w = {k: v.detach().clone() for k, v in attn.full_weights().items()}
+    pairs = _pair_index_of(attn)
+    nkv = attn.num_kv_heads
+    r_new, rv_new = widths["qk"], widths["vo"]
+    if r_new < attn.qk_rank:
+        scores = qk_pair_scores(w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, mean, tokens, num_kv_heads=nkv)
+        keep = scores.argsort(dim=1, descending=True)[:, : r_new // 2]
+        w["q"], w["k"], bq, bk, pairs = qk_truncate(
+            w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
+        )
+        if bq is not None:
+            w["q_bias"], w["k_bias"] = bq, bk
+    if rv_new < attn.head_dim:
+        if opts.vo_weighting == "input":
+            grams = value_grams(w["v"], cov, num_kv_heads=nkv)
+        else:  # the attention-mixed values the output maps read, through the truncated QK forms
+            grams = torch.zeros(nkv, attn.head_dim, attn.head_dim, dtype=torch.float64, device=h.device)
+            for s in _batches(n, opts.batch_size):
+                xb = layer.input_layernorm(h[s])
+                _, mixed = _attention_output(
+                    xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
+                )
+                grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
+        w["v"], w["o"], bv, _ = vo_truncate(
+            w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new, metric=metric["attn"]
+        )
+        if bv is not None:
+            w["v_bias"] = bv
+    target.self_attn.set_full_weights(w)
+    if getattr(target.self_attn, "rope_pair_index", None) is not None:
+        target.self_attn.rope_pair_index.copy_(pairs)
+    # MLP: statistics at the compressed attention's output
+    m = {k: v.detach() for k, v in mlp.full_weights().items()}
+    norm = layer.post_attention_layernorm
+    if release and opts.correction != "dense":
+        _release(layer)
+    f = m["down"].shape[1]
+    f_new = widths["mlp"]
+    h_mid = torch.empty_like(h)
+    for s in _batches(n, opts.batch_size):
+        h_mid[s] = h[s] + target.self_attn(
+            target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
+        )[0]
+    dense_out = torch.empty_like(h) if h_dense is not None else None
+    if f_new < f or opts.correction == "dense":
+        gram = torch.zeros(f, f, dtype=torch.float64, device=h.device)
+        cross = torch.zeros(f, d, dtype=torch.float64, device=h.device)
+        for s in _batches(n, opts.batch_size):
+            xm = norm(h_mid[s])
+            # per-batch products in fp32 (twice as fast as fp64 on CPUs), accumulated in fp64
+            z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
+            tw = _token_weights(h_mid[s], opts.sensitivity)
+            zw = z if tw is None else z * tw.reshape(-1, 1).float()
+            gram += (zw.T @ z).double()
+            if opts.correction == "dense":
+                dense_out[s] = run_layer(layer, h_dense[s])
+                y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).float()
+            else:
+                y_t = F.linear(z, m["down"].float())
+            cross += (zw.T @ y_t).double()
+        order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
+        keep = torch.sort(order[:f_new]).values
+        down = m["down"][:, keep]
+        if opts.correction != "none":  # the kept units' statistics only, the full ones freed first (memory)
+            gram, cross = gram[keep[:, None], keep[None, :]], cross[keep]
+            down = mlp_refit(gram, cross, None, opts.ridge).to(down.dtype)
+        del gram, cross
+        m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
+    target.mlp.set_full_weights(m)
+    for s in _batches(n, opts.batch_size):
+        h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
+    return h, dense_out
+
+
+def check_budget(config: RelationalConfig, budget: int, fixed: int, opts: LowRankOptions) -> None:
+    """ValueError before any work when even the narrowest widths the planner may choose (the grids' smallest,
+    `opts.kinds` only) store more than `budget` with the `fixed` parameters outside the truncated maps."""
+    rope = config.position_encoding == "rope"
+    narrowest = fixed
+    for li in range(config.num_hidden_layers):
+        r, rv, f = config.layer_qk_rank(li), config.layer_value_rank(li), config.layer_intermediate_size(li)
+        if "qk" in opts.kinds and rope:
+            r = min([r, *(2 * kp for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs))])
+        if "vo" in opts.kinds:
+            rv = min([rv, *_grid(rv, opts.vo_step, opts.min_vo_rank)])
+        if "mlp" in opts.kinds:
+            f = min([f, *_grid(f, opts.mlp_step, opts.min_mlp_units)])
+        narrowest += sum(layer_kind_parameters(config, k, w) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
+    if narrowest > budget:
+        raise ValueError(
+            f"the narrowest widths store {narrowest:,} parameters ({fixed:,} of them in the embedding, head and norms, "
+            f"which are not truncated), more than the budget {budget:,}: choose a smaller `remove`"
+        )
+
+
+def fixed_parameters(config: RelationalConfig, total: int) -> int:
+    """Of a relational model of `config` storing `total` parameters, those outside the truncated maps."""
+    return total - sum(
+        layer_kind_parameters(config, "qk", config.layer_qk_rank(li))
+        + layer_kind_parameters(config, "vo", config.layer_value_rank(li))
+        + layer_kind_parameters(config, "mlp", config.layer_intermediate_size(li))
+        for li in range(config.num_hidden_layers)
+    )
 
 
 @torch.no_grad()
@@ -437,130 +518,36 @@ def compress_relational(
     calibration: token ids (N, T). Pass 1 measures error curves on the first `plan_windows` windows of the dense
     model (`measure_error_curves`; or takes `curves` measured before with the same options) and plans the widths
     (`plan_widths`); pass 2 walks the layers once with all N windows, feeding each layer the output of the
-    already-compressed ones (memory: the hidden states of the calibration set, twice with correction='dense', plus
-    one layer). Returns (new model, LowRankResult)."""
+    already-compressed ones (`compress_layer`; memory: the hidden states of the calibration set, twice with
+    correction='dense', plus one layer). `compress.streamed` does the same one layer in memory at a time.
+    Returns (new model, LowRankResult)."""
     opts = options or LowRankOptions()
     _check(model, calibration, opts)
     config: RelationalConfig = model.config
     model = model.eval()
-    layers = model.model.layers
-    n_layers = len(layers)
-    rope = config.position_encoding == "rope"
+    n_layers = len(model.model.layers)
     count = count or (lambda m: sum(p.numel() for p in m.parameters()))
-    fixed = count(model) - sum(
-        layer_kind_parameters(config, "qk", layer.self_attn.qk_rank)
-        + layer_kind_parameters(config, "vo", layer.self_attn.head_dim)
-        + layer_kind_parameters(config, "mlp", layer.mlp.down_proj.in_features)
-        for layer in layers
-    )
     result = LowRankResult(budget=budget)
+    fixed = fixed_parameters(config, count(model))
+    check_budget(config, budget, fixed, opts)
     t0 = time.perf_counter()
     curves = curves if curves is not None else measure_error_curves(model, calibration, opts, progress=progress)
-    options = curves.options
     use_metric = opts.sensitivity == "fisher" and opts.fisher_metric and curves.metrics is not None
-    metrics = curves.metrics if use_metric else [{"attn": None, "mlp": None}] * n_layers
-    t = calibration.shape[1]
-    cos, sin, mask, pos = _positions(model, t)
-
-    def run_layer(layer, h):
-        return layer(h, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
-
-    choice = plan_widths(options, budget - fixed)
-    widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
-    result.widths = widths
-    result.planned_parameters = fixed + sum(o.parameters for o in choice.values())
+    metrics = curves.metrics if use_metric else [None] * n_layers
+    widths = plan(config, curves, budget, fixed, result)
     result.plan_seconds = time.perf_counter() - t0
-    logger.info("planned widths: %s", widths)
 
     # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------
     t1 = time.perf_counter()
+    positions = _positions(config, calibration.shape[1])
     new = _new_model(model, widths)
     n = calibration.shape[0]
     h = torch.cat([model.model.embed_tokens(calibration[s]) for s in _batches(n, opts.batch_size)])
     h_dense = h.clone() if opts.correction == "dense" else None
-    bar = tqdm(total=n_layers, desc="compressing layers", disable=not progress)
-    for li, (layer, target) in enumerate(zip(layers, new.model.layers, strict=True)):
-        attn, mlp = layer.self_attn, layer.mlp
-        d = h.shape[-1]
-        cov = torch.zeros(d, d, dtype=torch.float64)
-        mean = torch.zeros(d, dtype=torch.float64)
-        for s in _batches(n, opts.batch_size):
-            xb = layer.input_layernorm(h[s]).reshape(-1, d).double()
-            cov += xb.T @ xb
-            mean += xb.sum(0)
-        tokens = n * t
-        w = {k: v.detach().clone() for k, v in attn.full_weights().items()}
-        pairs = _pair_index_of(attn)
-        nkv = attn.num_kv_heads
-        r_new, rv_new = widths["qk"][li], widths["vo"][li]
-        if r_new < attn.qk_rank:
-            scores = qk_pair_scores(
-                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, mean, tokens, num_kv_heads=nkv
-            )
-            keep = scores.argsort(dim=1, descending=True)[:, : r_new // 2]
-            w["q"], w["k"], bq, bk, pairs = qk_truncate(
-                w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), pairs, keep, num_kv_heads=nkv
-            )
-            if bq is not None:
-                w["q_bias"], w["k_bias"] = bq, bk
-        if rv_new < attn.head_dim:
-            if opts.vo_weighting == "input":
-                grams = value_grams(w["v"], cov, num_kv_heads=nkv)
-            else:  # the attention-mixed values the output maps read, through the truncated QK forms
-                grams = torch.zeros(nkv, attn.head_dim, attn.head_dim, dtype=torch.float64)
-                for s in _batches(n, opts.batch_size):
-                    xb = layer.input_layernorm(h[s])
-                    _, mixed = _attention_output(
-                        xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
-                    )
-                    grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
-            w["v"], w["o"], bv, _ = vo_truncate(
-                w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new, metric=metrics[li]["attn"]
-            )
-            if bv is not None:
-                w["v_bias"] = bv
-        target.self_attn.set_full_weights(w)
-        if getattr(target.self_attn, "rope_pair_index", None) is not None:
-            target.self_attn.rope_pair_index.copy_(pairs)
-        # MLP: statistics at the compressed attention's output
-        m = {k: v.detach() for k, v in mlp.full_weights().items()}
-        f = m["down"].shape[1]
-        f_new = widths["mlp"][li]
-        h_mid = torch.empty_like(h)
-        for s in _batches(n, opts.batch_size):
-            h_mid[s] = h[s] + target.self_attn(
-                target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
-            )[0]
-        dense_out = torch.empty_like(h) if h_dense is not None else None
-        if f_new < f or opts.correction == "dense":
-            gram = torch.zeros(f, f, dtype=torch.float64)
-            cross = torch.zeros(f, d, dtype=torch.float64)
-            for s in _batches(n, opts.batch_size):
-                xm = layer.post_attention_layernorm(h_mid[s])
-                # per-batch products in fp32 (twice as fast as fp64 on CPUs), accumulated in fp64
-                z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
-                tw = _token_weights(h_mid[s], opts.sensitivity)
-                zw = z if tw is None else z * tw.reshape(-1, 1).float()
-                gram += (zw.T @ z).double()
-                if opts.correction == "dense":
-                    dense_out[s] = run_layer(layer, h_dense[s])
-                    y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).float()
-                else:
-                    y_t = F.linear(z, m["down"].float())
-                cross += (zw.T @ y_t).double()
-            order = mlp_unit_scores(m["down"], torch.diagonal(gram), metrics[li]["mlp"]).argsort(descending=True)
-            keep = torch.sort(order[:f_new]).values
-            down = m["down"][:, keep]
-            if opts.correction != "none":
-                down = mlp_refit(gram, cross, keep, opts.ridge).to(down.dtype)
-            m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
-        target.mlp.set_full_weights(m)
-        if h_dense is not None:
-            h_dense = dense_out
-        for s in _batches(n, opts.batch_size):
-            h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
-        bar.update()
-    bar.close()
+    layers = zip(model.model.layers, new.model.layers, strict=True)
+    for li, (layer, target) in enumerate(tqdm(layers, total=n_layers, desc="compressing layers", disable=not progress)):
+        chosen = {kind: widths[kind][li] for kind in KINDS}
+        h, h_dense = compress_layer(layer, target, h, h_dense, chosen, opts, positions, metrics[li])
     result.compress_seconds = time.perf_counter() - t1
     return new, result
 
@@ -572,12 +559,18 @@ __all__ = [
     "LowRankOptions",
     "LowRankResult",
     "WidthOption",
+    "check_budget",
+    "compress_layer",
     "compress_relational",
+    "compressed_config",
+    "fixed_parameters",
+    "layer_error_curves",
     "layer_kind_parameters",
     "measure_error_curves",
     "mlp_error_curve",
     "mlp_refit",
     "mlp_unit_scores",
+    "plan",
     "plan_widths",
     "qk_pair_scores",
     "qk_truncate",

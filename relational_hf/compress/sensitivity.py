@@ -20,9 +20,13 @@ of different layers and kinds share one currency (nats) and a planner can trade 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .truncation import ordered_cholesky
 
 SITES: tuple[str, ...] = ("attn", "mlp")
 
@@ -101,6 +105,86 @@ def fisher_directions(
     return out
 
 
+def head_label_gradients(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    *,
+    samples: int = 2,
+    batch_size: int = 2,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The top of `fisher_directions` for a model run one layer at a time: `head` maps the last decoder layer's
+    output (B, T, d) to logits (the final norm and the output head); hidden: that output for all N rows (N, T, d).
+    Labels are drawn from the model's own next-token distributions exactly as `fisher_directions` draws them (batch
+    by batch of `batch_size` rows, then sample by sample, one generator seeded by `seed`). Returns the gradients
+    (K, N, T, d) of the summed -log-likelihood of each label set with respect to `hidden` (fp32)."""
+    n = hidden.shape[0]
+    out = torch.empty(samples, *hidden.shape, dtype=torch.float32, device=hidden.device)
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, n, batch_size):
+        rows = slice(start, min(n, start + batch_size))
+        with torch.enable_grad():
+            x = hidden[rows].detach().float().requires_grad_(True)
+            logits = head(x)[:, :-1].float()
+            probs = logits.detach().softmax(-1).reshape(-1, logits.shape[-1]).cpu()
+            for k in range(samples):
+                labels = torch.multinomial(probs, 1, generator=generator).view(logits.shape[:-1]).to(logits.device)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+                (out[k, rows],) = torch.autograd.grad(loss, [x], retain_graph=k + 1 < samples)
+    return out
+
+
+def layer_fisher_step(
+    layer: nn.Module,
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    grads: torch.Tensor,
+    *,
+    batch_size: int = 2,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One decoder layer of `fisher_directions`, backwards: `run(layer, h)` is the layer's forward, hidden (N, T, d)
+    its input and grads (K, N, T, d) the gradients with respect to its output (from `head_label_gradients` or the
+    step of the layer above). Returns the gradients with respect to its input (K, N, T, d, fp32) and the layer's
+    Fisher directions {"attn": (K, N, T, d), "mlp": (K, N, T, d)} in `dtype` (the gradients with respect to the
+    attention and MLP outputs, what `fisher_directions` stores). The layer's parameters get no gradient."""
+    samples, n = grads.shape[0], hidden.shape[0]
+    dirs = {s: torch.empty(grads.shape, dtype=dtype) for s in SITES}
+    below = torch.empty_like(grads)
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(site: str):
+        def on_output(module, args, output):
+            outputs[site] = output[0] if isinstance(output, tuple) else output
+
+        return on_output
+
+    requires = [p.requires_grad for p in layer.parameters()]
+    handles = [layer.self_attn.register_forward_hook(keep("attn")), layer.mlp.register_forward_hook(keep("mlp"))]
+    try:
+        for p in layer.parameters():
+            p.requires_grad_(False)
+        for start in range(0, n, batch_size):
+            rows = slice(start, min(n, start + batch_size))
+            with torch.enable_grad():
+                x = hidden[rows].detach().float().requires_grad_(True)
+                y = run(layer, x)
+                for k in range(samples):
+                    gx, ga, gm = torch.autograd.grad(
+                        y, [x, outputs["attn"], outputs["mlp"]], grads[k, rows], retain_graph=k + 1 < samples
+                    )
+                    below[k, rows] = gx
+                    dirs["attn"][k, rows] = ga.to(dtype).cpu()
+                    dirs["mlp"][k, rows] = gm.to(dtype).cpu()
+            outputs.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, r in zip(layer.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return below, dirs
+
+
 def fisher_energy(e: torch.Tensor, directions: torch.Tensor) -> float:
     """Predicted KL (nats, summed over tokens) of a change e (N, T, d) of a sublayer output with sampled Fisher
     directions (K, N, T, d) of that output: 1/(2K) sum_k sum_t (g_tk . e_t)^2 (module docstring)."""
@@ -117,7 +201,8 @@ def fisher_metric(directions: torch.Tensor, regularisation: float = 1e-2) -> tor
     its error in the output space (`truncation.vo_truncate`, `truncation.mlp_unit_scores`)."""
     g = directions.reshape(-1, directions.shape[-1]).double()
     q = g.T @ g / directions.shape[0]
-    return q + regularisation * float(torch.diagonal(q).mean()) * torch.eye(q.shape[0], dtype=torch.float64)
+    q.diagonal().add_(regularisation * float(torch.diagonal(q).mean()))
+    return q
 
 
 def vo_fisher_errors(
@@ -135,10 +220,10 @@ def vo_fisher_errors(
     o = mixed.reshape(b * t, h, rv).double()
     out = []
     for rank in ranks:
-        total = torch.zeros(k, b * t, dtype=torch.float64)
+        total = torch.zeros(k, b * t, dtype=torch.float64, device=o.device)
         for kv, (p, u, _, _) in enumerate(factors):
             u_r = u[:, :rank]
-            rest = torch.eye(rv, dtype=torch.float64) - torch.linalg.pinv(p, hermitian=True) @ u_r @ u_r.T @ p
+            rest = torch.eye(rv, dtype=torch.float64, device=o.device) - torch.linalg.pinv(p, hermitian=True) @ u_r @ u_r.T @ p
             heads = slice(kv * g, (kv + 1) * g)
             total += ((o[:, heads] @ rest).unsqueeze(0) * a[:, :, heads]).sum((-1, -2))
         out.append(0.5 * float(total.pow(2).sum()) / k)
@@ -146,23 +231,38 @@ def vo_fisher_errors(
 
 
 def mlp_fisher_curve(
-    z: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, order: torch.Tensor, ridge: float,
-    directions: torch.Tensor,
+    z: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, order: torch.Tensor | None,
+    ridge: float, directions: torch.Tensor,
 ) -> torch.Tensor:
     """Predicted KL of keeping the first k units of `order` with the refitted W_down of `mlp_refit`, for every
     k = 1..d_ff at once. z: (n, d_ff) unit activations, y: (n, d) the dense MLP output, gram/cross: the (weighted)
     refit statistics Z^T W Z and Z^T W Y, directions (K, n, d). With the Cholesky factor L L^T = G_oo + lam I of the
     Gram in that order, the refit output with k units is Zh[:, :k] P[:k] (Zh = Z_o L^-T, P = L^-1 (Z^T W Y)_o, the
-    same factors as `mlp_error_curve`), so g . yhat_k is a cumulative sum over units. Returns (d_ff,) (entry k-1)."""
-    g = gram[order][:, order].double()
-    lam = ridge * float(torch.diagonal(g).mean().clamp_min(1e-12))
-    chol = torch.linalg.cholesky(g + lam * torch.eye(len(order), dtype=torch.float64))
-    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
-    zh = torch.linalg.solve_triangular(chol, z[:, order].double().T, upper=False).T  # (n, d_ff) = Z_o L^-T
+    same factors as `mlp_error_curve`), so g . yhat_k is a cumulative sum over units. Returns (d_ff,) (entry k-1).
+    order None: z, gram and cross are already in that order, and gram (float64) is overwritten."""
+    chol = ordered_cholesky(gram, order, ridge)
+    c, zo = (cross, z) if order is None else (cross[order], z[:, order])
+    proj = torch.linalg.solve_triangular(chol, c.double(), upper=False)  # (d_ff, d)
+    zh = torch.linalg.solve_triangular(chol, zo.double().T, upper=False).T  # (n, d_ff) = Z_o L^-T
+    del chol, zo
     dirs = directions.reshape(directions.shape[0], -1, directions.shape[-1]).double()  # (K, n, d)
     target = (dirs * y.double().unsqueeze(0)).sum(-1)  # (K, n): g . y
-    along = (zh.unsqueeze(0) * (dirs @ proj.T)).cumsum(-1)  # (K, n, d_ff): g . yhat_k
-    return 0.5 * (along - target.unsqueeze(-1)).pow(2).sum((0, 1)) / directions.shape[0]
+    total = torch.zeros(zh.shape[1], dtype=torch.float64, device=zh.device)
+    step = max(1, (1 << 23) // max(1, dirs.shape[0] * zh.shape[1]))  # rows per block: (K, rows, d_ff) of 64 MiB
+    for start in range(0, zh.shape[0], step):
+        rows = slice(start, start + step)
+        along = (zh[rows].unsqueeze(0) * (dirs[:, rows] @ proj.T)).cumsum(-1)  # (K, rows, d_ff): g . yhat_k
+        total += (along - target[:, rows].unsqueeze(-1)).pow(2).sum((0, 1))
+    return 0.5 * total / directions.shape[0]
 
 
-__all__ = ["SITES", "fisher_directions", "fisher_energy", "fisher_metric", "mlp_fisher_curve", "vo_fisher_errors"]
+__all__ = [
+    "SITES",
+    "fisher_directions",
+    "fisher_energy",
+    "fisher_metric",
+    "head_label_gradients",
+    "layer_fisher_step",
+    "mlp_fisher_curve",
+    "vo_fisher_errors",
+]

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+
+from ..modeling.modeling_relational import rotate_half
 
 # ----------------------------------------------------------------------------------------------------------------
 # The three truncations (pure functions on full, Linear-layout weights)
@@ -109,7 +112,7 @@ def qk_pair_scores(
     def energy(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         e = ((w.double() @ cov) * w.double()).sum(-1)  # E (x w)^2 per output coordinate
         if b is not None:
-            mu = torch.zeros(w.shape[1], dtype=torch.float64) if mean is None else mean.double()
+            mu = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device) if mean is None else mean.double()
             e = e + 2 * b.double() * (w.double() @ mu) + b.double() ** 2
         e = e.view(-1, r)
         return e[:, : r // 2] + e[:, r // 2 :]  # (heads, r/2) pair energies
@@ -142,8 +145,23 @@ def qk_truncate(
     (wq (H 2k, d), wk (H_kv 2k, d), bq, bk, new pair_index (H_kv, k))."""
     r = wk.shape[0] // num_kv_heads
     g = wq.shape[0] // (r * num_kv_heads)
-    k = keep.shape[1]
-    factor = math.sqrt(2 * k / r)
+    qi, ki, factor, pairs = qk_rows(pair_index, keep, r, g)
+    return (
+        wq[qi] * factor,
+        wk[ki],
+        None if bq is None else bq[qi] * factor,
+        None if bk is None else bk[ki],
+        pairs,
+    )
+
+
+def qk_rows(
+    pair_index: torch.Tensor, keep: torch.Tensor, r: int, g: int
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """What `qk_truncate` keeps: the query rows, the key rows (of the Linear-layout W_Q, W_K), the query scale
+    sqrt(2k / r) and the new pair index (H_kv, k), for kept pairs keep (H_kv, k) of width-r heads with g query heads
+    per key head. A truncated projection is the full one's columns at these rows (times the scale for queries)."""
+    num_kv_heads, k = keep.shape
     q_rows, k_rows, pairs = [], [], []
     for kv in range(num_kv_heads):
         order = torch.sort(keep[kv]).values
@@ -152,14 +170,7 @@ def qk_truncate(
         for j in range(g):
             q_rows.append((kv * g + j) * r + coords)
         pairs.append(pair_index[kv][order])
-    qi, ki = torch.cat(q_rows), torch.cat(k_rows)
-    return (
-        wq[qi] * factor,
-        wk[ki],
-        None if bq is None else bq[qi] * factor,
-        None if bk is None else bk[ki],
-        torch.stack(pairs),
-    )
+    return torch.cat(q_rows), torch.cat(k_rows), math.sqrt(2 * k / r), torch.stack(pairs)
 
 
 @torch.no_grad()
@@ -174,24 +185,117 @@ def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor, metric: torch.T
 
 @torch.no_grad()
 def mlp_refit(
-    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, ridge: float = 1e-4
+    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor | None, ridge: float = 1e-4
 ) -> torch.Tensor:
     """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
-    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d)."""
-    g_ss = gram[keep][:, keep].double()
-    lam = ridge * float(torch.diagonal(g_ss).mean().clamp_min(1e-12))
-    eye = torch.eye(len(keep), dtype=torch.float64)
-    sol = torch.linalg.solve(g_ss + lam * eye, cross[keep].double())  # (k, d)
-    return sol.T
+    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d). keep None: gram and cross are those
+    of the kept units already, and gram (float64) is overwritten (no second k x k matrix)."""
+    chol = ordered_cholesky(gram, keep, ridge)  # the regularised G_SS is positive definite: one factor, in place
+    c = cross if keep is None else cross[keep]
+    return torch.cholesky_solve(c.double(), chol).T  # (d, k)
 
 
-def mlp_error_curve(gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch.Tensor:
+    """G[index, index] (float64, a new matrix: one copy of the d_ff x d_ff Gram at most) + ridge x its mean diagonal
+    on the diagonal: the regularised Gram of the refit and the error curves."""
+    g = gram[index[:, None], index[None, :]].double()
+    g.diagonal().add_(ridge * float(torch.diagonal(g).mean().clamp_min(1e-12)))
+    return g
+
+
+def ordered_cholesky(gram: torch.Tensor, order: torch.Tensor | None, ridge: float) -> torch.Tensor:
+    """The Cholesky factor L of the regularised Gram in the order `order` (`_regularised`): the prefix k of L is the
+    factor of the first k units, so one factorisation gives the refit of every prefix at once. order None: `gram`
+    (float64) is already in that order and is regularised and factored in place (no second d_ff x d_ff matrix)."""
+    if order is None:
+        g = gram
+        g.diagonal().add_(ridge * float(torch.diagonal(g).mean().clamp_min(1e-12)))
+    else:
+        g = _regularised(gram, order, ridge)
+    info = torch.empty((), dtype=torch.int32, device=g.device)
+    torch.linalg.cholesky_ex(g, out=(g, info))
+    if int(info):
+        raise torch.linalg.LinAlgError(f"the regularised Gram of the refit is not positive definite (order {int(info)})")
+    return g.tril_()
+
+
+def mlp_error_curve(
+    gram: torch.Tensor, cross: torch.Tensor, y_energy: float, order: torch.Tensor | None, ridge: float = 1e-4
+) -> torch.Tensor:
     """Least-squares residual ||Z_S W* - Y||^2 after the refit for every prefix S = order[:k], k = 1..d_ff, at once:
     with the Cholesky factor G_oo + ridge = L L^T of the Gram in that order, the energy explained by the first k units
-    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units)."""
-    g = gram[order][:, order].double()
-    lam = ridge * float(torch.diagonal(g).mean().clamp_min(1e-12))
-    chol = torch.linalg.cholesky(g + lam * torch.eye(len(order), dtype=torch.float64))
-    proj = torch.linalg.solve_triangular(chol, cross[order].double(), upper=False)  # (d_ff, d)
+    is the squared norm of the first k rows of L^-1 (Z^T Y)_o. Returns (d_ff,) errors (entry k-1 for k units).
+    order None: gram and cross are already in that order, and gram (float64) is overwritten (`ordered_cholesky`)."""
+    chol = ordered_cholesky(gram, order, ridge)
+    c = cross if order is None else cross[order]
+    proj = torch.linalg.solve_triangular(chol, c.double(), upper=False)  # (d_ff, d)
     explained = proj.pow(2).sum(1).cumsum(0)
     return (y_energy - explained).clamp_min(0.0)
+
+
+def _attention_output(
+    x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+    *, num_heads: int, num_kv_heads: int, return_values: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of full Linear-layout weights w (q, k, v, o, biases) on normalised inputs x (B, T, d); the
+    rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
+    `return_values` also the mixed values O before W_O (B, T, H, r_v)."""
+    b, t, _ = x.shape
+    q, k, v = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
+    out = _mix(q, k, v, pairs, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
+    return (result, out) if return_values else result
+
+
+def _mix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: torch.Tensor | None, cos: torch.Tensor | None,
+    sin: torch.Tensor | None, *, num_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """The mixed values O (B, T, H, r_v) of causal attention from the projections q (B, T, H r), k (B, T, H_kv r) and
+    v (B, T, H_kv r_v), rotary pair pairs[h, j] at the model table's angles, logits scaled by 1/sqrt(r)."""
+    b, t, _ = q.shape
+    r = k.shape[-1] // num_kv_heads
+    rv = v.shape[-1] // num_kv_heads
+    q = q.view(b, t, num_heads, r).transpose(1, 2)
+    k = k.view(b, t, num_kv_heads, r).transpose(1, 2)
+    v = v.view(b, t, num_kv_heads, rv).transpose(1, 2)
+    g = num_heads // num_kv_heads
+    if cos is not None:
+        half = cos.shape[-1] // 2
+
+        def per_head(table):
+            tt = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
+            return torch.cat((tt, tt), -1).transpose(1, 2)
+
+        ck, sk = per_head(cos), per_head(sin)
+        cq, sq = ck.repeat_interleave(g, 1), sk.repeat_interleave(g, 1)
+        q, k = q * cq + rotate_half(q) * sq, k * ck + rotate_half(k) * sk
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)
+
+
+def _mixed_grams(
+    values: torch.Tensor, num_kv_heads: int, token_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From mixed values O (B, T, H, r_v): per query head E_j = O_j^T diag(w) O_j (H, r_v, r_v) and their sums over
+    each key/value head's group (H_kv, r_v, r_v); w: optional token weights (B, T)."""
+    h, rv = values.shape[2], values.shape[3]
+    o = values.reshape(-1, h, rv).double().transpose(0, 1)  # (H, n, r_v)
+    ow = o if token_weights is None else o * token_weights.reshape(1, -1, 1).double()
+    per_head = ow.transpose(1, 2) @ o
+    return per_head, per_head.view(num_kv_heads, h // num_kv_heads, rv, rv).sum(1)
+
+
+def _vo_errors(per_head: torch.Tensor, wo: torch.Tensor, factors: list[tuple], rank: int) -> float:
+    """sum_j ||O_j (I - T T') W_O^j||^2 for the rank-r projection of `vo_truncate`, from the Grams E_j."""
+    rv = per_head.shape[-1]
+    g = per_head.shape[0] // len(factors)
+    total = 0.0
+    for kv, (p, u, _, blocks) in enumerate(factors):
+        u_r = u[:, :rank]
+        proj = torch.linalg.pinv(p, hermitian=True) @ u_r @ u_r.T @ p  # T T'
+        rest = torch.eye(rv, dtype=torch.float64, device=proj.device) - proj
+        for j, b in enumerate(blocks):
+            a = rest @ b  # (r_v, d)
+            total += float(((per_head[kv * g + j] @ a) * a).sum())
+    return total

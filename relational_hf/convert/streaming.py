@@ -323,6 +323,68 @@ def layerwise_logits(
     return logits
 
 
+class LlamaCheckpointLayers:
+    """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 safetensors checkpoint: each decoder layer read
+    in fp32 and converted to the relational pivot gauge when it is asked for (`convert_layer`, the exact conversion
+    of `stream_to_relational`), the embedding, final gain and head as `stream_to_relational` writes them (an untied
+    head with the final gain folded in). Nothing is converted ahead: a layer-streamed compression of a Llama
+    checkpoint needs no relational copy on disk."""
+
+    def __init__(self, path: str | os.PathLike, *, pivot_scale: float | None = None, trust_remote_code: bool = False):
+        from ..params import stored_parameters
+
+        reader, config, source = open_checkpoint(path, trust_remote_code=trust_remote_code, check=False)
+        _check_supported(source)
+        check_complete(source, reader)
+        self.stored_parameters = stored_parameters(source)["total"]
+        materialize_small(source, reader)
+        self._reader, self._source = reader, source
+        self._adapter = get_adapter(source)
+        self._tied = self._adapter.head_tied()
+        self.config = relational_config_for(source, tie=self._tied, pivot_scale=pivot_scale)
+        names = checkpoint_names(source, reader)
+        params = {id(p): n for n, p in source.named_parameters()}
+        self._embed_key = names[params[id(self._adapter.embedding().weight)]]
+        self._head_key = None if self._tied else names[params[id(self._adapter.output_head().weight)]]
+        self._final_gain = self._adapter.final_norm().weight.detach()
+        self.storage_dtype = reader.dtype(self._embed_key)
+        self._layers = self._adapter.layers()
+        self._prefixes = _layer_prefixes(source, [lr.block for lr in self._layers])
+
+    def layer(self, index: int, device=None) -> nn.Module:
+        block = materialize(self._source, self._reader, self._prefixes[index], dtype=torch.float32)
+        raise_obstructions(layer_pivot_obstructions(self._source, index, self._layers[index]))
+        tensors = source_layer_tensors(self._adapter, self._layers[index])
+        release(block)
+        with no_init_weights():
+            layer = RelationalDecoderLayer(self.config, index)
+        convert_layer(layer, tensors, consume=True)
+        drop_caches(layer)
+        return layer.float().eval().to(device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._reader.get([self._embed_key])[self._embed_key][ids].float()
+
+    def _head_weight(self) -> torch.Tensor:
+        if self._tied:
+            return self._reader.get([self._embed_key])[self._embed_key]
+        return fold_head(self._reader.get([self._head_key])[self._head_key], self._final_gain)
+
+    def head(self, device=None):
+        from ..compress.streamed import relational_head
+
+        gain = self._final_gain if self._tied else None
+        return relational_head(gain, self._head_weight(), self.config.rms_norm_eps)
+
+    def static_tensors(self):
+        yield "model.embed_tokens.weight", self._reader.shape(self._embed_key), self._reader.rows(self._embed_key)
+        if self._tied:
+            yield "model.norm.weight", tuple(self._final_gain.shape), iter([self._final_gain])
+        else:
+            blocks = (fold_head(b, self._final_gain) for b in self._reader.rows(self._head_key))
+            yield "lm_head.weight", self._reader.shape(self._head_key), blocks
+
+
 def _report(source, target, tie: bool, worst, length: int, tolerance: float, notes: list[str]) -> ConversionReport:
     from ..symmetry.groups import symmetry_groups
 
@@ -384,4 +446,4 @@ def _copy_tokenizer(src: Path, directory: Path, trust_remote_code: bool) -> None
     save_tokenizer(tokenizer, directory)
 
 
-__all__ = ["layerwise_logits", "stream_to_relational"]
+__all__ = ["LlamaCheckpointLayers", "layerwise_logits", "stream_to_relational"]

@@ -15,10 +15,12 @@ recovery fine-tune of `training.heal` (this module loads the Trainer and PEFT wi
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -187,4 +189,108 @@ def compress_model(
     return out, report
 
 
-__all__ = ["METHODS", "compress_model"]
+def checkpoint_source(path: str | Path, *, trust_remote_code: bool = False):
+    """The `compress.streamed.LayerSource` of a local safetensors checkpoint folder: a relational checkpoint is read
+    as it is, a Llama-family one is converted layer by layer as it is read (no relational copy on disk)."""
+    from transformers import AutoConfig
+
+    from ..compress.streamed import RelationalCheckpointLayers
+    from ..convert.streaming import LlamaCheckpointLayers
+    from ..modeling import RelationalConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if isinstance(config, RelationalConfig):
+        return RelationalCheckpointLayers(path, trust_remote_code=trust_remote_code)
+    return LlamaCheckpointLayers(path, trust_remote_code=trust_remote_code)
+
+
+def compress_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    remove: float,
+    calibration: torch.Tensor,
+    evaluation: torch.Tensor | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    max_shard_size: int | str = "5GB",
+    eval_windows: int = 8,
+    trust_remote_code: bool = False,
+    copy_tokenizer: bool = True,
+    progress: bool = True,
+    lock=None,
+    report_extra: dict | None = None,
+    **options: Any,
+) -> dict:
+    """`compress_model(method="relational")` of the safetensors checkpoint folder `src`, one decoder layer in memory
+    at a time (`compress.streamed.compress_streamed`; a Llama-family source is converted layer by layer as it is
+    read), written shard by shard to the new folder `out` through `relational_hf.outputs` (staged, moved into place
+    when complete; a failure leaves `out` untouched): the model files, the tokenizer of `src`
+    (`copy_tokenizer`) and `compression_report.json`. The result equals the in-memory path's to float tolerance.
+
+    dtype: stored dtype of the result (default: the source's on disk); device: where each layer runs ("cuda" on a
+    GPU; default CPU); evaluation: token ids (N, T) whose perplexity is reported before and after (one layer at a
+    time too: eval_perplexity_before/after); report_extra: entries added to the report; options: the fields of
+    `LowRankOptions` except `fisher_metric`. No healing (it trains the whole model): heal the result in memory if it
+    fits. Returns the report (also in the folder), with per-layer seconds and the peak resident memory."""
+    from ..compress.lowrank import LowRankOptions
+    from ..compress.streamed import RelationalCheckpointLayers, compress_streamed, streamed_perplexity
+    from ..convert.streaming import _copy_tokenizer, _write_metadata
+    from ..outputs import check_new_output, write_new_output
+    from ..shards import ShardWriter, parse_dtype, parse_size
+
+    _check_arguments(remove, "relational", calibration, 0, "kd")
+    unknown = set(options) - set(LowRankOptions.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(LowRankOptions.__dataclass_fields__)}")
+    check_new_output(out, "OUT", source=src)
+    start = time.perf_counter()
+    source = checkpoint_source(src, trust_remote_code=trust_remote_code)
+    opts = LowRankOptions(**options)
+    budget = int(math.floor((1.0 - remove) * source.stored_parameters))
+    write_dtype = parse_dtype(dtype) or source.storage_dtype
+    report: dict[str, Any] = {
+        "method": "relational",
+        "remove": remove,
+        "parameters_before": source.stored_parameters,
+        "parameters_budget": budget,
+        "calibration_windows": list(calibration.shape),
+    }
+    if evaluation is not None:
+        report["eval_windows"] = list(evaluation.shape)
+        report["eval_perplexity_before"] = streamed_perplexity(source, evaluation, device=device, progress=progress)
+
+    def write(stage: Path) -> None:
+        names = 64 * source.config.num_hidden_layers + 16
+        writer = ShardWriter(stage, parse_size(max_shard_size), 4096 + 2 * names * 200)
+        config, result, streamed = compress_streamed(
+            source, calibration, budget, writer, opts, dtype=write_dtype, device=device, eval_windows=eval_windows,
+            progress=progress,
+        )
+        writer.finish(streamed["parameters_after"])
+        with torch.device("meta"):
+            meta = RelationalForCausalLM(config)
+        _write_metadata(meta, config, write_dtype, stage)
+        if copy_tokenizer:
+            _copy_tokenizer(Path(src), stage, trust_remote_code)
+        report.update(
+            widths=result.widths,
+            plan_seconds=round(result.plan_seconds, 2),
+            compress_seconds=round(result.compress_seconds, 2),
+            options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+            **streamed,
+        )
+        report["removed_share"] = 1.0 - report["parameters_after"] / source.stored_parameters
+        if evaluation is not None:
+            written = RelationalCheckpointLayers(stage, trust_remote_code=trust_remote_code)
+            report["eval_perplexity_after"] = streamed_perplexity(written, evaluation, device=device, progress=progress)
+        report.update(report_extra or {})
+        report["seconds"] = round(time.perf_counter() - start, 2)
+        report["peak_rss_mib"] = round(_peak_rss_mib(), 1)
+        (stage / "compression_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+    write_new_output(out, write, command="compress", kind="relational", lock=lock)
+    return report
+
+
+__all__ = ["METHODS", "checkpoint_source", "compress_checkpoint", "compress_model"]

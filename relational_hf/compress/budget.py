@@ -1,0 +1,78 @@
+"""The budget of `compress.lowrank`: stored parameters of one layer's truncated maps at given widths, and the
+Lagrangian choice of one width per (layer, kind) that minimises the summed measured error at a stored size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..modeling import RelationalConfig
+
+KINDS = ("qk", "vo", "mlp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter counts of one layer at given widths (relational pivot gauge; checked against the model in the tests)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> int:
+    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge."""
+    d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    pivot = config.gauge == "pivot"
+    rope = config.position_encoding == "rope"
+    if kind == "qk":
+        n = (h + hkv) * width * d - (hkv * (width if rope else width * width) if pivot else 0)
+        return n + ((h + hkv) * width if config.attention_bias else 0)
+    if kind == "vo":
+        n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
+        return n + (hkv * width if config.attention_bias else 0)
+    if kind == "mlp":
+        return 3 * d * width - (width if pivot else 0)
+    raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Budget: a Lagrangian choice of widths from measured error curves
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WidthOption:
+    """One candidate width of one (layer, kind): its stored parameters and its measured (weighted) error."""
+
+    width: int
+    parameters: int
+    error: float
+
+
+def plan_widths(options: dict[tuple[int, str], list[WidthOption]], budget: int) -> dict[tuple[int, str], WidthOption]:
+    """Choose one option per (layer, kind) minimising the summed error with summed parameters <= budget:
+    for a multiplier lam, each slot takes argmin error + lam parameters; lam is bisected to the smallest value that
+    meets the budget. Raises ValueError when even the narrowest widths exceed the budget."""
+    slots = list(options)
+
+    def choose(lam: float) -> dict:
+        return {s: min(options[s], key=lambda o: (o.error + lam * o.parameters, o.parameters)) for s in slots}
+
+    def total(choice: dict) -> int:
+        return sum(o.parameters for o in choice.values())
+
+    smallest = sum(min(o.parameters for o in options[s]) for s in slots)
+    if smallest > budget:
+        raise ValueError(f"the narrowest widths store {smallest:,} parameters, more than the budget {budget:,}")
+    choice = choose(0.0)
+    if total(choice) <= budget:
+        return choice
+    lo, hi = 0.0, 1e-12
+    while total(choose(hi)) > budget:
+        hi *= 4.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if total(choose(mid)) > budget:
+            lo = mid
+        else:
+            hi = mid
+    return choose(hi)
+
+
+__all__ = ["KINDS", "WidthOption", "layer_kind_parameters", "plan_widths"]
