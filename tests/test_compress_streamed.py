@@ -267,3 +267,30 @@ def test_smollm2_first_two_layers_streamed_equals_in_memory(tmp_path, smollm2_di
     with torch.no_grad():
         expected, got = ref(ids[:2]).logits, loaded(ids[:2]).logits
     assert (got - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
+
+
+def test_interrupted_streamed_compression_leaves_nothing(tmp_path, monkeypatch):
+    """A failure in the middle of writing the compressed layers (here: reading layer 2 of the source raises) leaves
+    no OUT folder and no staging folder beside it, and the source untouched; a second run then succeeds."""
+    model = _llama()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    calls = {"n": 0}
+    original = LlamaCheckpointLayers.layer
+
+    def failing(self, index, device=None):
+        calls["n"] += 1
+        if calls["n"] > 3 + 2:  # pass 1 reads every layer twice (Fisher); fail inside pass 2
+            raise KeyboardInterrupt
+        return original(self, index, device)
+
+    monkeypatch.setattr(LlamaCheckpointLayers, "layer", failing)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        compress_checkpoint(src, out, remove=0.2, calibration=_ids(), progress=False, **OPTIONS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    monkeypatch.setattr(LlamaCheckpointLayers, "layer", original)
+    compress_checkpoint(src, out, remove=0.2, calibration=_ids(), progress=False, **OPTIONS)
+    assert (out / "compression_report.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]

@@ -446,8 +446,8 @@ def stage_and_swap(
         with reporting_disk_full(out, kept):  # a full disk: one line that says so, whatever the writer raised
             staging.mkdir()
             _write_staging(out, staging, write, command, kind, overwrite, token)
-    except Exception:  # a failed write (disk full, an error in `write`, a refusal): the old output was never touched
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:  # a failed or interrupted write (disk full, an error in `write`, a refusal, Ctrl-C): the
+        shutil.rmtree(staging, ignore_errors=True)  # old output was never touched and the partial copy goes
         raise
     if not out.exists():
         os.rename(staging, out)
