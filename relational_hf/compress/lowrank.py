@@ -38,6 +38,7 @@ from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
+from ..shards import release as release_layer
 from .budget import KINDS, WidthOption, layer_kind_parameters, plan_widths
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
@@ -82,14 +83,6 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
         return pairs.detach().clone()
     device = next(attn.parameters()).device
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
-
-
-def _release(layer: nn.Module) -> None:
-    """Drop a layer's parameters and buffers (moved to the meta device) and its cached assembled weights."""
-    layer.to("meta")
-    for module in layer.modules():
-        for key in [k for k in vars(module) if k.endswith("_cache")]:
-            del module.__dict__[key]
 
 
 def _grid(width: int, step: int, smallest: int) -> range:
@@ -175,15 +168,16 @@ def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> Re
     return new
 
 
-def _check(model: RelationalForCausalLM, calibration: torch.Tensor, opts: LowRankOptions) -> None:
+def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOptions) -> None:
+    """ValueError in one line for options, a model or calibration ids the compression cannot take (both paths)."""
     if opts.sensitivity not in SENSITIVITIES:
         raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
-    if model.config.value_parallel_removal:
+    if config.value_parallel_removal:
         raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
-    if calibration.dim() != 2 or calibration.shape[1] < 2:
-        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got shape {tuple(calibration.shape)}")
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
+        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got {getattr(calibration, 'shape', None)}")
 
 
 def _positions(config: RelationalConfig, t: int, dtype: torch.dtype = torch.float32, device=None):
@@ -234,7 +228,7 @@ def layer_error_curves(
     xm = layer.post_attention_layernorm(h_mid)
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     if release:
-        _release(layer)
+        release_layer(layer)
     z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
     y = F.linear(z, m["down"])
     h_out = h_mid + y
@@ -319,7 +313,7 @@ def measure_error_curves(
     dense model (`layer_error_curves`, layer after layer). They do not depend on the budget, so one measurement serves
     several budgets (`curves=`)."""
     opts = options or LowRankOptions()
-    _check(model, calibration, opts)
+    _check(model.config, calibration, opts)
     model = model.eval()
     config: RelationalConfig = model.config
     layers = model.model.layers
@@ -431,7 +425,7 @@ def compress_layer(
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     norm = layer.post_attention_layernorm
     if release and opts.correction != "dense":
-        _release(layer)
+        release_layer(layer)
     f = m["down"].shape[1]
     f_new = widths["mlp"]
     h_mid = torch.empty_like(h)
@@ -522,7 +516,7 @@ def compress_relational(
     correction='dense', plus one layer). `compress.streamed` does the same one layer in memory at a time.
     Returns (new model, LowRankResult)."""
     opts = options or LowRankOptions()
-    _check(model, calibration, opts)
+    _check(model.config, calibration, opts)
     config: RelationalConfig = model.config
     model = model.eval()
     n_layers = len(model.model.layers)

@@ -54,6 +54,9 @@ from .lowrank import (
     layer_error_curves,
     plan,
 )
+from .lowrank import (
+    _check as check_options,
+)
 from .sensitivity import head_label_gradients, layer_fisher_step
 
 logger = logging.getLogger(__name__)
@@ -132,18 +135,9 @@ class RelationalCheckpointLayers:
 
 
 def _check(source: LayerSource, calibration: torch.Tensor, opts: LowRankOptions) -> None:
-    from .lowrank import SENSITIVITIES
-
-    if opts.sensitivity not in SENSITIVITIES:
-        raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
-    if opts.correction not in ("dense", "local", "none"):
-        raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
     if opts.fisher_metric:
         raise ValueError("`fisher_metric` is not available layer by layer (it keeps a d x d metric per sublayer)")
-    if source.config.value_parallel_removal:
-        raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
-    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
-        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got {getattr(calibration, 'shape', None)}")
+    check_options(source.config, calibration, opts)
 
 
 def _nll(head: Head, hidden: torch.Tensor, ids: torch.Tensor, batch_size: int) -> tuple[float, int]:
