@@ -1,5 +1,6 @@
 """Weight compression (`relational_hf.compress.ops`): fake quantisation, magnitude and Wanda pruning (unstructured and
-N:M), and the named settings, on Llama, GPT-2 and relational models."""
+N:M), and the named settings, on Llama, GPT-2 and relational models; `compressed_view` computes as the compressed copy
+does, in memory and with layers offloaded to disk, and leaves the model dense."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers import LlamaForCausalLM
 from relational_hf.compress.ops import (
     COMPRESSION_SETTINGS,
     compress_weights,
+    compressed_view,
     fake_quantize,
     prune_weights,
     quantize_weights,
@@ -126,3 +128,82 @@ def test_every_listed_setting_compresses_as_its_name_says():
         assert any(not torch.equal(a, b) for a, b in zip(results[f"wanda{pattern}"], results[f"magnitude{pattern}"]))
     with pytest.raises(ValueError, match="allowed settings: int8, int4"):
         compress_weights(model, "int2")
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_the_compressed_view_computes_as_the_compressed_copy_and_leaves_the_model_dense(kind):
+    """Inside `compressed_view` the model's logits are those of `compress_weights`' copy for every setting (twice: the
+    kept compressed weights are swapped back in); afterwards every tensor and the logits are the dense ones again."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    calibration, x = ids(2, 8), ids(3, 12)
+    before = _state(model)
+    with torch.no_grad():
+        dense = model(x).logits
+        for setting in COMPRESSION_SETTINGS:
+            expected = compress_weights(model, setting, calibration_ids=calibration)(x).logits
+            with compressed_view(model, setting, calibration) as viewed:
+                assert viewed is model
+                for _ in range(2):
+                    torch.testing.assert_close(model(x).logits, expected, rtol=0, atol=1e-6)
+                assert not torch.allclose(expected, dense)
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        torch.testing.assert_close(model(x).logits, dense, rtol=0, atol=0)
+
+
+def test_the_compressed_view_restores_the_dense_weights_after_an_error_and_refuses_bad_use():
+    model = tiny_relational().eval()
+    before = _state(model)
+    matrix = weight_matrices(model)[0]
+
+    def fail(module, args, output):
+        raise RuntimeError("stop in the middle of a call")
+
+    with pytest.raises(RuntimeError, match="stop in the middle"):
+        with torch.no_grad(), compressed_view(model, "int4"):
+            handle = matrix.module.register_forward_hook(fail, prepend=True)  # runs before the view's swap back
+            try:
+                model(ids(1, 6))
+            finally:
+                handle.remove()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="needs calibration_ids"):
+        with compressed_view(model, "wanda"):
+            pass
+    with pytest.raises(ValueError, match="allowed settings"):
+        with compressed_view(model, "int3"):
+            pass
+    with compressed_view(model, "int8"):
+        with pytest.raises(ValueError, match="do not nest"):
+            with compressed_view(model, "int4"):
+                pass
+
+
+@pytest.mark.parametrize("kind", ["llama", "relational"])
+def test_the_compressed_view_of_an_offloaded_model_compresses_each_layer_as_it_comes_in(kind, tmp_path):
+    """Layers offloaded to disk by a device map: the view gives the compressed copy's logits for every setting, the
+    offloaded weights stay on the meta device between calls (nothing kept) and the model is dense again after."""
+    from relational_hf.lm.offload import load_offloaded
+
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    model.save_pretrained(tmp_path / "model")
+    embed = model.get_input_embeddings().weight.numel() * 4
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    offloaded = load_offloaded(tmp_path / "model", max_memory={"cpu": embed + layer + layer // 2})
+    assert "disk" in {str(v) for v in offloaded.hf_device_map.values()}
+    meta = [m for m in weight_matrices(offloaded) if m.module.weight.is_meta]
+    assert len(meta) >= len(weight_matrices(offloaded)) // 2  # most weights really are on disk
+    calibration, x = ids(2, 8), ids(3, 12)
+    with torch.no_grad():
+        dense = offloaded(x).logits
+        for setting in COMPRESSION_SETTINGS:
+            expected = compress_weights(model, setting, calibration_ids=calibration)(x).logits
+            with compressed_view(offloaded, setting, calibration):
+                torch.testing.assert_close(offloaded(x).logits, expected, rtol=0, atol=1e-5)
+                assert all(m.module.weight.is_meta for m in meta)
+        torch.testing.assert_close(offloaded(x).logits, dense, rtol=0, atol=0)

@@ -14,8 +14,9 @@ from test_compress_ops import MODELS, ids, wide_llama
 from test_directional import tiny_relational
 
 from relational_hf.commands import analyze
-from relational_hf.compress.ops import quantize_weights
-from relational_hf.directional import compression_error, compression_report
+from relational_hf.compress.ops import compress_weights, compressed_view, quantize_weights
+from relational_hf.directional import CleanPass, compression_error, compression_report
+from relational_hf.lm.metrics import perplexity
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -85,6 +86,38 @@ def test_compression_report_ranks_settings_and_correlates_with_perplexity():
     assert "Spearman" in report.to_markdown()
     with pytest.raises(ValueError, match="allowed settings: int8, int4"):
         compression_report(model, batch, ["int8", "int2"], progress=False)
+
+
+@pytest.mark.parametrize("family", ["relational", "gpt2"])
+def test_the_report_without_copies_measures_what_the_compressed_copies_measure(family):
+    """`compression_report` computes each setting through `compressed_view` of the model itself: its errors and
+    perplexities are those of `compress_weights`' deep copies, and the model is dense afterwards."""
+    torch.manual_seed(0)
+    model = MODELS[family]().eval()
+    batch, calibration = ids(4, 16), ids(2, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = ["int4", "magnitude-2:4", "wanda"]
+    report = compression_report(model, batch, settings, calibration_ids=calibration, batch_size=3, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for result in report.results:
+        copy_ = compress_weights(model, result.setting, calibration_ids=calibration)
+        expected = compression_error(model, copy_, batch, batch_size=3)
+        for got, want in zip(result.layers, expected):
+            assert got.count == want.count and got.total == pytest.approx(want.total, rel=1e-5)
+            assert got.parallel == pytest.approx(want.parallel, rel=1e-5, abs=1e-9)
+        assert result.perplexity == pytest.approx(perplexity(copy_, batch, batch_size=3), rel=1e-5)
+    assert report.dense_perplexity == pytest.approx(perplexity(model, batch, batch_size=3), rel=1e-5)
+
+
+def test_a_model_inside_its_compressed_view_needs_the_dense_record():
+    model = wide_llama().eval()
+    batch = ids(2, 8)
+    clean = CleanPass(model, batch, batch_size=2, progress=False)
+    with compressed_view(model, "int4"):
+        with pytest.raises(ValueError, match="pass `clean`"):
+            compression_error(model, model, batch, batch_size=2)
+        errors = compression_error(model, model, batch, batch_size=2, clean=clean)
+    assert all(e.total > 0 for e in errors)
 
 
 def test_analyze_command_writes_report_and_figures(tmp_path, capsys):

@@ -108,3 +108,53 @@ def test_bad_inputs_give_one_line_errors(checkpoint, tmp_path, capsys):
     assert "token ids must lie in [0, 259)" in line
     torch.save(torch.rand(200), tmp_path / "float_ids.pt")
     assert "integer tensor" in _error(capsys, [*base, "--text", str(tmp_path / "float_ids.pt"), "--window", "8"])
+
+
+def _numbers(value, path=""):
+    """The numbers of a JSON report, keyed by where they sit (timings, memory and placement left out)."""
+    skip = {"timings_s", "peak_rss_mib", "device_map", "offloaded", "figures"}
+    if isinstance(value, dict):
+        return {
+            k: v for key, item in value.items() if key not in skip for k, v in _numbers(item, f"{path}/{key}").items()
+        }
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in _numbers(item, f"{path}/{i}").items()}
+    return {path: value} if isinstance(value, (int, float)) and not isinstance(value, bool) else {}
+
+
+def test_offloaded_analysis_equals_in_memory(checkpoint, tmp_path, capsys):
+    """`analyze --max-memory`: the layers beyond the budget stay on disk, and every figure of the report (the update
+    statistics, the all-layer and per-layer edits, every compression setting's errors and perplexity, Wanda
+    included) is the in-memory one."""
+    path, text, model = checkpoint
+    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    embed_bytes = model.model.embed_tokens.weight.numel() * 4
+    budget = embed_bytes + layer_bytes + layer_bytes // 2
+    argv = ["analyze", str(path), "--text", str(text), "--seq-len", str(WINDOW), "--max-tokens", "256"]
+    argv += ["--batch-size", "3", "--per-layer-tokens", "64", "--group-size", "16"]
+    assert cli.main([*argv, "--out", str(tmp_path / "memory")]) == 0
+    assert cli.main([*argv, "--out", str(tmp_path / "offloaded"), "--max-memory", str(budget)]) == 0
+    printed = capsys.readouterr().out
+    plain = json.loads((tmp_path / "memory" / "report.json").read_text())
+    offloaded = json.loads((tmp_path / "offloaded" / "report.json").read_text())
+    assert offloaded["offloaded"] and offloaded["device_map"].get("disk", 0) >= 2  # most layers stayed on disk
+    assert not plain["offloaded"] and list(plain["device_map"]) == ["cpu"]
+    assert offloaded["complete"] and len(offloaded["compression"]["settings"]) == 8 and offloaded["per_layer"]
+    expected, got = _numbers(plain), _numbers(offloaded)
+    assert got.keys() == expected.keys() and len(got) > 500
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert "device map:" in printed and "disk:" in printed and "peak RSS" in printed
+
+
+def test_offloaded_analysis_refuses_a_gguf_file_in_one_line(checkpoint, tmp_path, capsys):
+    path, text, _ = checkpoint
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    line = _error(
+        capsys, ["analyze", str(gguf), "--text", str(text), "--max-memory", "1GiB", "--out", str(tmp_path / "o")]
+    )
+    assert "GGUF" in line and "--max-memory" in line
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    line = _error(capsys, ["analyze", str(path), "--text", str(text), "--max-memory", "lots"])
+    assert "--max-memory" in line and "4GiB" in line

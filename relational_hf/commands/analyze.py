@@ -1,6 +1,6 @@
 """The directional analysis of a causal LM on a text file (DESIGN.md section 3).
 
-    relational-hf analyze MODEL_OR_DIR --text FILE [--out DIR] [--compression SETTING ...]
+    relational-hf analyze MODEL_OR_DIR --text FILE [--out DIR] [--compression SETTING ...] [--max-memory 4GiB]
 
 Writes `report.json`, `report.md` (the tables) and PNG figures to --out: the per-layer parallel ratio by site, the
 Delta PPL of the all-layer sweeps, the per-layer edits (one layer at a time) and the compression errors; prints the
@@ -11,6 +11,13 @@ Two edit protocols: all-layer edits scale a component at one site in every layer
 per-layer edits scale it in one layer at a time (--per-layer-*), on the first --per-layer-tokens analysed tokens.
 The unedited pass is computed once; a per-layer edit of layer l reruns only layers l..L-1 from the recorded input
 of layer l (`relational_hf.directional.analysis`).
+
+A model larger than memory: with --max-memory (and/or --offload-folder) the model is loaded with Accelerate's disk
+offload (`relational_hf.lm.offload`), as `evaluate` loads it: the decoder layers beyond --max-memory of weights stay on
+disk and are read in, one layer at a time, when they run; the compression settings are applied to each layer as it
+comes in (`relational_hf.compress.ops.compressed_view`), never to a copy of the model. The results are the same as in
+memory; the time grows with the passes (each reads the offloaded layers again). The recorded layer outputs of the
+analysed rows (rows x seq-len x hidden size x layers values) stay in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from ..compress.ops import COMPRESSION_SETTINGS, settings_from
 from ..directional.sites import SITES
 from ..errors import UsageError
+from ..lm.offload import GGUF_NOT_OFFLOADED
 from .checks import check_model_argument, check_text_file, output_folder
 from .options import (
     CommandArguments,
@@ -35,6 +43,7 @@ from .options import (
     LoadDtypeOptions,
     ModelSourceOptions,
     NonNegativeInt,
+    OffloadOptions,
     OneOf,
     PositiveInt,
     finite_float,
@@ -95,9 +104,11 @@ class AnalyzeOptions:
 
 
 @dataclass
-class AnalyzeArguments(CommandArguments, LoadDtypeOptions, ModelSourceOptions, AnalyzeOptions, AnalyzePaths):
+class AnalyzeArguments(
+    CommandArguments, OffloadOptions, LoadDtypeOptions, ModelSourceOptions, AnalyzeOptions, AnalyzePaths
+):
     POSITIONALS = AnalyzePaths
-    PARSER_GROUPS = (AnalyzeOptions, ModelSourceOptions, LoadDtypeOptions)
+    PARSER_GROUPS = (AnalyzeOptions, OffloadOptions, ModelSourceOptions, LoadDtypeOptions)
 
 
 Arguments = AnalyzeArguments
@@ -139,6 +150,10 @@ def check(args: AnalyzeArguments) -> tuple[list[str], list[tuple[str, list[float
     args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=args.gguf_file)
     check_text_file(args.text, "--text")
     output_folder(args.out, "--out")
+    output_folder(args.offload_folder, "--offload-folder")
+    args.offload_budget()
+    if args.offloading() and (args.gguf_file is not None or str(args.model).lower().endswith(".gguf")):
+        raise UsageError(GGUF_NOT_OFFLOADED)
     if args.max_tokens < args.seq_len:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --seq-len row of {args.seq_len}")
     settings = compression_settings(args.compression)
@@ -150,11 +165,20 @@ def check(args: AnalyzeArguments) -> tuple[list[str], list[tuple[str, list[float
 
 
 def _load(args: AnalyzeArguments):
-    """(model, token ids of the text)."""
-    from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
+    """(model, device map, token ids of the text)."""
+    from ..lm.offload import load_model
+    from ..loading import load_tokenizer_from, resolve_model_source
 
     source = resolve_model_source(args.model, args.gguf_file)
-    model = load_model_from(source, dtype=args.dtype, trust_remote_code=args.trust_remote_code).eval()
+    if args.offloading() and source.gguf_file is not None:
+        raise UsageError(GGUF_NOT_OFFLOADED)
+    model, device_map = load_model(
+        source,
+        max_memory=args.offload_budget(),
+        offload_folder=args.offload_folder,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     text = Path(args.text).read_text(encoding="utf-8")
     try:
         tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)
@@ -162,8 +186,9 @@ def _load(args: AnalyzeArguments):
         if model.config.vocab_size < 256:
             raise UsageError(f"{args.model} has no tokenizer ({err}) and fewer than 256 tokens for raw bytes") from err
         logger.warning("no tokenizer with %s (%s); using the UTF-8 bytes of the text as token ids", args.model, err)
-        return model, torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-    return model, torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return model, device_map, torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return model, device_map, ids
 
 
 def run(args: AnalyzeArguments) -> dict:
@@ -185,12 +210,13 @@ def _run(args: AnalyzeArguments, settings: list[str], per_layer_edits: list) -> 
     from ..directional.analysis import directional_analysis, format_markdown, format_table
     from ..hub.card import stored_parameters
     from ..lm.data import lm_blocks
+    from ..lm.offload import device_map_summary, peak_rss_bytes
     from ..outputs import atomic_write_text, check_owned_names, prepare_output_dir, record_files
 
     out = prepare_output_dir(args.out, overwrite=args.overwrite, command="analyze", kind="analysis", flag="--out")
     check_owned_names(out, list(REPORT_FILES), overwrite=args.overwrite)
     torch.manual_seed(args.seed)
-    model, ids = _load(args)
+    model, device_map, ids = _load(args)
     rows = lm_blocks(ids, args.seq_len, args.max_tokens)
     n_cal = min(round(args.calibration_fraction * rows.shape[0]), rows.shape[0] - 1) if settings else 0
     calibration = rows[:n_cal] if n_cal > 0 else rows  # a one-row text calibrates on what it analyses
@@ -216,11 +242,20 @@ def _run(args: AnalyzeArguments, settings: list[str], per_layer_edits: list) -> 
         group_size=args.group_size,
         batch_size=args.batch_size,
         save=save,
-        description={"model": args.model, "text": str(args.text)},
+        description={
+            "model": args.model,
+            "text": str(args.text),
+            "offloaded": args.offloading(),
+            "device_map": device_map_summary(device_map),
+        },
     )
+    report["peak_rss_mib"] = round(peak_rss_bytes() / 2**20, 1)
+    save(report, compression)
     print(format_table(report, compression))
     print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}; figures: {', '.join(report['figures'].values())}")
     stored = stored_parameters(args.model)
     counted = "" if stored is None else f"; {stored:,} values stored in the checkpoint's safetensors"
     print(f"summary: perplexity {report['perplexity']:.3f} on {report['tokens_analysed']:,} tokens{counted}")
+    where = ", ".join(f"{device}: {count} module(s)" for device, count in report["device_map"].items())
+    print(f"device map: {where}; peak RSS {report['peak_rss_mib']:.0f} MiB")
     return report

@@ -24,7 +24,16 @@ import torch
 
 from ..errors import UsageError
 from .checks import check_model_argument, output_file, output_folder, read_token_ids, text_or_ids
-from .options import CommandArguments, Length, LoadDtypeOptions, ModelSourceOptions, PositiveInt, option, positional
+from .options import (
+    CommandArguments,
+    Length,
+    LoadDtypeOptions,
+    ModelSourceOptions,
+    OffloadOptions,
+    PositiveInt,
+    option,
+    positional,
+)
 
 HELP = "perplexity of a model on a text, with disk offload for models that do not fit in memory"
 
@@ -46,23 +55,15 @@ class EvaluateOptions:
     window: Length = option(512, "tokens per evaluated window", metavar="T")
     windows: PositiveInt | None = option(None, "evaluate at most this many windows", metavar="N")
     batch_size: PositiveInt = option(4, "windows per forward pass", metavar="B")
-    max_memory: str | None = option(
-        None,
-        "CPU memory for the weights (e.g. 4GiB); the layers beyond it are offloaded to disk (Accelerate)",
-        metavar="SIZE",
-    )
-    offload_folder: str | None = option(
-        None,
-        "folder for the offloaded weights (default with --max-memory: a temporary folder, removed after)",
-        metavar="DIR",
-    )
     json: str | None = option(None, "write the results to this JSON file", metavar="OUT")
 
 
 @dataclass
-class EvaluateArguments(CommandArguments, LoadDtypeOptions, ModelSourceOptions, EvaluateOptions, EvaluatePaths):
+class EvaluateArguments(
+    CommandArguments, OffloadOptions, LoadDtypeOptions, ModelSourceOptions, EvaluateOptions, EvaluatePaths
+):
     POSITIONALS = EvaluatePaths
-    PARSER_GROUPS = (EvaluateOptions, ModelSourceOptions, LoadDtypeOptions)
+    PARSER_GROUPS = (EvaluateOptions, OffloadOptions, ModelSourceOptions, LoadDtypeOptions)
 
 
 Arguments = EvaluateArguments
@@ -70,22 +71,13 @@ Arguments = EvaluateArguments
 
 def check(args: EvaluateArguments) -> int | None:
     """Everything checked before loading; returns --max-memory in bytes."""
-    from ..shards import parse_size
-
     if args.text is None:
         raise UsageError("--text is required: the UTF-8 text (or .pt token ids) to evaluate on")
     args.model = check_model_argument(args.model, "MODEL", gguf_file=args.gguf_file)
     text_or_ids(args.text, "--text")
     output_file(args.json, "--json")
     output_folder(args.offload_folder, "--offload-folder")
-    if args.max_memory is None:
-        return None
-    try:
-        return parse_size(args.max_memory, "--max-memory")
-    except ValueError:
-        raise UsageError(
-            f"--max-memory: must be a positive size such as 4GiB, 500MB or 2000000 (bytes), got {args.max_memory!r}"
-        ) from None
+    return args.offload_budget()
 
 
 def _windows(ids: torch.Tensor, window: int, limit: int | None) -> torch.Tensor:
@@ -101,33 +93,27 @@ def run(args: EvaluateArguments) -> int:
     """Load MODEL (offloaded with --max-memory / --offload-folder, whole otherwise), evaluate the perplexity of the
     windows of --text, print it with the device map and the peak RSS, write --json."""
     from ..lm.metrics import perplexity
-    from ..lm.offload import device_map_summary, load_offloaded, peak_rss_bytes
-    from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
+    from ..lm.offload import GGUF_NOT_OFFLOADED, device_map_summary, load_model, peak_rss_bytes
+    from ..loading import load_tokenizer_from, resolve_model_source
     from ..outputs import atomic_write_text
 
     max_memory = check(args)
     source = resolve_model_source(args.model, args.gguf_file)
-    offload = max_memory is not None or args.offload_folder is not None
+    offload = args.offloading()
     if offload and source.gguf_file is not None:
-        raise UsageError("--max-memory / --offload-folder need a Transformers checkpoint; a GGUF file loads whole")
+        raise UsageError(GGUF_NOT_OFFLOADED)
     ids = read_token_ids(
         Path(args.text), lambda: load_tokenizer_from(source, trust_remote_code=args.trust_remote_code), "--text"
     )
     inputs = _windows(ids, args.window, args.windows)
     start = time.perf_counter()
-    if offload:
-        model = load_offloaded(
-            source.location,
-            max_memory=None if max_memory is None else {"cpu": max_memory},
-            offload_folder=args.offload_folder,
-            dtype=args.dtype,
-            trust_remote_code=args.trust_remote_code,
-        )
-        device_map = {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
-        device_map = device_map or {"": "cpu"}  # everything fitted in --max-memory: Accelerate placed it whole
-    else:
-        model = load_model_from(source, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-        device_map = {"": str(next(model.parameters()).device)}
+    model, device_map = load_model(
+        source,
+        max_memory=max_memory,
+        offload_folder=args.offload_folder,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     vocab = model.get_input_embeddings().weight.shape[0]
     if int(inputs.max()) >= vocab or int(inputs.min()) < 0:
         raise UsageError(f"--text: token ids must lie in [0, {vocab}) for this model, got {int(inputs.max())}")

@@ -336,6 +336,41 @@ class LoadDtypeOptions:
 
 
 @dataclass
+class OffloadOptions:
+    """Big-model loading with Accelerate's disk offload (`relational_hf.lm.offload`)."""
+
+    _argument_group_name = "memory"
+
+    max_memory: str | None = option(
+        None,
+        "CPU memory for the weights (e.g. 4GiB); the layers beyond it are offloaded to disk (Accelerate)",
+        metavar="SIZE",
+    )
+    offload_folder: str | None = option(
+        None,
+        "folder for the offloaded weights (default with --max-memory: a temporary folder, removed after)",
+        metavar="DIR",
+    )
+
+    def offload_budget(self) -> int | None:
+        """--max-memory in bytes (None without it); a `UsageError` for anything but a positive size."""
+        from ..shards import parse_size
+
+        if self.max_memory is None:
+            return None
+        try:
+            return parse_size(self.max_memory, "--max-memory")
+        except ValueError:
+            raise UsageError(
+                f"--max-memory: must be a positive size such as 4GiB, 500MB or 2000000 (bytes), got {self.max_memory!r}"
+            ) from None
+
+    def offloading(self) -> bool:
+        """Whether the model is loaded with disk offload (--max-memory or --offload-folder given)."""
+        return self.max_memory is not None or self.offload_folder is not None
+
+
+@dataclass
 class StreamOptions:
     """Layer-by-layer processing of safetensors checkpoints (`relational_hf.shards`)."""
 
@@ -371,6 +406,7 @@ __all__ = [
     "NonEmptyStr",
     "NonNegativeFloat",
     "NonNegativeInt",
+    "OffloadOptions",
     "OpenFraction",
     "PositiveFloat",
     "PositiveInt",

@@ -43,7 +43,6 @@ from .ops import (
     PRUNING_SCORES,
     input_feature_norms,
     prune_weights,
-    pruning_mask,
     weight_matrices,
 )
 
@@ -95,16 +94,8 @@ def prune_to_target(
     else:
         n, m = (int(p) for p in pattern.split(":"))
         sparsity = 1.0 - n / m
-    if score == "wanda" and feature_norms is not None:
-        pruned = copy.deepcopy(model)
-        matrices = weight_matrices(pruned)
-        if len(feature_norms) != len(matrices):
-            raise ValueError(f"feature_norms has {len(feature_norms)} entries for {len(matrices)} weight matrices")
-        for matrix, norm in zip(matrices, feature_norms):  # the Wanda score and mask of `prune_weights`
-            w = matrix.rows.detach()
-            matrix.write(w * pruning_mask(w.abs().float() * matrix.input_norms(norm), pattern, sparsity, per_row=True))
-    else:
-        pruned = prune_weights(model, score, pattern, sparsity, calibration_ids=calibration)
+    norms = feature_norms if score == "wanda" else None
+    pruned = prune_weights(model, score, pattern, sparsity, calibration_ids=calibration, feature_norms=norms)
     after = stored_parameters(pruned)
     report = {
         "method": score if pattern == "unstructured" else f"{score}-{pattern}",

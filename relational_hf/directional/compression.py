@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import get_adapter
-from ..compress.ops import COMPRESSION_SETTINGS, compress_weights
+from ..compress.ops import COMPRESSION_SETTINGS, compressed_view, in_compressed_view
 from ..lm.metrics import model_device
 from ..modeling.modeling_directional import parallel_component
 from .decompose import unpack_batch
@@ -125,7 +125,13 @@ def compression_error(
     real tokens of |e_par|/|delta_dense|, |e_perp|/|delta_dense| and |e|/|delta_dense|. input_ids (N, T),
     attention_mask (N, T) with 0 at padding; both models run in eval mode (training flags restored). `clean`: a
     `CleanPass` of dense_model on the same inputs and batch_size, whose recorded layer inputs and outputs replace the
-    dense pass. Only the decoder stacks run (no output head)."""
+    dense pass. Only the decoder stacks run (no output head). One model may be passed as both, running compressed
+    (inside `compress.ops.compressed_view`), with the dense record in `clean`."""
+    if compressed_model is dense_model and clean is None and in_compressed_view(dense_model):
+        raise ValueError(
+            "dense_model is compressed_model inside a compressed_view: pass `clean`, a CleanPass recorded before the "
+            "view was opened, for the dense layers' inputs and outputs"
+        )
     dense_layers, compressed_layers = get_adapter(dense_model).layers(), get_adapter(compressed_model).layers()
     if len(dense_layers) != len(compressed_layers):
         raise ValueError(f"the models have {len(dense_layers)} and {len(compressed_layers)} layers")
@@ -272,18 +278,24 @@ def compression_report(
     """For each setting: compress (Wanda calibrates on `calibration_ids`, default input_ids), measure
     `compression_error` on input_ids and the compressed perplexity on `eval_ids` (default input_ids, with
     attention_mask only when eval_ids is not given). `clean`: a `CleanPass` of `model` on input_ids (same
-    attention_mask and batch_size) that replaces the dense passes and gives the dense perplexity."""
+    attention_mask and batch_size) that replaces the dense passes and gives the dense perplexity (recorded here when
+    not given).
+
+    The model computes each setting through `compress.ops.compressed_view`, not a copy: memory holds one compressed
+    copy of the decoder weights at most, and none for layers a device map offloads to disk (each is compressed as it
+    comes in), so a model loaded with `lm.offload.load_offloaded` is analysed layer by layer."""
     calibration_ids = input_ids if calibration_ids is None else calibration_ids
     same_eval = eval_ids is None
     eval_mask = attention_mask if same_eval else None
     eval_ids = input_ids if same_eval else eval_ids
-    if clean is not None:
+    if clean is None:  # the dense layers' inputs and outputs, recorded before any weight is swapped
+        clean = CleanPass(model, input_ids, attention_mask, batch_size, progress=False)
+    else:
         clean.matches(model, input_ids, attention_mask, batch_size)
     results = []
     for setting in tqdm(list(settings), desc="compression", disable=not progress, leave=False):
-        compressed = compress_weights(model, setting, calibration_ids, group_size)
-        errors = compression_error(model, compressed, input_ids, attention_mask, batch_size, clean)
-        results.append(CompressionResult(setting, errors, _perplexity(compressed, eval_ids, eval_mask, batch_size)))
-        del compressed
-    dense = clean.baseline if clean is not None and same_eval else _perplexity(model, eval_ids, eval_mask, batch_size)
+        with compressed_view(model, setting, calibration_ids, group_size):
+            errors = compression_error(model, model, input_ids, attention_mask, batch_size, clean)
+            results.append(CompressionResult(setting, errors, _perplexity(model, eval_ids, eval_mask, batch_size)))
+    dense = clean.baseline if same_eval else _perplexity(model, eval_ids, eval_mask, batch_size)
     return CompressionReport(dense, results)

@@ -53,6 +53,43 @@ def load_offloaded(
     return model.eval()
 
 
+#: why a GGUF file cannot be offloaded
+GGUF_NOT_OFFLOADED = "--max-memory / --offload-folder need a Transformers checkpoint; a GGUF file loads whole"
+
+
+def load_model(
+    source,
+    *,
+    max_memory: int | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = "float32",
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, dict[str, str]]:
+    """(model in eval mode, device map) of a `loading.ModelSource` (or anything `resolve_model_source` accepts), as
+    the commands with --max-memory / --offload-folder load it: offloaded (`load_offloaded`, at most `max_memory` bytes
+    of weights on the CPU) when either is given, whole (`loading.load_model_from`) otherwise. The device map says
+    where each module sits ({"": device} for a model in one piece). ValueError for offloading a GGUF file (it is
+    dequantised whole)."""
+    from ..loading import ModelSource, load_model_from, resolve_model_source
+
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
+    if max_memory is None and offload_folder is None:
+        model = load_model_from(source, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+        return model, {"": str(next(model.parameters()).device)}
+    if source.gguf_file is not None:
+        raise ValueError(GGUF_NOT_OFFLOADED)
+    model = load_offloaded(
+        source.location,
+        max_memory=None if max_memory is None else {"cpu": max_memory},
+        offload_folder=offload_folder,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    device_map = {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
+    return model, device_map or {"": "cpu"}  # everything fitted in max_memory: Accelerate placed it whole
+
+
 def offloaded_perplexity(
     path: str | os.PathLike,
     input_ids: torch.Tensor,
