@@ -6,6 +6,10 @@ request, so no mapping of the whole checkpoint stays resident; `meta_model` buil
 shards named and indexed like `save_pretrained` (into a staging folder of `relational_hf.outputs`).
 `checkpoint_files` is the one reader of `model.safetensors.index.json`. Used by streaming conversion
 (`relational_hf.convert.streaming`), canonicalisation and analysis (`relational_hf.symmetry`).
+
+`GGUFCheckpointReader` reads a GGUF file (llama.cpp's format) the same way: its tensors under the Transformers names
+of the model its metadata describes, each dequantised on its own (rows of the embedding and head a block at a time),
+read from the file rather than a memory map; `open_checkpoint` takes a `.gguf` file as well as a folder.
 """
 
 from __future__ import annotations
@@ -173,6 +177,97 @@ class CheckpointReader:
                 yield st.get_slice(name)[start : start + step]
 
 
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """True for an existing file named *.gguf."""
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+class GGUFCheckpointReader:
+    """The tensors of a GGUF file under the Transformers names of `model` (its meta-device model), with the interface
+    of `CheckpointReader`. Names are mapped and the tensors put in Transformers' layout (e.g. Llama's query and key
+    rows un-permuted) by Transformers' own GGUF tables (`transformers.modeling_gguf_pytorch_utils`); quantised
+    tensors are dequantised with the `gguf` package to float32, one tensor (or one block of rows) per read, and the
+    bytes are read from the file each time, so nothing of the file stays in memory. `dtype(name)` is float32 for a
+    quantised tensor and the stored dtype for F32 / F16 / BF16 ones."""
+
+    def __init__(self, path: str | os.PathLike, model: nn.Module) -> None:
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        self.path = Path(path)
+        self._gguf = gguf
+        reader = gguf.GGUFReader(self.path)
+        arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+        self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+        to_hf = get_gguf_hf_weights_map(model, self._processor)
+        plain = {
+            gguf.GGMLQuantizationType.F32: torch.float32,
+            gguf.GGMLQuantizationType.F16: torch.float16,
+            gguf.GGMLQuantizationType.BF16: torch.bfloat16,
+        }
+        self._info: dict[str, tuple] = {}
+        for tensor in reader.tensors:
+            if tensor.name not in to_hf:
+                continue  # e.g. rope frequency tables that no model loads
+            stored = tensor.data  # a view of the memory map: its shape and dtype, no data read
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            dtype = plain.get(tensor.tensor_type, torch.float32)
+            self._info[to_hf[tensor.name]] = (tensor, stored.dtype, stored.shape, shape, dtype)
+        del reader
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
+
+    def keys(self) -> list[str]:
+        return list(self._info)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info[self._check(name)][3]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._info[self._check(name)][4]
+
+    def _check(self, name: str) -> str:
+        if name not in self._info:
+            raise KeyError(f"{self.path}: tensor {name!r} is not in the GGUF file")
+        return name
+
+    def _read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop of the stored tensor (its first dimension: rows of the Transformers layout), dequantised."""
+        import numpy as np
+
+        tensor, raw_dtype, raw_shape, shape, dtype = self._info[self._check(name)]
+        stop = raw_shape[0] if stop is None else min(stop, raw_shape[0])
+        row = math.prod(raw_shape[1:]) if len(raw_shape) > 1 else 1
+        raw = np.fromfile(
+            self.path,
+            dtype=raw_dtype,
+            count=(stop - start) * row,
+            offset=int(tensor.data_offset) + start * row * raw_dtype.itemsize,
+        ).reshape(stop - start, *raw_shape[1:])
+        plain = (self._gguf.GGMLQuantizationType.F32, self._gguf.GGMLQuantizationType.F16)
+        values = raw if tensor.tensor_type in plain else self._gguf.dequantize(raw, tensor.tensor_type)  # BF16: fp32
+        values = self._processor.process(weights=values, name=tensor.name).weights
+        out = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        return out.reshape((stop - start, *shape[1:]) if stop - start != shape[0] else shape)
+
+    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, each dequantised (float32) or in its stored float dtype."""
+        return {name: self._read(name) for name in names}
+
+    def rows(self, name: str, block_bytes: int = _BLOCK_BYTES) -> Iterator[torch.Tensor]:
+        """Row blocks of a 2-D tensor (about `block_bytes` of float32 each), read and dequantised one block at a time."""
+        shape = self.shape(name)
+        step = max(1, block_bytes // max(1, math.prod(shape[1:]) * 4))
+        for start in range(0, shape[0], step):
+            yield self._read(name, start, start + step)
+
+
 def meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of `config` on the meta device (nothing allocated), in eval mode."""
     with torch.device("meta"):
@@ -221,14 +316,20 @@ def check_complete(model: nn.Module, reader: CheckpointReader) -> None:
 
 
 def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False, check: bool = True):
-    """(reader, config, meta-device model) of a local safetensors checkpoint folder, checked to agree
+    """(reader, config, meta-device model) of a local safetensors checkpoint folder or GGUF file, checked to agree
     (`check_complete`; `check=False`: the caller checks, after its own checks of the model, e.g. that its family is
     supported): the one way the layer-by-layer readers open a checkpoint."""
     from transformers import AutoConfig
 
-    reader = CheckpointReader(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = meta_model(config, trust_remote_code=trust_remote_code)
+    if is_gguf_file(path):
+        path = Path(path)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=trust_remote_code)
+        model = meta_model(config, trust_remote_code=trust_remote_code)
+        reader = GGUFCheckpointReader(path, model)
+    else:
+        reader = CheckpointReader(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = meta_model(config, trust_remote_code=trust_remote_code)
     if check:
         check_complete(model, reader)
     return reader, config, model

@@ -1,5 +1,6 @@
 """Real checkpoints in: SmolLM2-135M-Instruct from its folder and from its GGUF file, exact conversion of its first
-layers through the CLI, a converted tokenizer that loads without the plugin, and clear errors for bad sources."""
+layers through the CLI, a converted tokenizer that loads without the plugin, the GGUF file read one tensor at a time
+(and compressed one layer at a time), and clear errors for bad sources."""
 
 from __future__ import annotations
 
@@ -103,6 +104,50 @@ print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
     assert "IDS True" in result.stdout
     assert "Do you wish to run the custom code" not in result.stderr + result.stdout
     assert "model of type ``" not in result.stderr
+
+
+def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers):
+    """`shards.GGUFCheckpointReader`: every tensor of the GGUF file, read and dequantised on its own under its
+    Transformers name (query and key rows un-permuted), equals what Transformers' GGUF loader builds; the embedding
+    read a block of rows at a time equals it whole; the names and shapes are the model's."""
+    from relational_hf.shards import GGUFCheckpointReader, check_complete, open_checkpoint
+
+    reader, config, meta = open_checkpoint(gguf_two_layers)
+    assert isinstance(reader, GGUFCheckpointReader) and config.num_hidden_layers == LAYERS
+    check_complete(meta, reader)
+    loaded = load_model_from(str(gguf_two_layers)).state_dict()
+    names = set(reader.keys())
+    assert names == set(loaded) - {"lm_head.weight"}  # tied head: one copy
+    for name in names:
+        got = reader.get([name])[name]
+        assert tuple(got.shape) == reader.shape(name) and torch.equal(got.float(), loaded[name].float()), name
+    key = "model.embed_tokens.weight"
+    blocks = list(reader.rows(key, block_bytes=2**20))
+    assert len(blocks) > 1 and torch.equal(torch.cat(blocks), loaded[key])
+    with pytest.raises(KeyError, match="not in the GGUF file"):
+        reader.get(["model.layers.7.mlp.up_proj.weight"])
+
+
+def test_cli_compresses_a_gguf_file_one_layer_at_a_time_as_in_memory(gguf_two_layers, tmp_path, capsys):
+    """`relational-hf compress FILE.gguf OUT` streams the GGUF file (each tensor dequantised as it is read) and gives
+    the model that loading the file whole gives: same widths, same stored count, same held-out perplexity; the
+    tokenizer comes along and the output is float32 (the file is quantised)."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join([TEXT] * 12), encoding="utf-8")
+    common = ["--remove", "0.05", "--calibration", str(text), "--eval", str(text), "--window", "32",
+              "--calibration-windows", "4", "--eval-windows", "2"]  # fmt: skip
+    assert main(["compress", str(gguf_two_layers), str(tmp_path / "s"), *common]) == 0, capsys.readouterr().err
+    assert "one layer at a time" in capsys.readouterr().out
+    assert main(["compress", str(gguf_two_layers), str(tmp_path / "m"), *common, "--no-stream"]) == 0
+    streamed = json.loads((tmp_path / "s" / "compression_report.json").read_text())
+    whole = json.loads((tmp_path / "m" / "compression_report.json").read_text())
+    assert streamed["streamed"] is True and streamed["widths"] == whole["widths"]
+    assert streamed["parameters_after"] == whole["parameters_after"]
+    for key in ("eval_perplexity_before", "eval_perplexity_after"):
+        assert streamed[key] == pytest.approx(whole[key], rel=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    assert next(model.parameters()).dtype == torch.float32
+    assert AutoTokenizer.from_pretrained(tmp_path / "s")(TEXT)["input_ids"]
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):

@@ -4,9 +4,10 @@
                                                [--stream | --no-stream] [--dtype D] [--max-shard-size S]
 
 SRC is a local checkpoint folder, a Hub id or a GGUF file of a Llama-family causal LM (or a relational checkpoint).
-A local safetensors folder is compressed one decoder layer in memory at a time (`jobs.compress_checkpoint`: each
-layer read, converted and compressed from the shards, the result written shard by shard, stored in SRC's dtype
-unless --dtype; the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
+A local safetensors folder or GGUF file is compressed one decoder layer in memory at a time
+(`jobs.compress_checkpoint`: each layer read, converted and compressed from the shards, a GGUF file's tensors
+dequantised one at a time, the result written shard by shard, stored in SRC's dtype unless --dtype (float32 for a
+quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
 unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
 The calibration text (--calibration, default: the project's built-in corpus) is cut into --calibration-windows
 windows of --window tokens. OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
@@ -89,9 +90,16 @@ class CompressArguments(CommandArguments, StreamOptions, ModelSourceOptions, Com
     POSITIONALS = CompressPaths
     PARSER_GROUPS = (CompressOptions, StreamOptions, ModelSourceOptions)
 
+    def local_gguf(self) -> Path | None:
+        """The GGUF file SRC names (SRC itself, or --gguf-file inside the folder SRC) when it is on this machine."""
+        from ..shards import is_gguf_file
+
+        path = Path(self.src) / self.gguf_file if self.gguf_file is not None else Path(self.src)
+        return path if is_gguf_file(path) else None
+
     def stream_chosen(self) -> bool:
-        """Whether this run streams: --stream / --no-stream, else whenever SRC is a local safetensors folder and
-        nothing asked for needs the whole model (healing, --method slice, --slice-fraction)."""
+        """Whether this run streams: --stream / --no-stream, else whenever SRC is a local safetensors folder or GGUF
+        file and nothing asked for needs the whole model (healing, --method slice, --slice-fraction)."""
         from ..shards import is_safetensors_checkpoint
 
         whole = [
@@ -103,11 +111,13 @@ class CompressArguments(CommandArguments, StreamOptions, ModelSourceOptions, Com
             )
             if given
         ]
-        streamable = self.gguf_file is None and is_safetensors_checkpoint(self.src)
+        streamable = self.local_gguf() is not None or (self.gguf_file is None and is_safetensors_checkpoint(self.src))
         chosen = self.streaming()
         if chosen:
             if not streamable:
-                raise UsageError(f"--stream needs a local folder with config.json and safetensors weights: {self.src}")
+                raise UsageError(
+                    f"--stream needs a local folder with config.json and safetensors weights, or a GGUF file: {self.src}"
+                )
             if whole:
                 raise UsageError(f"--stream compresses one layer at a time; {whole[0]} needs the whole model")
             return True
@@ -267,7 +277,7 @@ def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, eval
     from ..jobs.compress import compress_checkpoint
 
     report = compress_checkpoint(
-        args.src, args.out, remove=args.remove, calibration=calibration, evaluation=evaluation, dtype=args.dtype,
+        args.local_gguf() or args.src, args.out, remove=args.remove, calibration=calibration, evaluation=evaluation, dtype=args.dtype,
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
         report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),

@@ -324,8 +324,8 @@ def layerwise_logits(
 
 
 class LlamaCheckpointLayers:
-    """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 safetensors checkpoint: each decoder layer read
-    in fp32 and converted to the relational pivot gauge when it is asked for (`convert_layer`, the exact conversion
+    """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 safetensors checkpoint or GGUF file (each tensor
+    dequantised as it is read, `shards.GGUFCheckpointReader`): each decoder layer read in fp32 and converted to the relational pivot gauge when it is asked for (`convert_layer`, the exact conversion
     of `stream_to_relational`), the embedding, final gain and head as `stream_to_relational` writes them (an untied
     head with the final gain folded in). Nothing is converted ahead: a layer-streamed compression of a Llama
     checkpoint needs no relational copy on disk."""
@@ -438,8 +438,13 @@ def _write_metadata(target: RelationalForCausalLM, config: RelationalConfig, dty
 def _copy_tokenizer(src: Path, directory: Path, trust_remote_code: bool) -> None:
     from transformers import AutoTokenizer
 
+    from ..shards import is_gguf_file
+
+    where = {"pretrained_model_name_or_path": src.parent, "gguf_file": src.name} if is_gguf_file(src) else {
+        "pretrained_model_name_or_path": src
+    }
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(**where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError):
         logger.info("no tokenizer at %s; the converted checkpoint has none", src)
         return

@@ -190,14 +190,18 @@ def compress_model(
 
 
 def checkpoint_source(path: str | Path, *, trust_remote_code: bool = False):
-    """The `compress.streamed.LayerSource` of a local safetensors checkpoint folder: a relational checkpoint is read
-    as it is, a Llama-family one is converted layer by layer as it is read (no relational copy on disk)."""
+    """The `compress.streamed.LayerSource` of a local safetensors checkpoint folder or GGUF file: a relational
+    checkpoint is read as it is, a Llama-family one (a GGUF file dequantised tensor by tensor) is converted layer by
+    layer as it is read (no relational copy on disk)."""
     from transformers import AutoConfig
 
     from ..compress.streamed import RelationalCheckpointLayers
     from ..convert.streaming import LlamaCheckpointLayers
     from ..modeling import RelationalConfig
+    from ..shards import is_gguf_file
 
+    if is_gguf_file(path):
+        return LlamaCheckpointLayers(path, trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if isinstance(config, RelationalConfig):
         return RelationalCheckpointLayers(path, trust_remote_code=trust_remote_code)
@@ -222,7 +226,7 @@ def compress_checkpoint(
     report_extra: dict | None = None,
     **options: Any,
 ) -> dict:
-    """`compress_model(method="relational")` of the safetensors checkpoint folder `src`, one decoder layer in memory
+    """`compress_model(method="relational")` of the safetensors checkpoint folder or GGUF file `src`, one decoder layer in memory
     at a time (`compress.streamed.compress_streamed`; a Llama-family source is converted layer by layer as it is
     read), written shard by shard to the new folder `out` through `relational_hf.outputs` (staged, moved into place
     when complete; a failure leaves `out` untouched): the model files, the tokenizer of `src`
