@@ -129,13 +129,13 @@ def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers):
 
 
 def test_cli_compresses_a_gguf_file_one_layer_at_a_time_as_in_memory(gguf_two_layers, tmp_path, capsys):
-    """`relational-hf compress FILE.gguf OUT` streams the GGUF file (each tensor dequantised as it is read) and gives
-    the model that loading the file whole gives: same widths, same stored count, same held-out perplexity; the
-    tokenizer comes along and the output is float32 (the file is quantised)."""
+    """`relational-hf compress FILE.gguf OUT` streams the real GGUF file (each tensor dequantised as it is read) and
+    gives the model that loading the file whole gives: same widths, same stored count, the same logits and held-out
+    perplexity (float tolerance); the tokenizer comes along and the output is float32 (the file is quantised)."""
     text = tmp_path / "text.txt"
-    text.write_text(" ".join([TEXT] * 12), encoding="utf-8")
-    common = ["--remove", "0.05", "--calibration", str(text), "--eval", str(text), "--window", "32",
-              "--calibration-windows", "4", "--eval-windows", "2"]  # fmt: skip
+    text.write_text(" ".join([TEXT] * 8), encoding="utf-8")
+    common = ["--remove", "0.05", "--calibration", str(text), "--eval", str(text), "--window", "24",
+              "--calibration-windows", "3", "--eval-windows", "1"]  # fmt: skip
     assert main(["compress", str(gguf_two_layers), str(tmp_path / "s"), *common]) == 0, capsys.readouterr().err
     assert "one layer at a time" in capsys.readouterr().out
     assert main(["compress", str(gguf_two_layers), str(tmp_path / "m"), *common, "--no-stream"]) == 0
@@ -145,9 +145,13 @@ def test_cli_compresses_a_gguf_file_one_layer_at_a_time_as_in_memory(gguf_two_la
     assert streamed["parameters_after"] == whole["parameters_after"]
     for key in ("eval_perplexity_before", "eval_perplexity_after"):
         assert streamed[key] == pytest.approx(whole[key], rel=1e-4)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
-    assert next(model.parameters()).dtype == torch.float32
-    assert AutoTokenizer.from_pretrained(tmp_path / "s")(TEXT)["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "s")
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    got, expected = (AutoModelForCausalLM.from_pretrained(tmp_path / n).eval() for n in ("s", "m"))
+    assert next(got.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        a, b = got(ids).logits, expected(ids).logits
+    assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):

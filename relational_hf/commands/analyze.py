@@ -210,7 +210,7 @@ def _run(args: AnalyzeArguments, settings: list[str], per_layer_edits: list) -> 
     from ..directional.analysis import directional_analysis, format_markdown, format_table
     from ..hub.card import stored_parameters
     from ..lm.data import lm_blocks
-    from ..lm.offload import device_map_summary, peak_rss_bytes
+    from ..lm.offload import device_map_line, device_map_summary, peak_rss_bytes
     from ..outputs import atomic_write_text, check_owned_names, prepare_output_dir, record_files
 
     out = prepare_output_dir(args.out, overwrite=args.overwrite, command="analyze", kind="analysis", flag="--out")
@@ -256,6 +256,5 @@ def _run(args: AnalyzeArguments, settings: list[str], per_layer_edits: list) -> 
     stored = stored_parameters(args.model)
     counted = "" if stored is None else f"; {stored:,} values stored in the checkpoint's safetensors"
     print(f"summary: perplexity {report['perplexity']:.3f} on {report['tokens_analysed']:,} tokens{counted}")
-    where = ", ".join(f"{device}: {count} module(s)" for device, count in report["device_map"].items())
-    print(f"device map: {where}; peak RSS {report['peak_rss_mib']:.0f} MiB")
+    print(f"device map: {device_map_line(device_map)}; peak RSS {report['peak_rss_mib']:.0f} MiB")
     return report

@@ -93,7 +93,7 @@ def run(args: EvaluateArguments) -> int:
     """Load MODEL (offloaded with --max-memory / --offload-folder, whole otherwise), evaluate the perplexity of the
     windows of --text, print it with the device map and the peak RSS, write --json."""
     from ..lm.metrics import perplexity
-    from ..lm.offload import GGUF_NOT_OFFLOADED, device_map_summary, load_model, peak_rss_bytes
+    from ..lm.offload import GGUF_NOT_OFFLOADED, device_map_line, device_map_summary, load_model, peak_rss_bytes
     from ..loading import load_tokenizer_from, resolve_model_source
     from ..outputs import atomic_write_text
 
@@ -134,9 +134,7 @@ def run(args: EvaluateArguments) -> int:
         "peak_rss_mib": peak_rss_bytes() / 2**20,
         "seconds": seconds,
     }
-    where = ", ".join(f"{device}: {count} module(s)" for device, count in summary.items())
-    if list(device_map) == [""]:
-        where = f"the whole model on {device_map['']}"
+    where = device_map_line(device_map)
     sys.stdout.write(
         f"perplexity {ppl:.4f} over {result['predicted_tokens']} predicted tokens ({result['windows']} windows of "
         f"{args.window})\ndevice map: {where}\npeak RSS {result['peak_rss_mib']:.0f} MiB; {seconds:.1f} s\n"

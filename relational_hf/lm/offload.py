@@ -112,6 +112,13 @@ def device_map_summary(device_map: dict[str, str]) -> dict[str, int]:
     return dict(sorted(Counter(str(v) for v in device_map.values()).items()))
 
 
+def device_map_line(device_map: dict[str, str]) -> str:
+    """Where a model sits, in words: "the whole model on cpu", or "cpu: 2 module(s), disk: 3 module(s)"."""
+    if list(device_map) == [""]:
+        return f"the whole model on {device_map['']}"
+    return ", ".join(f"{device}: {count} module(s)" for device, count in device_map_summary(device_map).items())
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (bytes; Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
