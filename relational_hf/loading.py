@@ -17,6 +17,7 @@ Commands check their model argument first (`check_model_argument`, before anythi
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -182,6 +183,23 @@ def _hub_errors(source: ModelSource, err: Exception) -> Exception:
     return err
 
 
+def _check_gguf(source: ModelSource) -> None:
+    """OSError naming the file unless a local GGUF source is a readable GGUF file (checked once per file version)."""
+    if source.gguf_file is None or not source.local:
+        return
+    path = Path(source.location) / source.gguf_file
+    stat = path.stat()
+    _gguf_readable(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_readable(path: str, mtime_ns: int, size: int) -> bool:
+    from .shards import read_gguf
+
+    read_gguf(path)
+    return True
+
+
 def _model_type(source: ModelSource) -> str | None:
     if not source.local or source.gguf_file is not None:
         return None
@@ -198,6 +216,7 @@ def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = Fal
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     try:
+        _check_gguf(source)
         if source.gguf_file is not None:
             return AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
@@ -268,6 +287,7 @@ def load_model_from(
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ModelSourceError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     try:
+        _check_gguf(source)
         if source.gguf_file is not None:
             from .pretrained import plain_model_from_gguf
 
@@ -291,6 +311,7 @@ def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = 
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     try:
+        _check_gguf(source)
         if source.gguf_file is not None:
             return AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
         return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)

@@ -183,6 +183,18 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
+def read_gguf(path: str | os.PathLike):
+    """`gguf.GGUFReader` of a GGUF file (its header parsed, the tensors memory-mapped, none read); OSError naming the
+    file when it is not a readable GGUF file (the gguf package raises whatever its parser meets: struct, value and
+    index errors on a truncated or foreign file)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # noqa: BLE001 - any parse failure of the file is the same problem for the user
+        raise OSError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+
+
 class GGUFCheckpointReader:
     """The tensors of a GGUF file under the Transformers names of `model` (its meta-device model), with the interface
     of `CheckpointReader`. Names are mapped and the tensors put in Transformers' layout (e.g. Llama's query and key
@@ -201,7 +213,7 @@ class GGUFCheckpointReader:
 
         self.path = Path(path)
         self._gguf = gguf
-        reader = gguf.GGUFReader(self.path)
+        reader = read_gguf(self.path)
         arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
         self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         to_hf = get_gguf_hf_weights_map(model, self._processor)
@@ -323,6 +335,7 @@ def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False,
 
     if is_gguf_file(path):
         path = Path(path)
+        read_gguf(path)  # a file the GGUF parser cannot read: OSError naming it, before Transformers parses it
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=trust_remote_code)
         model = meta_model(config, trust_remote_code=trust_remote_code)
         reader = GGUFCheckpointReader(path, model)
@@ -537,6 +550,28 @@ class ShardWriter:
             }
             (self.directory / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return weight_map
+
+
+def gguf_to_safetensors(
+    path: str | os.PathLike,
+    directory: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Write the GGUF file `path` as a safetensors checkpoint (shards, index, config.json) into the new folder
+    `directory`, one tensor dequantised at a time (`GGUFCheckpointReader`), in `dtype` (None: float32 for quantised
+    tensors, the stored dtype for the others). A working copy for loaders that need safetensors (Accelerate's disk
+    offload); nothing of the file is held whole. Returns `directory`."""
+    reader, config, model = open_checkpoint(path)
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    writer = ShardWriter(directory, parse_size(max_shard_size), 4096 + 200 * len(reader.keys()))
+    for name in reader.keys():
+        writer.add(name, reader.get([name])[name], dtype)
+    writer.finish(sum(p.numel() for p in model.parameters()))
+    config.save_pretrained(directory)
+    return directory
 
 
 def _int_bits(dtype: torch.dtype) -> int:

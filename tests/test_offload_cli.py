@@ -147,14 +147,17 @@ def test_offloaded_analysis_equals_in_memory(checkpoint, tmp_path, capsys):
     assert "device map:" in printed and "disk:" in printed and "peak RSS" in printed
 
 
-def test_offloaded_analysis_refuses_a_gguf_file_in_one_line(checkpoint, tmp_path, capsys):
+def test_a_file_that_is_not_gguf_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    """A .gguf file that the GGUF parser cannot read gives one line naming it, loaded whole or offloaded, from every
+    command that loads a model; a bad --max-memory is named too."""
     path, text, _ = checkpoint
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    line = _error(
-        capsys, ["analyze", str(gguf), "--text", str(text), "--max-memory", "1GiB", "--out", str(tmp_path / "o")]
-    )
-    assert "GGUF" in line and "--max-memory" in line
-    assert not (tmp_path / "o").exists()  # refused before anything was written
+    for content in (b"GGUF", b"not a gguf file at all, " * 8):
+        bad = tmp_path / "model.gguf"
+        bad.write_bytes(content)
+        for extra in ([], ["--max-memory", "1GiB"]):
+            line = _error(capsys, ["evaluate", str(bad), "--text", str(text), *extra])
+            assert "not a readable GGUF file" in line and "model.gguf" in line
+            line = _error(capsys, ["analyze", str(bad), "--text", str(text), "--out", str(tmp_path / "o"), *extra])
+            assert "not a readable GGUF file" in line
     line = _error(capsys, ["analyze", str(path), "--text", str(text), "--max-memory", "lots"])
     assert "--max-memory" in line and "4GiB" in line

@@ -4,6 +4,7 @@ layers through the CLI, a converted tokenizer that loads without the plugin, the
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -152,6 +153,26 @@ def test_cli_compresses_a_gguf_file_one_layer_at_a_time_as_in_memory(gguf_two_la
     with torch.no_grad():
         a, b = got(ids).logits, expected(ids).logits
     assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
+
+
+def test_a_gguf_file_offloaded_to_disk_evaluates_as_loaded_whole(gguf_two_layers, tmp_path, capsys):
+    """`evaluate FILE.gguf --max-memory`: the file is written as a safetensors working copy one tensor at a time
+    (in the offload folder, removed with the model), its layers offloaded to disk, with the perplexity of the whole
+    model."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join([TEXT] * 6), encoding="utf-8")
+    argv = ["evaluate", str(gguf_two_layers), "--text", str(text), "--window", "32", "--windows", "3"]
+    assert main([*argv, "--json", str(tmp_path / "whole.json")]) == 0
+    offload = tmp_path / "offload"
+    assert (
+        main([*argv, "--max-memory", "60MB", "--offload-folder", str(offload), "--json", str(tmp_path / "o.json")]) == 0
+    )
+    capsys.readouterr()
+    whole, offloaded = (json.loads((tmp_path / n).read_text()) for n in ("whole.json", "o.json"))
+    assert offloaded["offloaded"] and offloaded["device_map"].get("disk", 0) >= 1
+    assert offloaded["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
+    gc.collect()  # the copy goes with the model (at the latest when the process exits)
+    assert not any(p.name.startswith("relational-gguf-") for p in offload.iterdir())
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):

@@ -17,7 +17,8 @@ offload (`relational_hf.lm.offload`), as `evaluate` loads it: the decoder layers
 disk and are read in, one layer at a time, when they run; the compression settings are applied to each layer as it
 comes in (`relational_hf.compress.ops.compressed_view`), never to a copy of the model. The results are the same as in
 memory; the time grows with the passes (each reads the offloaded layers again). The recorded layer outputs of the
-analysed rows (rows x seq-len x hidden size x layers values) stay in memory.
+analysed rows (rows x seq-len x hidden size x layers values) stay in memory. A local GGUF file is first written as a
+safetensors working copy, one tensor dequantised at a time (`relational_hf.lm.offload.load_model`).
 """
 
 from __future__ import annotations
@@ -152,8 +153,6 @@ def check(args: AnalyzeArguments) -> tuple[list[str], list[tuple[str, list[float
     output_folder(args.out, "--out")
     output_folder(args.offload_folder, "--offload-folder")
     args.offload_budget()
-    if args.offloading() and (args.gguf_file is not None or str(args.model).lower().endswith(".gguf")):
-        raise UsageError(GGUF_NOT_OFFLOADED)
     if args.max_tokens < args.seq_len:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --seq-len row of {args.seq_len}")
     settings = compression_settings(args.compression)
@@ -170,7 +169,7 @@ def _load(args: AnalyzeArguments):
     from ..loading import load_tokenizer_from, resolve_model_source
 
     source = resolve_model_source(args.model, args.gguf_file)
-    if args.offloading() and source.gguf_file is not None:
+    if args.offloading() and source.gguf_file is not None and not source.local:
         raise UsageError(GGUF_NOT_OFFLOADED)
     model, device_map = load_model(
         source,

@@ -100,7 +100,7 @@ def run(args: EvaluateArguments) -> int:
     max_memory = check(args)
     source = resolve_model_source(args.model, args.gguf_file)
     offload = args.offloading()
-    if offload and source.gguf_file is not None:
+    if offload and source.gguf_file is not None and not source.local:
         raise UsageError(GGUF_NOT_OFFLOADED)
     ids = read_token_ids(
         Path(args.text), lambda: load_tokenizer_from(source, trust_remote_code=args.trust_remote_code), "--text"

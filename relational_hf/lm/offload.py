@@ -54,7 +54,10 @@ def load_offloaded(
 
 
 #: why a GGUF file cannot be offloaded
-GGUF_NOT_OFFLOADED = "--max-memory / --offload-folder need a Transformers checkpoint; a GGUF file loads whole"
+GGUF_NOT_OFFLOADED = (
+    "--max-memory / --offload-folder need a Transformers checkpoint or a local GGUF file; a GGUF file on the Hub loads "
+    "whole (download it first)"
+)
 
 
 def load_model(
@@ -67,25 +70,51 @@ def load_model(
 ) -> tuple[nn.Module, dict[str, str]]:
     """(model in eval mode, device map) of a `loading.ModelSource` (or anything `resolve_model_source` accepts), as
     the commands with --max-memory / --offload-folder load it: offloaded (`load_offloaded`, at most `max_memory` bytes
-    of weights on the CPU) when either is given, whole (`loading.load_model_from`) otherwise. The device map says
-    where each module sits ({"": device} for a model in one piece). ValueError for offloading a GGUF file (it is
-    dequantised whole)."""
+    of weights on the CPU) when either is given, whole (`loading.load_model_from`) otherwise. A local GGUF file to
+    offload is first written as a safetensors working copy in `dtype`, one tensor dequantised at a time
+    (`shards.gguf_to_safetensors`, in the offload folder; removed with the model), since Accelerate offloads from
+    safetensors. The device map says where each module sits ({"": device} for a model in one piece). ValueError for
+    offloading a GGUF file that is not on this machine."""
+    import tempfile
+    import weakref
+
     from ..loading import ModelSource, load_model_from, resolve_model_source
+    from ..shards import gguf_to_safetensors
 
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     if max_memory is None and offload_folder is None:
         model = load_model_from(source, dtype=dtype, trust_remote_code=trust_remote_code).eval()
         return model, {"": str(next(model.parameters()).device)}
+    location, copy = source.location, None
     if source.gguf_file is not None:
-        raise ValueError(GGUF_NOT_OFFLOADED)
-    model = load_offloaded(
-        source.location,
-        max_memory=None if max_memory is None else {"cpu": max_memory},
-        offload_folder=offload_folder,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-    )
+        if not source.local:
+            raise ValueError(GGUF_NOT_OFFLOADED)
+        if offload_folder is not None:
+            Path(offload_folder).mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="relational-gguf-", dir=offload_folder))
+        copy = root
+        try:
+            location = gguf_to_safetensors(
+                Path(source.location) / source.gguf_file, root / "model", dtype=parse_dtype(dtype)
+            )
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+    try:
+        model = load_offloaded(
+            location,
+            max_memory=None if max_memory is None else {"cpu": max_memory},
+            offload_folder=offload_folder,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
+    except BaseException:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+        raise
+    if copy is not None:
+        weakref.finalize(model, shutil.rmtree, str(copy), True)
     device_map = {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
     return model, device_map or {"": "cpu"}  # everything fitted in max_memory: Accelerate placed it whole
 
