@@ -175,14 +175,18 @@ def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
 
 def test_compress_model_distils_by_default_and_refuses_bad_heal_options():
     """compress_model(heal_steps=N) distils from the source on text the source generates (its settings in the
-    report); heal options that do not apply, an unknown loss and a teacher sharing the student's weights are
+    report; the held-out perplexity it starts from, that of the same compression unhealed); heal options that do not apply, an unknown loss and a teacher sharing the student's weights are
     refused with ValueError."""
     source = _llama(layers=1, seed=3)
     ids = torch.randint(0, 64, (4, 16))
+    held_out = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
     out, report = compress_model(
         source, remove=0.2, calibration=ids, progress=False, plan_windows=2, heal_steps=2, heal_samples=4,
-        heal_length=16, heal_block_size=8,
+        heal_length=16, heal_block_size=8, evaluation=held_out,
     )  # fmt: skip
+    unhealed, _ = compress_model(source, remove=0.2, calibration=ids, progress=False, plan_windows=2)
+    assert report["eval_perplexity_compressed"] == pytest.approx(perplexity(unhealed, held_out), rel=1e-5)
+    assert report["eval_perplexity_compressed"] != pytest.approx(perplexity(out, held_out), rel=1e-5)  # healed
     assert report["heal"]["loss"] == "kd"
     assert report["heal"]["text"]["samples"] == 4 and report["heal"]["text"]["source"] == model_fingerprint(source)
     for kwargs, word in (

@@ -238,6 +238,7 @@ def _run(args: CompressArguments, lock) -> int:
         heal_loss=heal_loss,
         heal_data=heal_data,
         progress=True,
+        evaluation=evaluation if args.heal_steps else None,
         **options,
     )
     report["source"] = str(args.src)

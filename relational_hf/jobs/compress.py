@@ -96,6 +96,7 @@ def compress_model(
     heal_data: torch.Tensor | None = None,
     progress: bool = True,
     eval_windows: int = 8,
+    evaluation: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[nn.Module, dict]:
     """Compress a causal LM (a Llama-family Transformers model or a `RelationalForCausalLM`) so that it stores at
@@ -113,7 +114,9 @@ def compress_model(
     relational model, calibration and options (one measurement for several budgets). Returns (compressed
     RelationalForCausalLM, report) with
     report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
-    calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib.
+    calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib;
+    with `evaluation` windows (N, T) and healing, eval_perplexity_compressed: their perplexity after compression and
+    before healing (what the healing starts from).
     """
     _check_arguments(remove, method, calibration, heal_steps, heal_loss)
     start = time.perf_counter()
@@ -164,6 +167,8 @@ def compress_model(
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
+        if evaluation is not None:
+            report["eval_perplexity_compressed"] = perplexity(out, evaluation)
         text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
         if heal_loss == "kd" and heal_data is None:
             seed = heal_keys.get("heal_seed", 0)

@@ -1,0 +1,175 @@
+"""The command line a user runs to compress and repair a real model, timed, with its dense control beside it:
+
+    relational-hf compress SRC OUT --remove 0.25 --calibration FILE --heal-steps 200 --eval HELD_OUT
+
+SRC is SmolLM2-135M-Instruct (`python -m relational_hf.pretrained`), FILE the first 90% of the WikiText-2 validation
+documents and HELD_OUT the last 10% (`relational_hf.lm.data.document_split`, whole documents on each side), written
+into --workdir as text files. The command runs as its own process with the CLI's defaults (distillation from SRC on
+text SRC samples itself, cached in OUT as heal_text.safetensors; 20 held-out windows of 512 tokens); its wall time
+and peak RSS are recorded (target: under 45 minutes on 2 cores, --eval's two evaluations included). Then the
+control: SRC, converted exactly to the relational form, healed with `relational_hf.training.heal.heal` with the
+settings the command's report records, on the same cached teacher text, and measured on the same held-out windows
+before and after. The healing must repair the compressed model (target: within x1.10 of the dense model) while leaving
+the dense model within 2% of itself.
+
+    python benchmarks/heal_cli.py --workdir DIR            # the timed command, then the control (about an hour)
+    python benchmarks/heal_cli.py --workdir DIR --reuse    # the control only, on DIR/compressed of an earlier run
+
+Writes results/heal_cli.json and heal_cli.png (the command's own time and memory are kept in DIR/command.json, so a
+--reuse run reports them too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import RESULTS, corpus, write_json
+
+TARGET_SECONDS = 45 * 60
+
+
+def _texts(workdir: Path) -> tuple[Path, Path]:
+    """The calibration side (first 90% of the documents) and the held-out side (last 10%) as text files."""
+    from relational_hf.lm.data import document_split
+
+    first, last = document_split(corpus("wikitext-2").read_text(encoding="utf-8"), 0.1)
+    paths = workdir / "wikitext2_first90.txt", workdir / "wikitext2_last10.txt"
+    for path, text in zip(paths, (first, last), strict=True):
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+    return paths
+
+
+def _run_command(src: Path, out: Path, calibration: Path, held_out: Path, steps: int, remove: float) -> dict:
+    command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
+    command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    return {
+        "line": f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT",
+        "wall_seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _control(src: Path, out: Path, held_out: Path, report: dict) -> dict:
+    """The dense model through the same healing, on the same teacher text, measured on the same windows."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relational_hf.compress.distill import load_teacher_text
+    from relational_hf.compress.eval import text_windows
+    from relational_hf.convert import to_relational
+    from relational_hf.lm.metrics import perplexity
+    from relational_hf.training.heal import heal
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    window, windows = report["eval_windows"][1], report["eval_windows"][0]
+    evaluation = text_windows(held_out, tokenizer, window=window, n=windows)
+    teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    dense = to_relational(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
+    before = perplexity(dense, evaluation, progress=True)
+    ids, _ = load_teacher_text(out / "heal_text.safetensors")
+    settings = report["heal"]
+    healed, heal_report = heal(
+        dense, ids, steps=settings["steps"], loss=settings["loss"], teacher=teacher, heal_lr=settings["learning_rate"],
+        heal_rank=settings["lora_rank"], heal_batch_size=settings["batch_size"], heal_block_size=settings["block_size"],
+    )  # fmt: skip
+    return {
+        "what": "SRC converted exactly to the relational form, healed with the command's settings and teacher text",
+        "perplexity_before": before,
+        "perplexity_after": perplexity(healed, evaluation, progress=True),
+        "heal": heal_report,
+    }
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r, c = payload["command_report"], payload["control"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    labels = ["dense", "dense + healing\n(control)", "compressed", "compressed\n+ healing"]
+    values = [c["perplexity_before"], c["perplexity_after"], r["eval_perplexity_compressed"], r["eval_perplexity_after"]]
+    colors = ["tab:gray", "tab:green", "tab:orange", "tab:blue"]
+    if values[2] is None:  # a command run before the report held it
+        del labels[2], values[2], colors[2]
+    ax.bar(labels, values, color=colors)
+    dense = c["perplexity_before"]
+    ax.axhline(1.10 * dense, color="red", linestyle="--", label="target x1.10 of dense")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.2f} (x{v / dense:.2f})", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("held-out WikiText-2 perplexity")
+    ax.set_title(f"{payload['steps']} distillation steps at {payload['remove']:.0%} removed")
+    ax.legend()
+    bx.bar(["command"], [payload["command"]["wall_seconds"] / 60], color="tab:purple")
+    bx.axhline(TARGET_SECONDS / 60, color="red", linestyle="--", label="target 45 min")
+    bx.set_ylabel("minutes")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True, help="where the texts, OUT and the timing are kept")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--remove", type=float, default=0.25)
+    parser.add_argument("--reuse", action="store_true", help="the control only, on DIR/compressed of an earlier run")
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args(argv)
+    json_path = RESULTS / "heal_cli.json"
+    if args.plot_only:
+        plot(json.loads(json_path.read_text()), json_path.with_suffix(".png"))
+        return 0
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    src = Path(smollm2_checkpoint())
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    calibration, held_out = _texts(args.workdir)
+    out, timing = args.workdir / "compressed", args.workdir / "command.json"
+    if not args.reuse:
+        if out.exists():
+            parser.error(f"{out} exists: pass --reuse to measure the control on it, or another --workdir")
+        timing.write_text(json.dumps(_run_command(src, out, calibration, held_out, args.steps, args.remove), indent=2))
+    if not timing.is_file() or not (out / "compression_report.json").is_file():
+        parser.error(f"--reuse: {args.workdir} holds no finished command run (command.json, compressed/)")
+    report = json.loads((out / "compression_report.json").read_text())
+    command = json.loads(timing.read_text())
+    control = _control(src, out, held_out, report)
+    keys = ("parameters_before", "parameters_after", "removed_share", "eval_windows", "eval_perplexity_before",
+            "eval_perplexity_after", "eval_perplexity_compressed", "heal", "widths")  # fmt: skip
+    payload = {
+        "steps": args.steps,
+        "remove": args.remove,
+        "texts": "calibration: the first 90% of the WikiText-2 validation documents; held out: the last 10%",
+        "command": command,
+        "target_seconds": TARGET_SECONDS,
+        "command_report": {k: report.get(k) for k in keys},
+        "control": control,
+    }
+    write_json("heal_cli", payload)
+    plot(payload, json_path.with_suffix(".png"))
+    dense = control["perplexity_before"]
+    print(
+        f"command: {command['wall_seconds'] / 60:.1f} min (target 45), peak RSS {command['peak_rss_mib']:,.0f} MiB; held-out "
+        f"perplexity dense {dense:.2f}, compressed {report.get('eval_perplexity_compressed')} -> healed "
+        f"{report['eval_perplexity_after']:.2f} (x{report['eval_perplexity_after'] / dense:.2f}); control: dense healed "
+        f"{control['perplexity_after']:.2f} ({control['perplexity_after'] / dense - 1:+.1%})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
