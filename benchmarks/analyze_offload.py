@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, SHARED_DATA, write_json
+from common import RESULTS, SHARED_DATA, add_shape_arguments, save_figure, shape_tag, write_json
 from convert import CONVERT_SIZES, generate_checkpoint
 
 TARGET_MIB = 6 * 1024
@@ -55,7 +55,9 @@ def _numbers(value, path: str = "") -> dict[str, float]:
     """The measured numbers of a report by where they sit (timings, memory and placement left out)."""
     skip = {"timings_s", "peak_rss_mib", "device_map", "offloaded", "figures", "wall_seconds"}
     if isinstance(value, dict):
-        return {k: v for key, item in value.items() if key not in skip for k, v in _numbers(item, f"{path}/{key}").items()}
+        return {
+            k: v for key, item in value.items() if key not in skip for k, v in _numbers(item, f"{path}/{key}").items()
+        }
     if isinstance(value, list):
         return {k: v for i, item in enumerate(value) for k, v in _numbers(item, f"{path}/{i}").items()}
     return {path: float(value)} if isinstance(value, (int, float)) and not isinstance(value, bool) else {}
@@ -92,17 +94,12 @@ def plot(payload: dict, path: Path) -> None:
     bx.set_ylabel("seconds")
     bx.set_title("time by stage")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=list(CONVERT_SIZES), default="7B")
-    parser.add_argument("--quick", action="store_true", help="the 10M shape")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoint is kept")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the shape (default: its own depth)")
+    add_shape_arguments(parser, CONVERT_SIZES)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--max-memory", default=None, help="the offloaded run's --max-memory (default: 1.5 layers)")
     parser.add_argument("--dtype", default="float32")
@@ -114,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-memory-run", action="store_true", help="only the offloaded run")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
-    size = "10M" if args.quick else args.size
-    tag = f"{size}" + (f"_{args.layers}layers" if args.layers else "")
+    size, tag = shape_tag(args)
     json_path = RESULTS / f"analyze_offload_{tag}.json"
     png_path = json_path.with_suffix(".png")
     if args.plot_only:
@@ -150,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             "report": report,
         }
         shutil.rmtree(out)
-    agreement = _largest_difference(runs["in memory"]["report"], runs["offloaded"]["report"]) if len(runs) == 2 else None
+    agreement = (
+        _largest_difference(runs["in memory"]["report"], runs["offloaded"]["report"]) if len(runs) == 2 else None
+    )
     for run in runs.values():
         run.pop("report")
     payload = {
@@ -167,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(json_path.stem, payload)
     plot(payload, png_path)
     for name, run in runs.items():
-        print(f"{name}: peak RSS {run['peak_rss_mib']:,.0f} MiB, {run['wall_seconds']:.0f} s, device map {run['device_map']}")
+        print(
+            f"{name}: peak RSS {run['peak_rss_mib']:,.0f} MiB, {run['wall_seconds']:.0f} s, device map {run['device_map']}"
+        )
     if agreement is not None:
         print(f"largest relative difference between the two reports: {agreement:.2e}")
     return 0

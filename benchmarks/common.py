@@ -91,3 +91,28 @@ def write_json(name: str, payload: dict) -> Path:
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return path
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_shape_arguments(parser, sizes) -> None:
+    """--size (a shape of `sizes`), --quick (the 10M one), --workdir (where the generated checkpoint is kept) and
+    --layers (that many decoder layers of the shape): the generated-checkpoint benchmarks' common options."""
+    parser.add_argument("--size", choices=list(sizes), default="7B")
+    parser.add_argument("--quick", action="store_true", help="the 10M shape")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoint is kept")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the shape (default: its own depth)")
+
+
+def shape_tag(args) -> tuple[str, str]:
+    """(size, tag) of `add_shape_arguments`' options: the shape measured and the name its results are filed under
+    ("7B", "7B_8layers", ...)."""
+    size = "10M" if args.quick else args.size
+    return size, size + (f"_{args.layers}layers" if args.layers else "")

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, write_json
+from common import RESULTS, add_shape_arguments, save_figure, shape_tag, write_json
 from convert import CONVERT_SIZES, generate_checkpoint
 
 TARGET_MIB = 6 * 1024
@@ -74,17 +74,12 @@ def plot(payload: dict, path: Path) -> None:
     bx.axhline(TARGET_MIB / 1024, color="red", linestyle="--", label="target 6 GiB")
     bx.set_ylabel("GiB")
     bx.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=list(CONVERT_SIZES), default="7B")
-    parser.add_argument("--quick", action="store_true", help="the 10M shape")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the generated checkpoint is kept")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the shape (default: its own depth)")
+    add_shape_arguments(parser, CONVERT_SIZES)
     parser.add_argument("--remove", type=float, default=None, help="share removed (0.25; quick 0.05: 10M is 80%% embedding)")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=256)
@@ -99,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(*args.child)
         return 0
-    size = "10M" if args.quick else args.size
-    tag = f"{size}" + (f"_{args.layers}layers" if args.layers else "")
+    size, tag = shape_tag(args)
     json_path = RESULTS / f"compress_stream_{tag}.json"
     png_path = json_path.with_suffix(".png")
     if args.plot_only:

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, corpus, write_json
+from common import RESULTS, corpus, save_figure, write_json
 
 TARGET_SECONDS = 45 * 60
 
@@ -100,7 +100,12 @@ def plot(payload: dict, path: Path) -> None:
     r, c = payload["command_report"], payload["control"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     labels = ["dense", "dense + healing\n(control)", "compressed", "compressed\n+ healing"]
-    values = [c["perplexity_before"], c["perplexity_after"], r["eval_perplexity_compressed"], r["eval_perplexity_after"]]
+    values = [
+        c["perplexity_before"],
+        c["perplexity_after"],
+        r["eval_perplexity_compressed"],
+        r["eval_perplexity_after"],
+    ]
     colors = ["tab:gray", "tab:green", "tab:orange", "tab:blue"]
     if values[2] is None:  # a command run before the report held it
         del labels[2], values[2], colors[2]
@@ -116,9 +121,7 @@ def plot(payload: dict, path: Path) -> None:
     bx.axhline(TARGET_SECONDS / 60, color="red", linestyle="--", label="target 45 min")
     bx.set_ylabel("minutes")
     bx.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
