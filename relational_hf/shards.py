@@ -197,13 +197,13 @@ def read_gguf(path: str | os.PathLike):
 
 class GGUFCheckpointReader:
     """The tensors of a GGUF file under the Transformers names of `model` (its meta-device model), with the interface
-    of `CheckpointReader`. Names are mapped and the tensors put in Transformers' layout (e.g. Llama's query and key
+    of `CheckpointReader` (`parsed`: the file's `read_gguf` parse, when the caller has it). Names are mapped and the tensors put in Transformers' layout (e.g. Llama's query and key
     rows un-permuted) by Transformers' own GGUF tables (`transformers.modeling_gguf_pytorch_utils`); quantised
     tensors are dequantised with the `gguf` package to float32, one tensor (or one block of rows) per read, and the
     bytes are read from the file each time, so nothing of the file stays in memory. `dtype(name)` is float32 for a
     quantised tensor and the stored dtype for F32 / F16 / BF16 ones."""
 
-    def __init__(self, path: str | os.PathLike, model: nn.Module) -> None:
+    def __init__(self, path: str | os.PathLike, model: nn.Module, parsed=None) -> None:
         import gguf
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
@@ -213,7 +213,7 @@ class GGUFCheckpointReader:
 
         self.path = Path(path)
         self._gguf = gguf
-        reader = read_gguf(self.path)
+        reader = parsed if parsed is not None else read_gguf(self.path)  # parsing a header takes seconds: reuse it
         arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
         self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         to_hf = get_gguf_hf_weights_map(model, self._processor)
@@ -335,10 +335,10 @@ def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False,
 
     if is_gguf_file(path):
         path = Path(path)
-        read_gguf(path)  # a file the GGUF parser cannot read: OSError naming it, before Transformers parses it
+        parsed = read_gguf(path)  # a file the GGUF parser cannot read: OSError naming it, before Transformers parses it
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=trust_remote_code)
         model = meta_model(config, trust_remote_code=trust_remote_code)
-        reader = GGUFCheckpointReader(path, model)
+        reader = GGUFCheckpointReader(path, model, parsed)
     else:
         reader = CheckpointReader(path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -107,16 +107,24 @@ print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
     assert "model of type ``" not in result.stderr
 
 
-def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers):
+@pytest.fixture(scope="module")
+def gguf_whole(gguf_two_layers):
+    """The two-layer GGUF file loaded whole by Transformers' GGUF loader (dequantised, fp32)."""
+    return load_model_from(str(gguf_two_layers))
+
+
+def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers, gguf_whole, tmp_path):
     """`shards.GGUFCheckpointReader`: every tensor of the GGUF file, read and dequantised on its own under its
     Transformers name (query and key rows un-permuted), equals what Transformers' GGUF loader builds; the embedding
-    read a block of rows at a time equals it whole; the names and shapes are the model's."""
+    read a block of rows at a time equals it whole; the names and shapes are the model's. Offloaded to disk (through
+    the safetensors working copy written one tensor at a time), the file computes the whole model's logits."""
+    from relational_hf.lm.offload import load_model
     from relational_hf.shards import GGUFCheckpointReader, check_complete, open_checkpoint
 
     reader, config, meta = open_checkpoint(gguf_two_layers)
     assert isinstance(reader, GGUFCheckpointReader) and config.num_hidden_layers == LAYERS
     check_complete(meta, reader)
-    loaded = load_model_from(str(gguf_two_layers)).state_dict()
+    loaded = gguf_whole.state_dict()
     names = set(reader.keys())
     assert names == set(loaded) - {"lm_head.weight"}  # tied head: one copy
     for name in names:
@@ -127,52 +135,38 @@ def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers):
     assert len(blocks) > 1 and torch.equal(torch.cat(blocks), loaded[key])
     with pytest.raises(KeyError, match="not in the GGUF file"):
         reader.get(["model.layers.7.mlp.up_proj.weight"])
-
-
-def test_cli_compresses_a_gguf_file_one_layer_at_a_time_as_in_memory(gguf_two_layers, tmp_path, capsys):
-    """`relational-hf compress FILE.gguf OUT` streams the real GGUF file (each tensor dequantised as it is read) and
-    gives the model that loading the file whole gives: same widths, same stored count, the same logits and held-out
-    perplexity (float tolerance); the tokenizer comes along and the output is float32 (the file is quantised)."""
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join([TEXT] * 8), encoding="utf-8")
-    common = ["--remove", "0.05", "--calibration", str(text), "--eval", str(text), "--window", "24",
-              "--calibration-windows", "3", "--eval-windows", "1"]  # fmt: skip
-    assert main(["compress", str(gguf_two_layers), str(tmp_path / "s"), *common]) == 0, capsys.readouterr().err
-    assert "one layer at a time" in capsys.readouterr().out
-    assert main(["compress", str(gguf_two_layers), str(tmp_path / "m"), *common, "--no-stream"]) == 0
-    streamed = json.loads((tmp_path / "s" / "compression_report.json").read_text())
-    whole = json.loads((tmp_path / "m" / "compression_report.json").read_text())
-    assert streamed["streamed"] is True and streamed["widths"] == whole["widths"]
-    assert streamed["parameters_after"] == whole["parameters_after"]
-    for key in ("eval_perplexity_before", "eval_perplexity_after"):
-        assert streamed[key] == pytest.approx(whole[key], rel=1e-4)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "s")
-    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
-    got, expected = (AutoModelForCausalLM.from_pretrained(tmp_path / n).eval() for n in ("s", "m"))
-    assert next(got.parameters()).dtype == torch.float32
+    offloaded, device_map = load_model(str(gguf_two_layers), max_memory=60_000_000, offload_folder=tmp_path / "off")
+    assert "disk" in device_map.values()
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = got(ids).logits, expected(ids).logits
-    assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
+        torch.testing.assert_close(offloaded(ids).logits, gguf_whole(ids).logits, rtol=0, atol=1e-4)
+    del offloaded
+    gc.collect()  # the working copy goes with the model (at the latest when the process exits)
+    assert not any(p.name.startswith("relational-gguf-") for p in (tmp_path / "off").iterdir())
 
 
-def test_a_gguf_file_offloaded_to_disk_evaluates_as_loaded_whole(gguf_two_layers, tmp_path, capsys):
-    """`evaluate FILE.gguf --max-memory`: the file is written as a safetensors working copy one tensor at a time
-    (in the offload folder, removed with the model), its layers offloaded to disk, with the perplexity of the whole
-    model."""
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join([TEXT] * 6), encoding="utf-8")
-    argv = ["evaluate", str(gguf_two_layers), "--text", str(text), "--window", "32", "--windows", "3"]
-    assert main([*argv, "--json", str(tmp_path / "whole.json")]) == 0
-    offload = tmp_path / "offload"
-    assert (
-        main([*argv, "--max-memory", "60MB", "--offload-folder", str(offload), "--json", str(tmp_path / "o.json")]) == 0
+def test_a_gguf_file_compresses_one_layer_at_a_time_as_loaded_whole(gguf_two_layers, gguf_whole, tmp_path):
+    """`jobs.compress_checkpoint(FILE.gguf, ...)` streams the real GGUF file (each tensor dequantised as it is read)
+    and gives the model that compressing the file loaded whole gives: same widths, same stored count, the same logits
+    (float tolerance), in float32 (the file is quantised). The command line streams a local GGUF file by default."""
+    from relational_hf.commands.compress import CompressArguments
+    from relational_hf.jobs import compress_checkpoint, compress_model
+
+    ids = torch.randint(0, gguf_whole.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    options = dict(plan_windows=2, batch_size=2, eval_windows=2)
+    ref, ref_report = compress_model(gguf_whole, remove=0.05, calibration=ids, progress=False, **options)
+    report = compress_checkpoint(
+        gguf_two_layers, tmp_path / "out", remove=0.05, calibration=ids, progress=False, copy_tokenizer=False, **options
     )
-    capsys.readouterr()
-    whole, offloaded = (json.loads((tmp_path / n).read_text()) for n in ("whole.json", "o.json"))
-    assert offloaded["offloaded"] and offloaded["device_map"].get("disk", 0) >= 1
-    assert offloaded["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
-    gc.collect()  # the copy goes with the model (at the latest when the process exits)
-    assert not any(p.name.startswith("relational-gguf-") for p in offload.iterdir())
+    assert report["widths"] == ref_report["widths"] and report["parameters_after"] == ref_report["parameters_after"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert next(loaded.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        expected, got = ref(ids[:2]).logits, loaded(ids[:2]).logits
+    assert (got - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
+    for src, extra in ((str(gguf_two_layers), {}), (str(gguf_two_layers.parent), {"gguf_file": gguf_two_layers.name})):
+        args = CompressArguments(src=src, out=str(tmp_path / "cli"), remove=0.25, **extra)
+        assert args.local_gguf() == gguf_two_layers and args.stream_chosen()
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):
