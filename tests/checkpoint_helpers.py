@@ -54,9 +54,11 @@ def first_layers(folder: Path, n: int):
     return model.eval()
 
 
-def truncated_gguf(source: Path, target: Path, layers: int) -> Path:
+def truncated_gguf(source: Path, target: Path, layers: int, tokenizer: bool = True) -> Path:
     """Write a copy of the GGUF file `source` that keeps only its first `layers` blocks (metadata, tokenizer and
-    the non-block tensors unchanged, quantised data copied as stored)."""
+    the non-block tensors unchanged, quantised data copied as stored). tokenizer=False leaves the tokenizer out and
+    states the vocabulary size instead (a file that parses in a fraction of a second: the vocabulary is what makes
+    parsing SmolLM2's header take seconds)."""
     import re
 
     import gguf
@@ -68,10 +70,15 @@ def truncated_gguf(source: Path, target: Path, layers: int) -> Path:
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue
+        if not tokenizer and field.name.startswith("tokenizer."):
+            continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         value = layers if field.name == block_count else field.contents()
         writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    if not tokenizer:
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        writer.add_uint32(gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch), int(embedding.shape[-1]))
     block = re.compile(r"blk\.(\d+)\.")
     kept = [t for t in reader.tensors if not (m := block.match(t.name)) or int(m.group(1)) < layers]
     for t in kept:

@@ -108,12 +108,25 @@ print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
 
 
 @pytest.fixture(scope="module")
-def gguf_whole(gguf_two_layers):
-    """The two-layer GGUF file loaded whole by Transformers' GGUF loader (dequantised, fp32)."""
-    return load_model_from(str(gguf_two_layers))
+def gguf_weights(tmp_path_factory):
+    """SmolLM2's GGUF file cut to its first two blocks without its tokenizer (same quantised data; parses fast)."""
+    from relational_hf.pretrained import PretrainedUnavailable, smollm2_gguf_path
+
+    try:
+        source = smollm2_gguf_path()
+    except PretrainedUnavailable as err:
+        pytest.skip(str(err))
+    folder = tmp_path_factory.mktemp("gguf_weights")
+    return truncated_gguf(source, folder / "smollm2-2-layers-weights.Q4_1.gguf", LAYERS, tokenizer=False)
 
 
-def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers, gguf_whole, tmp_path):
+@pytest.fixture(scope="module")
+def gguf_whole(gguf_weights):
+    """That file loaded whole by Transformers' GGUF loader (dequantised, fp32)."""
+    return load_model_from(str(gguf_weights))
+
+
+def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_weights, gguf_whole, tmp_path):
     """`shards.GGUFCheckpointReader`: every tensor of the GGUF file, read and dequantised on its own under its
     Transformers name (query and key rows un-permuted), equals what Transformers' GGUF loader builds; the embedding
     read a block of rows at a time equals it whole; the names and shapes are the model's. Offloaded to disk (through
@@ -121,7 +134,7 @@ def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers, gguf_
     from relational_hf.lm.offload import load_model
     from relational_hf.shards import GGUFCheckpointReader, check_complete, open_checkpoint
 
-    reader, config, meta = open_checkpoint(gguf_two_layers)
+    reader, config, meta = open_checkpoint(gguf_weights)
     assert isinstance(reader, GGUFCheckpointReader) and config.num_hidden_layers == LAYERS
     check_complete(meta, reader)
     loaded = gguf_whole.state_dict()
@@ -135,7 +148,7 @@ def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers, gguf_
     assert len(blocks) > 1 and torch.equal(torch.cat(blocks), loaded[key])
     with pytest.raises(KeyError, match="not in the GGUF file"):
         reader.get(["model.layers.7.mlp.up_proj.weight"])
-    offloaded, device_map = load_model(str(gguf_two_layers), max_memory=60_000_000, offload_folder=tmp_path / "off")
+    offloaded, device_map = load_model(str(gguf_weights), max_memory=60_000_000, offload_folder=tmp_path / "off")
     assert "disk" in device_map.values()
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -145,7 +158,7 @@ def test_gguf_reader_gives_the_tensors_transformers_loads(gguf_two_layers, gguf_
     assert not any(p.name.startswith("relational-gguf-") for p in (tmp_path / "off").iterdir())
 
 
-def test_a_gguf_file_compresses_one_layer_at_a_time_as_loaded_whole(gguf_two_layers, gguf_whole, tmp_path):
+def test_a_gguf_file_compresses_one_layer_at_a_time_as_loaded_whole(gguf_weights, gguf_whole, tmp_path):
     """`jobs.compress_checkpoint(FILE.gguf, ...)` streams the real GGUF file (each tensor dequantised as it is read)
     and gives the model that compressing the file loaded whole gives: same widths, same stored count, the same logits
     (float tolerance), in float32 (the file is quantised). The command line streams a local GGUF file by default."""
@@ -156,7 +169,7 @@ def test_a_gguf_file_compresses_one_layer_at_a_time_as_loaded_whole(gguf_two_lay
     options = dict(plan_windows=2, batch_size=2, eval_windows=2)
     ref, ref_report = compress_model(gguf_whole, remove=0.05, calibration=ids, progress=False, **options)
     report = compress_checkpoint(
-        gguf_two_layers, tmp_path / "out", remove=0.05, calibration=ids, progress=False, copy_tokenizer=False, **options
+        gguf_weights, tmp_path / "out", remove=0.05, calibration=ids, progress=False, copy_tokenizer=False, **options
     )
     assert report["widths"] == ref_report["widths"] and report["parameters_after"] == ref_report["parameters_after"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -164,9 +177,9 @@ def test_a_gguf_file_compresses_one_layer_at_a_time_as_loaded_whole(gguf_two_lay
     with torch.no_grad():
         expected, got = ref(ids[:2]).logits, loaded(ids[:2]).logits
     assert (got - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
-    for src, extra in ((str(gguf_two_layers), {}), (str(gguf_two_layers.parent), {"gguf_file": gguf_two_layers.name})):
+    for src, extra in ((str(gguf_weights), {}), (str(gguf_weights.parent), {"gguf_file": gguf_weights.name})):
         args = CompressArguments(src=src, out=str(tmp_path / "cli"), remove=0.25, **extra)
-        assert args.local_gguf() == gguf_two_layers and args.stream_chosen()
+        assert args.local_gguf() == gguf_weights and args.stream_chosen()
 
 
 def test_compression_error_names_differing_hidden_sizes(converted):
