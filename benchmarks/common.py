@@ -93,6 +93,46 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
+class RSSTrace:
+    """Resident memory of this process sampled every `interval` seconds on a background thread (Linux
+    /proc/self/statm), as a context manager: `points` is [(seconds since start, MiB)], one point per `keep` seconds
+    (the largest sample in it, so a short peak is kept). VmHWM stays the exact peak; the trace shows when it came."""
+
+    def __init__(self, interval: float = 0.05, keep: float = 1.0) -> None:
+        self.interval, self.keep = interval, keep
+        self.points: list[tuple[float, float]] = []
+        self._page = os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _rss(self) -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        bucket, top = 0, 0.0
+        while True:
+            stopped = self._stop.wait(self.interval)
+            now = int((time.perf_counter() - self._start) / self.keep)
+            if (now != bucket or stopped) and top:
+                self.points.append((round(bucket * self.keep, 2), round(top, 1)))
+                bucket, top = now, 0.0
+            if stopped:
+                return
+            top = max(top, self._rss())
+
+    def __enter__(self) -> RSSTrace:
+        import threading
+
+        self._start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (110 dpi) and close a matplotlib figure."""
     import matplotlib.pyplot as plt

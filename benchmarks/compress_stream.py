@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, add_shape_arguments, save_figure, shape_tag, write_json
+from common import RESULTS, RSSTrace, add_shape_arguments, save_figure, shape_tag, write_json
 from convert import CONVERT_SIZES, generate_checkpoint
 
 TARGET_MIB = 6 * 1024
@@ -44,8 +44,10 @@ def _child(src: str, out: str, settings: str) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (cfg.pop("windows"), cfg.pop("window")), generator=g)
     start = time.perf_counter()
-    report = compress_checkpoint(src, out, calibration=ids, progress=True, **cfg)
+    with RSSTrace() as trace:
+        report = compress_checkpoint(src, out, calibration=ids, progress=True, **cfg)
     report["wall_seconds"] = time.perf_counter() - start
+    report["rss_trace"] = trace.points  # [(s, MiB)]: the largest sample of each second
     with open("/proc/self/status") as f:
         hwm = next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")), None)
     report["vm_hwm_mib"] = hwm
@@ -60,7 +62,10 @@ def plot(payload: dict, path: Path) -> None:
 
     report = payload["report"]
     layers = report["layer_seconds"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+    trace = report.get("rss_trace")
+    fig, axes = plt.subplots(1, 3 if trace else 2, figsize=(18 if trace else 12, 4),
+                             gridspec_kw={"width_ratios": [3, 3, 1] if trace else [3, 1]})  # fmt: skip
+    ax, bx = axes[0], axes[-1]
     bottom = [0.0] * len(layers)
     for key, color in (("fisher", "tab:purple"), ("measure", "tab:blue"), ("compress", "tab:orange")):
         values = [s.get(key, 0.0) for s in layers]
@@ -70,6 +75,16 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_ylabel("seconds")
     ax.set_title(f"{payload['size']} ({payload['shape']['num_hidden_layers']} layers): time per layer (total {report['wall_seconds']:.0f} s)")
     ax.legend()
+    if trace:
+        cx = axes[1]
+        cx.plot([t / 60 for t, _ in trace], [m / 1024 for _, m in trace], color="tab:green", lw=0.8)
+        cx.axhline(TARGET_MIB / 1024, color="red", linestyle="--", label="target 6 GiB")
+        cx.axvline((report["wall_seconds"] - report["compress_seconds"]) / 60, color="grey", linestyle=":",
+                   label="compression pass starts")  # fmt: skip
+        cx.set_xlabel("minutes")
+        cx.set_ylabel("resident memory, GiB (max of each second)")
+        cx.set_title("resident memory over the run: Fisher sweeps and curves, then compression")
+        cx.legend()
     bx.bar(["peak RSS"], [report["vm_hwm_mib"] / 1024], color="tab:green")
     bx.axhline(TARGET_MIB / 1024, color="red", linestyle="--", label="target 6 GiB")
     bx.set_ylabel("GiB")

@@ -313,3 +313,37 @@ def test_error_curves_measured_once_serve_every_budget():
         torch.testing.assert_close(reused(ids).logits, inside(ids).logits)
     with pytest.raises(ValueError, match="sensitivity"):
         measure_error_curves(rel, ids, LowRankOptions(sensitivity="kl"), progress=False)
+
+
+def test_blocked_product_accumulation_equals_the_whole_product():
+    """The compression pass sums a^T b over batches into a float64 matrix a block of columns at a time (memory): the
+    sum equals the float64 sum of the whole fp32 products, block edges that do not divide the width included."""
+    from relational_hf.compress.lowrank import _accumulate_product
+
+    g = torch.Generator().manual_seed(0)
+    out, expected = torch.zeros(37, 29, dtype=torch.float64), torch.zeros(37, 29, dtype=torch.float64)
+    for _ in range(3):
+        a, b = torch.randn(50, 37, generator=g), torch.randn(50, 29, generator=g)
+        _accumulate_product(out, a, b, block=8)
+        expected += (a.T @ b).double()
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kept", [0, 1, 17, 40])
+def test_compact_gram_is_the_kept_submatrix_in_place(kept):
+    """`compact_gram(G, keep)` is G[keep][:, keep] for any increasing `keep`, in G's own storage (no second matrix);
+    indices that are not increasing, or a matrix that is not square, are refused."""
+    from relational_hf.compress.truncation import compact_gram
+
+    g = torch.Generator().manual_seed(kept)
+    gram = torch.randn(40, 40, generator=g, dtype=torch.float64)
+    keep = torch.sort(torch.randperm(40, generator=g)[:kept]).values
+    expected = gram[keep[:, None], keep[None, :]].clone()
+    out = compact_gram(gram, keep)
+    assert torch.equal(out, expected)
+    assert out.untyped_storage().data_ptr() == gram.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="increasing"):
+        compact_gram(torch.zeros(5, 5), torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="square"):
+        compact_gram(torch.zeros(5, 4), torch.tensor([1]))

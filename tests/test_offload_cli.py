@@ -162,3 +162,24 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(checkpoint, tmp_path, ca
             assert "not a readable GGUF file" in line
     line = _error(capsys, ["analyze", str(path), "--text", str(text), "--max-memory", "lots"])
     assert "--max-memory" in line and "4GiB" in line
+
+
+def test_analyze_failing_to_load_leaves_no_claimed_folder(checkpoint, tmp_path, capsys):
+    """A model that fails to load after --out was claimed (here: its weights file cut short) gives one line naming
+    the file and leaves no empty claimed folder behind when --out did not exist before; a folder that existed before
+    is left where it was."""
+    import shutil
+
+    path, text, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    argv = ["analyze", str(broken), "--text", str(text), "--seq-len", "16", "--max-tokens", "64", "--out"]
+    out = tmp_path / "report"
+    assert "model.safetensors: not a readable safetensors file" in _error(capsys, [*argv, str(out)])
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert "not a readable safetensors file" in _error(capsys, [*argv, str(kept)])
+    assert kept.is_dir()

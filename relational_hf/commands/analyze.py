@@ -194,10 +194,11 @@ def run(args: AnalyzeArguments) -> dict:
     """Run the analysis the flags ask for, write the JSON report, the markdown tables and the figures into the
     claimed --out folder (`relational_hf.outputs`: a folder of someone else's is refused unless --overwrite), print
     the tables; returns the report."""
-    from ..outputs import OutputLock
+    from ..outputs import OutputLock, unclaimed_on_failure
 
     settings, per_layer_edits = check(args)
-    with OutputLock(args.out):  # one writer per folder, from before the work starts
+    # one writer per folder, from before the work starts; a run that fails before writing leaves no folder behind
+    with OutputLock(args.out), unclaimed_on_failure(args.out):
         return _run(args, settings, per_layer_edits)
 
 

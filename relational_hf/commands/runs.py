@@ -360,21 +360,14 @@ def is_main_process() -> bool:
 @contextmanager
 def claimed_output(args: RunArguments, command: str, kind: str) -> Iterator[Path]:
     """Check, lock and mark `args.output_dir` for the whole run (`relational_hf.outputs`); other ranks only check."""
-    from ..outputs import OutputLock, normalise_output_dir, prepare_output_dir, remove_if_unused
+    from ..outputs import OutputLock, normalise_output_dir, prepare_output_dir, unclaimed_on_failure
 
     out = normalise_output_dir(args.output_dir)
     if not is_main_process():
         yield out
         return
-    with OutputLock(out):
-        existed = out.exists()
-        prepared = prepare_output_dir(out, overwrite=args.overwrite, resume=args.resume, command=command, kind=kind)
-        try:
-            yield prepared
-        except BaseException:
-            if not existed:  # a run that failed before writing anything leaves no empty folder behind
-                remove_if_unused(prepared)
-            raise
+    with OutputLock(out), unclaimed_on_failure(out):
+        yield prepare_output_dir(out, overwrite=args.overwrite, resume=args.resume, command=command, kind=kind)
 
 
 __all__ = [

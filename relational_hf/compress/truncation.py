@@ -195,6 +195,23 @@ def mlp_refit(
     return torch.cholesky_solve(c.double(), chol).T  # (d, k)
 
 
+def compact_gram(gram: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """G[keep][:, keep] for increasing indices `keep`, written into the first k^2 entries of `gram`'s own storage
+    (contiguous (n, n); returned as a (k, k) view of it, and `gram` is overwritten): the kept units' Gram without a
+    second matrix beside the d_ff x d_ff one. One pass: kept row i, its kept columns, goes to entries [i k, (i+1) k),
+    before its source row keep[i] (which starts at keep[i] n >= i k), so no source is overwritten before it is read."""
+    n, k = gram.shape[0], keep.numel()
+    if gram.shape != (n, n) or not gram.is_contiguous():
+        raise ValueError("compact_gram needs a contiguous square matrix")
+    if k and bool((keep[1:] <= keep[:-1]).any()):
+        raise ValueError("compact_gram needs increasing indices")
+    flat = gram.view(-1)
+    for i, row in enumerate(keep.tolist()):
+        kept = flat[row * n : (row + 1) * n][keep].clone()  # one row's kept columns (k values)
+        flat[i * k : (i + 1) * k] = kept
+    return flat[: k * k].view(k, k)
+
+
 def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch.Tensor:
     """G[index, index] (float64, a new matrix: one copy of the d_ff x d_ff Gram at most) + ridge x its mean diagonal
     on the diagonal: the regularised Gram of the refit and the error curves."""

@@ -196,6 +196,20 @@ def remove_if_unused(folder: str | os.PathLike) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def unclaimed_on_failure(folder: str | os.PathLike) -> Iterator[None]:
+    """Around a run that claims `folder` (`prepare_output_dir`): when the run fails and the folder did not exist
+    before it, the folder is removed if it holds nothing but the marker (`remove_if_unused`), so a failure before
+    anything was written leaves no empty claimed folder behind. A folder that existed is left as it is."""
+    existed = Path(folder).exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            remove_if_unused(folder)
+        raise
+
+
 def record_files(folder: str | os.PathLike, names: list[str]) -> None:
     """Add the files `names` (relative paths, just written by this run) to the manifest of a claimed folder."""
     folder = Path(folder)
