@@ -32,17 +32,22 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def gguf_two_layers(tmp_path_factory):
-    """SmolLM2's GGUF file cut to its first two blocks (same metadata, tokenizer and quantised data)."""
+def _smollm2_cut(tmp_path_factory, name: str, **kwargs):
+    """SmolLM2's GGUF file cut to its first `LAYERS` blocks, written as `name`; the test is skipped where the file is
+    not installed."""
     from relational_hf.pretrained import PretrainedUnavailable, smollm2_gguf_path
 
     try:
         source = smollm2_gguf_path()
     except PretrainedUnavailable as err:
         pytest.skip(str(err))
-    folder = tmp_path_factory.mktemp("gguf")
-    return truncated_gguf(source, folder / "smollm2-2-layers.Q4_1.gguf", LAYERS)
+    return truncated_gguf(source, tmp_path_factory.mktemp("gguf") / name, LAYERS, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def gguf_two_layers(tmp_path_factory):
+    """SmolLM2's GGUF file cut to its first two blocks (same metadata, tokenizer and quantised data)."""
+    return _smollm2_cut(tmp_path_factory, "smollm2-2-layers.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +115,7 @@ print("IDS", plain(text)["input_ids"] == auto(text)["input_ids"] == {want!r})
 @pytest.fixture(scope="module")
 def gguf_weights(tmp_path_factory):
     """SmolLM2's GGUF file cut to its first two blocks without its tokenizer (same quantised data; parses fast)."""
-    from relational_hf.pretrained import PretrainedUnavailable, smollm2_gguf_path
-
-    try:
-        source = smollm2_gguf_path()
-    except PretrainedUnavailable as err:
-        pytest.skip(str(err))
-    folder = tmp_path_factory.mktemp("gguf_weights")
-    return truncated_gguf(source, folder / "smollm2-2-layers-weights.Q4_1.gguf", LAYERS, tokenizer=False)
+    return _smollm2_cut(tmp_path_factory, "smollm2-2-layers-weights.Q4_1.gguf", tokenizer=False)
 
 
 @pytest.fixture(scope="module")
