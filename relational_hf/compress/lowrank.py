@@ -366,7 +366,6 @@ def compressed_config(config: RelationalConfig, widths: dict[str, list[int]]) ->
     return config
 
 
-@torch.no_grad()
 def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 512) -> None:
     """out += a^T b, with the product in a's precision (fp32 is twice as fast as fp64 on CPUs) and the sum in out's
     (fp64), `block` columns at a time: the temporaries are (a.shape[1], block), not a second and third copy of out
@@ -375,6 +374,7 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blo
         out[:, i : i + block] += (a.T @ b[:, i : i + block]).to(out.dtype)
 
 
+@torch.no_grad()
 def compress_layer(
     layer: nn.Module, target: nn.Module, h: torch.Tensor, h_dense: torch.Tensor | None, widths: dict[str, int],
     opts: LowRankOptions, positions: tuple, metric: dict[str, torch.Tensor | None] | None = None,
