@@ -42,6 +42,12 @@ def _analysis(src: Path, out: Path, text: Path, args, offload: str | None) -> di
     command += ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
     command += ["--per-layer-tokens", str(args.seq_len), "--sweep-values", "0", "--per-layer-values", "0"]
     command += ["--compression", *args.compression]
+    for flag, values in (
+        ("--sites", args.sites),
+        ("--per-layer-sites", args.per_layer_sites),
+        ("--per-layer-perpendicular", args.per_layer_perpendicular),
+    ):
+        command += [flag, *values] if values is not None else []  # None: the command's default
     if offload is not None:
         command += ["--max-memory", offload]
     start = time.perf_counter()
@@ -107,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--compression", nargs="+", default=["int8", "wanda"])
+    # the analysis' sites and per-layer control, passed to `relational-hf analyze` when given (default: its own)
+    parser.add_argument("--sites", nargs="+", default=None)
+    parser.add_argument("--per-layer-sites", nargs="+", default=None)
+    parser.add_argument("--per-layer-perpendicular", nargs="+", default=None, help="none: skip the control")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-memory-run", action="store_true", help="only the offloaded run")
     parser.add_argument("--plot-only", action="store_true")
@@ -143,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             "timings_s": report["timings_s"],
             "device_map": report["device_map"],
             "perplexity": report["perplexity"],
+            # time per layer: each stage's seconds over the layers (the per-layer edits rerun layers l..L-1, so
+            # theirs grows with the square of the depth)
+            "seconds_per_layer": {
+                stage: seconds / shape["num_hidden_layers"] for stage, seconds in report["timings_s"].items()
+            },
             "report": report,
         }
         shutil.rmtree(out)
@@ -156,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         "shape": shape,
         "dtype": args.dtype,
         "max_memory": budget,
-        "settings": {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "compression", "threads")},
+        "settings": {  # None: the command's default
+            k: getattr(args, k)
+            for k in ("max_tokens", "seq_len", "batch_size", "compression", "threads")
+            + ("sites", "per_layer_sites", "per_layer_perpendicular")
+        },
         "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
         "target_peak_mib": TARGET_MIB,
         "largest_relative_difference": agreement,

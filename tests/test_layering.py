@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relational_hf"
 ORDER = (
     "modeling",  # self-contained: travels with trust_remote_code checkpoints, imports nothing of ours
     "errors",  # UsageError, the one error a user can fix, for every layer above
+    "_lazy",  # lazy_exports: package names imported on first read
     "outputs",  # everything a command writes: owned output folders, staging, atomic files, tokenizers
     "shards",  # safetensors checkpoints read and written a tensor / a layer at a time
     "pretrained",  # the offline SmolLM2 checkpoint and GGUF -> plain models
@@ -185,17 +186,48 @@ def test_the_layering_checks_see_argparse_in_a_library_package(tmp_path, monkeyp
         test_library_packages_parse_no_command_line()
 
 
+def _loaded_after(code: str, names: tuple[str, ...]) -> list[str]:
+    """The modules among `names` (and their submodules) loaded in a fresh interpreter after running `code`."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith({names!r})))\n"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    return [m for m in loaded if any(m == n or m.startswith(n + ".") for n in names)]
+
+
 def test_analysis_toolkit_loads_neither_trainer_nor_peft():
-    """In a fresh interpreter: importing the directional toolkit, the LM data/metrics, the converter and the Hub
-    cards leaves transformers.trainer, peft and relational_hf.training unloaded."""
+    """In a fresh interpreter: using the whole directional toolkit (its names are imported on first read), the LM
+    data/metrics, the converter and the Hub cards leaves transformers.trainer, peft and relational_hf.training
+    unloaded."""
     code = (
-        "import sys\n"
-        "import relational_hf.directional, relational_hf.lm, relational_hf.convert, relational_hf.hub.reference_cards\n"
-        "heavy = ('transformers.trainer', 'peft', 'relational_hf.training')\n"
-        "print(sorted(m for m in sys.modules if m in heavy or m.startswith('peft.')))\n"
+        "import relational_hf.lm, relational_hf.convert, relational_hf.hub.reference_cards\n"
+        "from relational_hf.directional import directional_analysis, sweep_all, compression_report, plot_sweeps\n"
+        "from relational_hf.directional import decompose, token_blocks\n"
+        "assert callable(decompose) and callable(token_blocks)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    assert _loaded_after(code, ("transformers.trainer", "peft", "relational_hf.training")) == []
+
+
+def test_the_command_line_parser_loads_no_plotting_data_or_trainer_modules():
+    """Building the `relational-hf` parser (every command's options: what `--help` and every command pay at
+    start-up) loads neither matplotlib, datasets, the Transformers Trainer, the relational trainer nor the
+    directional analysis (each command imports what it runs when it runs)."""
+    code = "from relational_hf.commands.main import build_parser\nbuild_parser()"
+    heavy = ("matplotlib", "datasets", "transformers.trainer", "relational_hf.training.trainer")
+    assert _loaded_after(code, (*heavy, "relational_hf.directional.analysis")) == []
+
+
+def test_lazy_exports_import_on_first_read_and_keep_names_that_are_also_submodules():
+    """A package of `lazy_exports`: a name is imported when read and then cached; `dir` lists it; a name that is
+    also a submodule's name is the exported object, not the module; an unknown name is an AttributeError."""
+    import relational_hf.directional as directional
+
+    assert "plot_sweeps" in dir(directional) and "sweep_all" in directional.__all__
+    assert directional.sweep_all is importlib.import_module("relational_hf.directional.evaluation").sweep_all
+    assert "sweep_all" in vars(directional)  # cached after the first read
+    assert callable(directional.decompose) and not isinstance(directional.decompose, type(directional))
+    assert directional.plots is importlib.import_module("relational_hf.directional.plots")
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        directional.no_such_name  # noqa: B018
 
 
 def test_every_subpackage_is_an_attribute_of_the_package():

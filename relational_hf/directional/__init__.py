@@ -10,30 +10,65 @@ reference z and the perpendicular rest, measure it, edit it, and use it to diagn
 - `plots`, `analysis`: figures and the whole analysis `relational-hf analyze` runs (`directional_analysis`).
 """
 
-from ..lm.data import lm_blocks as token_blocks
-from .analysis import directional_analysis
-from .compression import (
-    CompressionReport,
-    CompressionResult,
-    LayerCompressionError,
-    compression_error,
-    compression_report,
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what the names are, for type checkers; at run time each is imported when first read
+    from ..lm.data import lm_blocks as token_blocks
+    from .analysis import directional_analysis
+    from .compression import (
+        CompressionReport,
+        CompressionResult,
+        LayerCompressionError,
+        compression_error,
+        compression_report,
+    )
+    from .decompose import collect_updates, decompose, decompose_dataset
+    from .edits import scale_components
+    from .evaluation import (
+        LayerSweepResult,
+        SweepResult,
+        perplexity,
+        sweep_all,
+        sweep_components,
+        sweep_layers,
+        sweep_per_layer,
+    )
+    from .plots import plot_compression, plot_parallel_profile, plot_per_layer, plot_sweeps
+    from .replay import CleanPass
+    from .sites import EDIT_SITES, SITES, VALUE_SITES
+    from .statistics import DirectionalReport, LayerStatistics
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "..lm.data": ("lm_blocks as token_blocks",),
+        ".analysis": ("directional_analysis",),
+        ".compression": (
+            "CompressionReport",
+            "CompressionResult",
+            "LayerCompressionError",
+            "compression_error",
+            "compression_report",
+        ),
+        ".decompose": ("collect_updates", "decompose", "decompose_dataset"),
+        ".edits": ("scale_components",),
+        ".evaluation": (
+            "LayerSweepResult",
+            "SweepResult",
+            "perplexity",
+            "sweep_all",
+            "sweep_components",
+            "sweep_layers",
+            "sweep_per_layer",
+        ),
+        ".plots": ("plot_compression", "plot_parallel_profile", "plot_per_layer", "plot_sweeps"),
+        ".replay": ("CleanPass",),
+        ".sites": ("EDIT_SITES", "SITES", "VALUE_SITES"),
+        ".statistics": ("DirectionalReport", "LayerStatistics"),
+    },
 )
-from .decompose import collect_updates, decompose, decompose_dataset
-from .edits import scale_components
-from .evaluation import (
-    LayerSweepResult,
-    SweepResult,
-    perplexity,
-    sweep_all,
-    sweep_components,
-    sweep_layers,
-    sweep_per_layer,
-)
-from .plots import plot_compression, plot_parallel_profile, plot_per_layer, plot_sweeps
-from .replay import CleanPass
-from .sites import EDIT_SITES, SITES, VALUE_SITES
-from .statistics import DirectionalReport, LayerStatistics
 
 __all__ = [
     "EDIT_SITES",

@@ -5,8 +5,22 @@ The data, tokenizers and metrics live in `relational_hf.lm` and parallel suppres
 `relational_hf.directional.suppression`; the `train` and `finetune` commands in `relational_hf.commands`.
 """
 
-from .arguments import RelationalTrainingArguments
-from .callbacks import TimeLimitCallback
-from .trainer import RelationalTrainer
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what the names are, for type checkers; at run time each is imported when first read
+    from .arguments import RelationalTrainingArguments
+    from .callbacks import TimeLimitCallback
+    from .trainer import RelationalTrainer
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".arguments": ("RelationalTrainingArguments",),
+        ".callbacks": ("TimeLimitCallback",),
+        ".trainer": ("RelationalTrainer",),
+    },
+)
 
 __all__ = ["RelationalTrainer", "RelationalTrainingArguments", "TimeLimitCallback"]
