@@ -93,6 +93,22 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process in MiB: VmHWM (Linux); elsewhere ru_maxrss, which on Linux would also
+    hold the parent's peak, kept across fork and exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # macOS: bytes; Linux: KiB
+
+
 class RSSTrace:
     """Resident memory of this process sampled every `interval` seconds on a background thread (Linux
     /proc/self/statm), as a context manager: `points` is [(seconds since start, MiB)], one point per `keep` seconds

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, RSSTrace, add_shape_arguments, save_figure, shape_tag, write_json
+from common import RESULTS, RSSTrace, add_shape_arguments, peak_rss_mib, save_figure, shape_tag, write_json
 from convert import CONVERT_SIZES, generate_checkpoint
 
 TARGET_MIB = 6 * 1024
@@ -48,9 +48,7 @@ def _child(src: str, out: str, settings: str) -> None:
         report = compress_checkpoint(src, out, calibration=ids, progress=True, **cfg)
     report["wall_seconds"] = time.perf_counter() - start
     report["rss_trace"] = trace.points  # [(s, MiB)]: the largest sample of each second
-    with open("/proc/self/status") as f:
-        hwm = next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")), None)
-    report["vm_hwm_mib"] = hwm
+    report["vm_hwm_mib"] = peak_rss_mib()
     print("REPORT " + json.dumps(report))
 
 

@@ -59,7 +59,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, corpus, write_json
+from common import RESULTS, corpus, peak_rss_mib, write_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("convert")
@@ -104,19 +104,6 @@ FP32_CHECK_UP_TO = ("10M", "0.1B", "1B")
 FRACTIONS = (0.1, 0.2, 0.3, 0.4)
 SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384)
 SMALL_QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192)
-
-
-def _rss_peak_mib() -> float:
-    """Peak resident memory of this process (VmHWM; ru_maxrss would include the parent's peak, as Linux keeps it
-    across fork and exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 # ---- (a) streaming conversion ----------------------------------------------------------------------------------------
@@ -168,7 +155,7 @@ def _child(kind: str, paths: list[str], threads: str) -> dict:
 
     _set_threads(threads)
     logging.getLogger("relational_hf").setLevel(logging.WARNING)
-    base_rss = _rss_peak_mib()
+    base_rss = peak_rss_mib()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     base_cpu = usage.ru_utime + usage.ru_stime
     base_sys = usage.ru_stime
@@ -224,7 +211,7 @@ def _child(kind: str, paths: list[str], threads: str) -> dict:
         cpu_s=usage.ru_utime + usage.ru_stime - base_cpu,  # load-independent: CPU time of this step
         system_cpu_s=usage.ru_stime - base_sys,  # of which in the kernel (page faults, file I/O)
         torch_threads=torch.get_num_threads(),
-        peak_rss_mib=_rss_peak_mib(),
+        peak_rss_mib=peak_rss_mib(),
         startup_rss_mib=base_rss,
     )
     return out

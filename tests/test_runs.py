@@ -206,22 +206,45 @@ def test_the_built_in_corpus_is_announced_when_no_data_is_given(tmp_path, capsys
     )
 
 
-def test_the_thread_count_never_exceeds_the_idle_cores(monkeypatch):
+def test_the_thread_count_never_exceeds_the_idle_cores(monkeypatch, tmp_path):
+    """Threads = cores less the other processes' runnable threads now (/proc/loadavg's runnable count less the
+    reader), at least 1, at most torch's default; the load average only where /proc/loadavg cannot be read; the
+    user's OMP_NUM_THREADS decides when set."""
     import torch as torch_module
 
-    from relational_hf.commands.main import cpu_threads
+    from relational_hf.commands import main as cli
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch_module, "get_num_threads", lambda: 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    for load, expected in ((0.0, 2), (0.4, 2), (0.8, 1), (1.0, 1), (9.5, 1)):
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        assert cpu_threads()[0] == expected, load
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.5, 9.5, 9.5))  # a finished job's stale load: not read
+    proc = tmp_path / "loadavg"
+    monkeypatch.setattr(cli, "PROC_LOADAVG", str(proc))
+    for runnable, expected in ((1, 2), (2, 1), (3, 1), (40, 1)):  # the reader itself is one runnable thread
+        proc.write_text(f"9.50 9.50 9.50 {runnable}/812 4242\n")
+        assert cli.busy_cores_now(interval=0) == runnable - 1
+        assert cli.cpu_threads()[0] == expected, runnable
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
-    assert cpu_threads()[0] == 8  # never more than torch's own default
+    proc.write_text("0.00 0.00 0.00 1/812 4242\n")
+    assert cli.cpu_threads()[0] == 8  # never more than torch's own default
+    proc.write_text("garbled\n")  # unreadable: the 1-minute load average decides
+    assert cli.busy_cores_now() is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for load, expected in ((0.0, 2), (0.4, 2), (0.8, 1), (9.5, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert cli.cpu_threads() == (expected, f"2 core(s) available, load average {load:.1f}"), load
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cpu_threads() == (8, "OMP_NUM_THREADS")  # the user's setting decides
+    assert cli.cpu_threads() == (8, "OMP_NUM_THREADS")  # the user's setting decides
+
+
+def test_the_runnable_count_is_read_from_this_machine():
+    """On Linux the real /proc/loadavg gives a count (the reader excluded, so never negative)."""
+    from relational_hf.commands.main import busy_cores_now
+
+    busy = busy_cores_now()
+    if busy is None:
+        pytest.skip("no /proc/loadavg here")
+    assert busy >= 0 and busy == int(busy)
 
 
 def test_the_corpora_follow_one_setting(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from types import ModuleType
 
 from ..errors import UsageError
@@ -40,12 +41,35 @@ USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, Is
 REPORTED_ERRORS = (*USER_ERRORS, RuntimeError, OSError)
 
 
+#: /proc/loadavg's fourth field, "runnable/total" scheduling entities at this instant (Linux)
+PROC_LOADAVG = "/proc/loadavg"
+
+
+def busy_cores_now(samples: int = 3, interval: float = 0.005) -> float | None:
+    """How many threads of other processes are runnable now: the median over `samples` readings of
+    /proc/loadavg's runnable count, less this process's reading thread; None where the file cannot be read (not
+    Linux). Unlike the 1-minute load average, it does not count a job that ended seconds ago."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open(PROC_LOADAVG) as f:
+                runnable = int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(max(0, runnable - 1))
+        if i + 1 < samples:
+            time.sleep(interval)
+    return float(sorted(counts)[len(counts) // 2])
+
+
 def cpu_threads() -> tuple[int, str]:
     """The intra-op thread count for a command's CPU work and why: the cores this process may run on
-    (`os.sched_getaffinity`) minus the ones other processes keep busy (the 1-minute load average), at least 1 and at
-    most torch's default; `OMP_NUM_THREADS`, when set, decides instead. On a busy machine more threads than idle
-    cores make every parallel region wait for a descheduled thread (measured: one training step of the default
-    model took 2.8 s with 2 threads and 1.0 s with 1 on 2 cores at load 9)."""
+    (`os.sched_getaffinity`) minus the ones other processes keep busy now (`busy_cores_now`; the 1-minute load
+    average where that cannot be read), at least 1 and at most torch's default; `OMP_NUM_THREADS`, when set,
+    decides instead. On a busy machine more threads than idle cores make every parallel region wait for a
+    descheduled thread (measured: one training step of the default model took 2.8 s with 2 threads and 1.0 s with 1
+    on 2 cores at load 9); the load average, which decays over minutes, made a command started right after another
+    job run its whole length on one thread."""
     import torch
 
     current = torch.get_num_threads()
@@ -55,12 +79,17 @@ def cpu_threads() -> tuple[int, str]:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = 0.0
-    threads = max(1, min(current, cores, int(cores - load + 0.5)))
-    return threads, f"{cores} core(s) available, load average {load:.1f}"
+    busy = busy_cores_now()
+    if busy is not None:
+        why = f"{cores} core(s) available, {busy:.0f} busy now"
+    else:
+        try:
+            busy = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            busy = 0.0
+        why = f"{cores} core(s) available, load average {busy:.1f}"
+    threads = max(1, min(current, cores, int(cores - busy + 0.5)))
+    return threads, why
 
 
 def set_cpu_threads() -> int:
