@@ -4,6 +4,7 @@
 AutoModelForCausalLM and AutoModelForSequenceClassification.
 """
 
+from ._lazy import lazy_exports
 from .modeling import (
     RelationalConfig,
     RelationalForCausalLM,
@@ -18,31 +19,9 @@ register()
 __version__ = "0.1.0"
 
 
-_SUBPACKAGES = (
-    "architectures",
-    "commands",
-    "compress",
-    "convert",
-    "directional",
-    "dynamics",
-    "hub",
-    "jobs",
-    "lm",
-    "outputs",
-    "symmetry",
-    "training",
-)
-
-
-def __getattr__(name: str):
-    # Toolkits and the trainer pull in more dependencies; import them only when asked for.
-    import importlib
-
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f".{name}", __name__)
-    if name in ("RelationalTrainer", "RelationalTrainingArguments"):
-        return getattr(importlib.import_module(".training", __name__), name)
-    raise AttributeError(f"module 'relational_hf' has no attribute {name!r}")
+# The toolkits and the trainer pull in more dependencies: each is imported when first read (any subpackage, e.g.
+# `relational_hf.directional`, is an attribute too).
+__getattr__, __dir__ = lazy_exports(__name__, {".training": ("RelationalTrainer", "RelationalTrainingArguments")})
 
 
 __all__ = [
