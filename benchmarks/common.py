@@ -148,6 +148,15 @@ class RSSTrace:
         self._stop.set()
         self._thread.join()
 
+    def coarse(self, at_most: int = 600) -> list[tuple[float, float]]:
+        """`points` merged into at most `at_most` points, each the largest of its run of consecutive points (with
+        the time of the run's first), so that a run of hours keeps its shape and its peak in a JSON of modest size."""
+        step = -(-len(self.points) // at_most) if self.points else 1
+        return [
+            (self.points[i][0], max(mib for _, mib in self.points[i : i + step]))
+            for i in range(0, len(self.points), step)
+        ]
+
 
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (110 dpi) and close a matplotlib figure."""

@@ -47,7 +47,7 @@ def _child(src: str, out: str, settings: str) -> None:
     with RSSTrace() as trace:
         report = compress_checkpoint(src, out, calibration=ids, progress=True, **cfg)
     report["wall_seconds"] = time.perf_counter() - start
-    report["rss_trace"] = trace.points  # [(s, MiB)]: the largest sample of each second
+    report["rss_trace"] = trace.coarse()  # [(s, MiB)]: the largest sample of each second (of each run of seconds)
     report["vm_hwm_mib"] = peak_rss_mib()
     print("REPORT " + json.dumps(report))
 

@@ -47,3 +47,26 @@ def test_gpu_flag_without_cuda_is_a_clear_error(speed, monkeypatch, capsys):
         speed.main()
     assert stop.value.code == 2
     assert "--gpu needs a CUDA device" in capsys.readouterr().err
+
+
+def test_memory_trace_keeps_its_peak_when_merged_and_the_peak_reader_sees_an_allocation():
+    """`RSSTrace.coarse` keeps at most the asked number of points, the overall peak and the first time of each
+    merged run; `peak_rss_mib` grows by at least the size of a buffer this process touches."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    trace = common.RSSTrace()
+    trace.points = [(float(s), 100.0 + (s % 13) + (500.0 if s == 1234 else 0.0)) for s in range(3001)]
+    merged = trace.coarse(600)
+    assert len(merged) <= 600 and max(m for _, m in merged) == max(m for _, m in trace.points) > 600
+    assert [t for t, _ in merged] == sorted(t for t, _ in merged) and merged[0][0] == 0.0
+    short = [(0.0, 5.0), (1.0, 7.0)]
+    trace.points = short
+    assert trace.coarse(600) == short  # nothing to merge
+    before, now = common.peak_rss_mib(), trace._rss()
+    extra = before - now + 64  # MiB: enough to pass the earlier peak by 64 MiB
+    buffer = torch.ones(int(extra * 2**20) // 4)  # written, so resident
+    assert common.peak_rss_mib() >= before + 48, (before, now, common.peak_rss_mib())
+    del buffer
