@@ -330,19 +330,25 @@ def test_blocked_product_accumulation_equals_the_whole_product():
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("kept", [0, 1, 17, 40])
-def test_compact_gram_is_the_kept_submatrix_in_place(kept):
-    """`compact_gram(G, keep)` is G[keep][:, keep] for any increasing `keep`, in G's own storage (no second matrix);
-    indices that are not increasing, or a matrix that is not square, are refused."""
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize("kept", [0, 1, 17, 39, 40])
+def test_compact_gram_is_the_kept_submatrix_in_place(kept, rows):
+    """`compact_gram(G, keep)` is G[keep][:, keep] for any increasing `keep` (random, the first k units: the most
+    overlap of sources and destinations, the last k), in G's own storage (no second matrix), whatever the number of
+    rows packed per step; indices that are not increasing, or a matrix that is not square, are refused."""
     from relational_hf.compress.truncation import compact_gram
 
     g = torch.Generator().manual_seed(kept)
-    gram = torch.randn(40, 40, generator=g, dtype=torch.float64)
-    keep = torch.sort(torch.randperm(40, generator=g)[:kept]).values
-    expected = gram[keep[:, None], keep[None, :]].clone()
-    out = compact_gram(gram, keep)
-    assert torch.equal(out, expected)
-    assert out.untyped_storage().data_ptr() == gram.untyped_storage().data_ptr()
+    for keep in (
+        torch.sort(torch.randperm(40, generator=g)[:kept]).values,
+        torch.arange(kept),
+        torch.arange(40 - kept, 40),
+    ):
+        gram = torch.randn(40, 40, generator=g, dtype=torch.float64)
+        expected = gram[keep[:, None], keep[None, :]].clone()
+        out = compact_gram(gram, keep, rows=rows)
+        assert torch.equal(out, expected)
+        assert out.untyped_storage().data_ptr() == gram.untyped_storage().data_ptr()
     with pytest.raises(ValueError, match="increasing"):
         compact_gram(torch.zeros(5, 5), torch.tensor([3, 1]))
     with pytest.raises(ValueError, match="square"):

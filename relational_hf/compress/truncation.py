@@ -195,20 +195,22 @@ def mlp_refit(
     return torch.cholesky_solve(c.double(), chol).T  # (d, k)
 
 
-def compact_gram(gram: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def compact_gram(gram: torch.Tensor, keep: torch.Tensor, rows: int = 16) -> torch.Tensor:
     """G[keep][:, keep] for increasing indices `keep`, written into the first k^2 entries of `gram`'s own storage
     (contiguous (n, n); returned as a (k, k) view of it, and `gram` is overwritten): the kept units' Gram without a
-    second matrix beside the d_ff x d_ff one. One pass: kept row i, its kept columns, goes to entries [i k, (i+1) k),
-    before its source row keep[i] (which starts at keep[i] n >= i k), so no source is overwritten before it is read."""
+    second matrix beside the d_ff x d_ff one. One pass, `rows` kept rows at a time: kept rows i0..i1-1, their kept
+    columns gathered first, go to entries [i0 k, i1 k), which end before the source row of the next kept row (it
+    starts at keep[i1] n >= i1 k), so no source is overwritten before it is read."""
     n, k = gram.shape[0], keep.numel()
     if gram.shape != (n, n) or not gram.is_contiguous():
         raise ValueError("compact_gram needs a contiguous square matrix")
     if k and bool((keep[1:] <= keep[:-1]).any()):
         raise ValueError("compact_gram needs increasing indices")
     flat = gram.view(-1)
-    for i, row in enumerate(keep.tolist()):
-        kept = flat[row * n : (row + 1) * n][keep].clone()  # one row's kept columns (k values)
-        flat[i * k : (i + 1) * k] = kept
+    for i0 in range(0, k, rows):
+        i1 = min(i0 + rows, k)
+        block = gram.index_select(0, keep[i0:i1]).index_select(1, keep)  # (i1 - i0, k), a copy
+        flat[i0 * k : i1 * k] = block.reshape(-1)
     return flat[: k * k].view(k, k)
 
 
