@@ -111,7 +111,7 @@ def memory_limit() -> dict[str, float | None]:
 
 def _numbers(value, path: str = "") -> dict[str, float]:
     """The measured numbers of a report by where they sit (timings, memory and placement left out)."""
-    skip = {"timings_s", "peak_rss_mib", "device_map", "offloaded", "figures", "wall_seconds"}
+    skip = {"timings_s", "peak_rss_mib", "peak_rss_kinds_mib", "device_map", "offloaded", "figures", "wall_seconds"}
     if isinstance(value, dict):
         return {
             k: v for key, item in value.items() if key not in skip for k, v in _numbers(item, f"{path}/{key}").items()
