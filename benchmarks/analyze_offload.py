@@ -138,7 +138,13 @@ def plot(payload: dict, path: Path) -> None:
     runs = payload["runs"]
     names = list(runs)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    ax.bar(names, [runs[n]["peak_rss_mib"] / 1024 for n in names], color=["tab:gray", "tab:green"])
+    ax.bar(names, [runs[n]["peak_rss_mib"] / 1024 for n in names], color="tab:gray", label="peak RSS (VmHWM)")
+    kinds = [runs[n].get("peak_rss_kinds_mib") for n in names]
+    if all(kinds):  # runs from before the memory kinds were sampled have none
+        ax.bar(names, [k["anonymous"] / 1024 for k in kinds], width=0.4, color="tab:green", label="largest anonymous")
+    limit = (payload.get("memory_cgroup") or {}).get("limit_bytes")
+    if limit:
+        ax.axhline(limit / 2**30, color="black", linestyle=":", label=f"cgroup limit {limit / 2**30:.1f} GiB")
     ax.axhline(TARGET_MIB / 1024, color="red", linestyle="--", label="target 6 GiB")
     ax.set_ylabel("peak RSS (GiB)")
     ax.set_title(f"{payload['size']}, {payload['shape']['num_hidden_layers']} layers: analyze")
