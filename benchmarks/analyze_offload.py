@@ -40,7 +40,8 @@ def _analysis(src: Path, out: Path, text: Path, args, offload: str | None) -> di
     command = [sys.executable, "-m", "relational_hf.commands", "analyze", str(src), "--text", str(text)]
     command += ["--out", str(out), "--dtype", args.dtype, "--max-tokens", str(args.max_tokens)]
     command += ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
-    command += ["--per-layer-tokens", str(args.seq_len), "--sweep-values", "0", "--per-layer-values", "0"]
+    command += ["--per-layer-tokens", str(args.seq_len), "--sweep-values", "0"]
+    command += ["--per-layer-values", *args.per_layer_values]
     command += ["--compression", *args.compression]
     for flag, values in (
         ("--sites", args.sites),
@@ -175,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sites", nargs="+", default=None)
     parser.add_argument("--per-layer-sites", nargs="+", default=None)
     parser.add_argument("--per-layer-perpendicular", nargs="+", default=None, help="none: skip the control")
+    parser.add_argument("--per-layer-values", nargs="+", default=["0"], help="none: no per-layer edits")
+    parser.add_argument("--suffix", default="", help="appended to the results' file name")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-memory-run", action="store_true", help="only the offloaded run")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
     size, tag = shape_tag(args)
-    json_path = RESULTS / f"analyze_offload_{tag}.json"
+    json_path = RESULTS / f"analyze_offload_{tag}{args.suffix}.json"
     png_path = json_path.with_suffix(".png")
     if args.plot_only:
         plot(json.loads(json_path.read_text()), png_path)
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {  # None: the command's default
             k: getattr(args, k)
             for k in ("max_tokens", "seq_len", "batch_size", "compression", "threads")
-            + ("sites", "per_layer_sites", "per_layer_perpendicular")
+            + ("sites", "per_layer_sites", "per_layer_perpendicular", "per_layer_values")
         },
         "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
         "target_peak_mib": TARGET_MIB,
