@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sites", nargs="+", default=None)
     parser.add_argument("--per-layer-sites", nargs="+", default=None)
     parser.add_argument("--per-layer-perpendicular", nargs="+", default=None, help="none: skip the control")
-    parser.add_argument("--per-layer-values", nargs="+", default=["0"], help="none: no per-layer edits")
+    parser.add_argument("--per-layer-values", nargs="+", default=["0"], help="none (and --per-layer-perpendicular none): no per-layer edits")
     parser.add_argument("--suffix", default="", help="appended to the results' file name")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-memory-run", action="store_true", help="only the offloaded run")
