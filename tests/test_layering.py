@@ -216,6 +216,16 @@ def test_the_command_line_parser_loads_no_plotting_data_or_trainer_modules():
     assert _loaded_after(code, (*heavy, "relational_hf.directional.analysis")) == []
 
 
+@pytest.mark.parametrize("package", ["relational_hf", "directional", "dynamics", "training"])
+def test_every_name_a_package_exports_resolves(package):
+    """Each name of `__all__` of the packages that import on first read (written three times there: the type-checking
+    imports, the `lazy_exports` table and `__all__`) resolves to an object, so the lists cannot drift apart."""
+    module = importlib.import_module(package if package == "relational_hf" else f"relational_hf.{package}")
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+        assert not isinstance(getattr(module, name), type(module)), f"{name} is a module, not the exported object"
+
+
 def test_lazy_exports_import_on_first_read_and_keep_names_that_are_also_submodules():
     """A package of `lazy_exports`: a name is imported when read and then cached; `dir` lists it; a name that is
     also a submodule's name is the exported object, not the module; an unknown name is an AttributeError."""
