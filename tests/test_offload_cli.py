@@ -76,6 +76,42 @@ def test_offloaded_perplexity_equals_in_memory(checkpoint, tmp_path, capsys):
     assert json.loads((tmp_path / "ids.json").read_text())["perplexity"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_offloaded_loading_reads_every_shard_without_mapping_it(checkpoint, tmp_path, monkeypatch):
+    """Transformers maps each shard for the whole load, which made a big checkpoint resident in full; loaded with
+    disk offload, every shard is opened with `pread` instead (nothing of the file stays mapped), the model computes
+    what the in-memory one does, and the loader's own `safe_open` is back afterwards (other loads are unchanged)."""
+    from transformers import modeling_utils
+
+    from relational_hf.lm.offload import load_offloaded
+
+    path, text, model = checkpoint
+    sharded = tmp_path / "sharded"
+    model.to(torch.bfloat16).save_pretrained(sharded, max_shard_size="40KB")  # several shards, cast while loading
+    model.float()
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) >= 3
+    original = modeling_utils.safe_open
+    opened: list[tuple[str, str]] = []
+
+    def recording(filename, framework="pt", device="cpu", backend="mmap", **kwargs):
+        opened.append((Path(filename).name, backend))
+        return original(filename, framework=framework, device=device, backend=backend, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_open", recording)
+    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    budget = model.model.embed_tokens.weight.numel() * 4 + layer_bytes * 3 // 2
+    offloaded = load_offloaded(sharded, max_memory={"cpu": budget}, dtype="float32")
+    loaded = {name for name, backend in opened}
+    assert loaded == set(shards) and {backend for name, backend in opened} == {"pread"}
+    assert modeling_utils.safe_open is recording  # restored
+    assert "disk" in {str(v) for v in offloaded.hf_device_map.values()}
+    ids = _windows(text, 2)
+    reference = LlamaForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
+    assert modeling_utils.safe_open is recording and {b for _, b in opened[len(loaded) :]} <= {"mmap", None}
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
 def _error(capsys, argv: list[str]) -> str:
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
