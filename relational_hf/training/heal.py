@@ -45,7 +45,7 @@ def heal(
     teacher: nn.Module | None = None,
     heal_lr: float = 1e-3,
     heal_rank: int = 16,
-    heal_batch_size: int = 4,
+    heal_batch_size: int = 2,
     heal_block_size: int = 256,
     heal_seed: int = 0,
     progress: bool = True,
@@ -55,7 +55,8 @@ def heal(
     batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the ids (N, T), read as one stream),
     merged back. `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
     distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
-    by `benchmarks/heal.py` on SmolLM2. `callbacks`: extra
+    by `benchmarks/heal.py` on SmolLM2, with 2 blocks a step (the benchmark's runs took 4) so that the command line's
+    200 steps of SmolLM2-135M fit, with the compression, in 45 minutes on 2 CPU cores (`benchmarks/heal_cli.py`). `callbacks`: extra
     `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
     computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
