@@ -284,6 +284,50 @@ def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str,
     return settings, results, _parameter_tables(report)
 
 
+#: What the card says of the texts of a `compress` report's perplexities (`--control` cards).
+TEXTS_NOTE = (
+    "calibration_perplexity_*: on the calibration text (seen by the compression; the healing's language-model loss "
+    "saw it too when --heal-loss lm); eval_perplexity_*: on the --eval text, held out from compression and healing"
+)
+
+
+def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
+    """The dense control of a healed compression, from a `benchmarks/heal_cli.py` result (its "control": the source,
+    converted exactly, through the same healing on the same teacher text, measured on the same held-out windows):
+    settings rows and model-index results to put beside the healed figures. SystemExit when the file holds no
+    control or the control was measured with other healing settings than the report's."""
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        control = payload["control"]
+        before, after = float(control["perplexity_before"]), float(control["perplexity_after"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--control {path}: not a heal_cli result with a control ({err})") from None
+    keys = ("loss", "steps", "learning_rate", "lora_rank", "batch_size", "block_size")
+    ours, theirs = report.get("heal") or {}, control.get("heal") or {}
+    differ = [k for k in keys if ours.get(k) != theirs.get(k)]
+    if differ:
+        raise SystemExit(f"--control {path}: healed with other settings than the report's ({', '.join(differ)})")
+    results = [
+        dict(
+            task_type="text-generation",
+            dataset_type="dense control",
+            dataset_name=name,
+            metric_type="perplexity",
+            metric_name=name,
+            metric_value=round(value, 4),
+        )
+        for name, value in (("control_dense_eval_perplexity", before), ("control_dense_healed_eval_perplexity", after))
+    ]
+    settings = {
+        "texts": TEXTS_NOTE,
+        "control": (
+            f"the source converted exactly, healed the same way on the same teacher text: held-out perplexity "
+            f"{before:.2f} -> {after:.2f} ({after / before - 1:+.1%}); from {path.name}"
+        ),
+    }
+    return {"settings": settings, "results": results, "control": control}
+
+
 def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     """The card of a compressed SmolLM2 checkpoint from its compress report (no re-measurement)."""
     from relational_hf.hub import build_model_card
@@ -297,6 +341,11 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{report_path} does not hold a JSON object")
     settings, results, tables = compressed_card_inputs(report)
     settings["report"] = report_path.name
+    control = None
+    if args.control:
+        control = _control_inputs(Path(args.control), report)
+        settings.update(control["settings"])
+        results += control["results"]
     if args.note:
         settings["note"] = args.note
     card_command = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
@@ -313,6 +362,8 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         settings_title="Compression (from the compress report)",
     )
     numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
+    if control is not None:
+        numbers["control"] = control["control"]
     path = _write_card(card, Path(args.card_dir), COMPRESSED_NAME, numbers, folder if args.write_readme else None)
     print(f"{COMPRESSED_NAME}: card {path} from {report_path}")
     return numbers
@@ -333,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--report", default=None, help="the compress report JSON (default: the one in DIR)")
     comp.add_argument("--write-readme", action="store_true", help="also write the card to DIR/README.md")
     comp.add_argument("--note", default=None, help="a sentence the card shows beside the report's numbers")
+    comp.add_argument(
+        "--control", default=None, help="benchmarks/results/heal_cli.json: the dense control shown beside the healed figures"
+    )
     comp.add_argument(
         "--compress-command", default=None, help="the `relational-hf compress` command that wrote DIR, shown in the card"
     )

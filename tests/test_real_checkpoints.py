@@ -263,3 +263,23 @@ def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
     assert values == {"perplexity.calibration": 12.5, "perplexity.evaluation": 14.25}
     assert "| mlp | 1,536 |" in card.text and "3.00 GiB" in card.text and "| method | relational |" in card.text
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # a healed report with its dense control: the control's figures stand beside the healed ones, the texts named
+    report["heal"] = {"loss": "kd", "steps": 2, "learning_rate": 1e-3, "lora_rank": 16, "batch_size": 2, "block_size": 8}
+    report["eval_perplexity_after"] = 15.5
+    (folder / "compress_report.json").write_text(json.dumps(report))
+    control = {"perplexity_before": 10.0, "perplexity_after": 10.1, "heal": dict(report["heal"])}
+    (tmp_path / "heal_cli.json").write_text(json.dumps({"control": control}))
+    argv = ["smollm2-compressed", "--from", str(folder), "--card-dir", str(tmp_path / "cards")]
+    assert module.main([*argv, "--control", str(tmp_path / "heal_cli.json")]) == 0
+    card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
+    values = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert values["control_dense_eval_perplexity"] == 10.0 and values["control_dense_healed_eval_perplexity"] == 10.1
+    assert values["eval_perplexity_after"] == 15.5 and "+1.0%" in card.text and "held out" in card.text
+    # a control healed otherwise, or a file without one, is refused
+    control["heal"]["steps"] = 3
+    (tmp_path / "heal_cli.json").write_text(json.dumps({"control": control}))
+    with pytest.raises(SystemExit, match="steps"):
+        module.main([*argv, "--control", str(tmp_path / "heal_cli.json")])
+    (tmp_path / "heal_cli.json").write_text("{}")
+    with pytest.raises(SystemExit, match="control"):
+        module.main([*argv, "--control", str(tmp_path / "heal_cli.json")])
