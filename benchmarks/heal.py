@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         help="heal the UNCOMPRESSED model with the same settings (the control: how much of the gain is adaptation to "
         "the healing text rather than recovery) and add its curve to the existing JSON",
     )  # fmt: skip
+    parser.add_argument("--tag", default="", help="appended to the results' file name (e.g. a learning-rate probe)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args(argv)
     args.remove = args.remove if args.remove is not None else (0.05 if args.quick else 0.25)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not 0.0 < args.lr < 1.0:
         parser.error("--lr must be in (0, 1)")
-    name = ("heal_kd" if args.loss == "kd" else "heal") + ("_quick" if args.quick else "")
+    name = ("heal_kd" if args.loss == "kd" else "heal") + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     json_path, png_path = RESULTS / f"{name}.json", RESULTS / f"{name}.png"
     if args.plot_only:
         if not json_path.is_file():
