@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="healing steps (300; quick 20)")
     parser.add_argument("--eval-every", type=int, default=None, help="held-out evaluation period in steps (50; quick 10)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate (1e-3)")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="LoRA learning rate (default: the library's for the loss, DEFAULT_HEAL_LR)"
+    )
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
     parser.add_argument("--batch-size", type=int, default=4, help="blocks per step (4)")
     parser.add_argument("--block", type=int, default=None, help="tokens per healing block (256; quick 64)")
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.lr is None:
+        from relational_hf.training.heal import DEFAULT_HEAL_LR
+
+        args.lr = DEFAULT_HEAL_LR[args.loss]
     if not 0.0 < args.lr < 1.0:
         parser.error("--lr must be in (0, 1)")
     name = ("heal_kd" if args.loss == "kd" else "heal") + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")

@@ -14,9 +14,10 @@ the dense model within 2% of itself.
 
     python benchmarks/heal_cli.py --workdir DIR            # the timed command, then the control (about an hour)
     python benchmarks/heal_cli.py --workdir DIR --reuse    # the control only, on DIR/compressed of an earlier run
+    python benchmarks/heal_cli.py --workdir DIR --heal-lr 1e-3 --tag lr1e-3   # the command with --heal-lr 1e-3
 
-Writes results/heal_cli.json and heal_cli.png (the command's own time and memory are kept in DIR/command.json, so a
---reuse run reports them too).
+Writes results/heal_cli.json and heal_cli.png (`heal_cli_TAG.*` with --tag; the command's own time and memory are
+kept in DIR/command.json, so a --reuse run reports them too).
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ def _texts(workdir: Path) -> tuple[Path, Path]:
     return paths
 
 
-def _run_command(src: Path, out: Path, calibration: Path, held_out: Path, steps: int, remove: float) -> dict:
+def _run_command(
+    src: Path, out: Path, calibration: Path, held_out: Path, steps: int, remove: float, heal_lr: float | None
+) -> dict:
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
+    lr = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
     start = time.perf_counter()
-    subprocess.run(command, check=True)
+    subprocess.run(command + lr, check=True)
+    line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
     return {
-        "line": f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT",
+        "line": " ".join([line, *lr]),
         "wall_seconds": round(time.perf_counter() - start, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "cpus": os.cpu_count(),
@@ -115,7 +120,8 @@ def plot(payload: dict, path: Path) -> None:
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.2f} (x{v / dense:.2f})", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("held-out WikiText-2 perplexity")
-    ax.set_title(f"{payload['steps']} distillation steps at {payload['remove']:.0%} removed")
+    lr = r["heal"]["learning_rate"]
+    ax.set_title(f"{payload['steps']} distillation steps (learning rate {lr:g}) at {payload['remove']:.0%} removed")
     ax.legend()
     bx.bar(["command"], [payload["command"]["wall_seconds"] / 60], color="tab:purple")
     bx.axhline(TARGET_SECONDS / 60, color="red", linestyle="--", label="target 45 min")
@@ -126,16 +132,23 @@ def plot(payload: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, required=True, help="where the texts, OUT and the timing are kept")
+    parser.add_argument("--workdir", type=Path, help="where the texts, OUT and the timing are kept (required)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--remove", type=float, default=0.25)
+    parser.add_argument("--heal-lr", type=float, default=None, help="--heal-lr for the command (default: its own)")
+    parser.add_argument("--tag", default=None, help="write results/heal_cli_TAG.json instead")
     parser.add_argument("--reuse", action="store_true", help="the control only, on DIR/compressed of an earlier run")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
-    json_path = RESULTS / "heal_cli.json"
+    if args.heal_lr is not None and not 0.0 < args.heal_lr < 1.0:
+        parser.error("--heal-lr must be in (0, 1)")
+    name = "heal_cli" + (f"_{args.tag}" if args.tag else "")
+    json_path = RESULTS / f"{name}.json"
     if args.plot_only:
         plot(json.loads(json_path.read_text()), json_path.with_suffix(".png"))
         return 0
+    if args.workdir is None:
+        parser.error("--workdir is required (where the texts, OUT and the timing are kept)")
     from relational_hf.pretrained import smollm2_checkpoint
 
     src = Path(smollm2_checkpoint())
@@ -145,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.reuse:
         if out.exists():
             parser.error(f"{out} exists: pass --reuse to measure the control on it, or another --workdir")
-        timing.write_text(json.dumps(_run_command(src, out, calibration, held_out, args.steps, args.remove), indent=2))
+        run = _run_command(src, out, calibration, held_out, args.steps, args.remove, args.heal_lr)
+        timing.write_text(json.dumps(run, indent=2))
     if not timing.is_file() or not (out / "compression_report.json").is_file():
         parser.error(f"--reuse: {args.workdir} holds no finished command run (command.json, compressed/)")
     report = json.loads((out / "compression_report.json").read_text())
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "command_report": {k: report.get(k) for k in keys},
         "control": control,
     }
-    write_json("heal_cli", payload)
+    write_json(name, payload)
     plot(payload, json_path.with_suffix(".png"))
     dense = control["perplexity_before"]
     print(

@@ -24,7 +24,7 @@ from relational_hf.compress.distill import (
 from relational_hf.convert import to_relational
 from relational_hf.jobs import compress_model
 from relational_hf.lm.metrics import next_token_kl, perplexity, teacher_kl
-from relational_hf.training.heal import heal
+from relational_hf.training.heal import DEFAULT_HEAL_LR, heal
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}<assistant>"
 
@@ -198,6 +198,8 @@ def test_compress_model_distils_by_default_and_refuses_bad_heal_options():
             compress_model(source, remove=0.2, calibration=ids, progress=False, heal_steps=1, **kwargs)
     with pytest.raises(ValueError, match="teacher"):
         heal(out, ids, steps=1, loss="kd", progress=False)
+    with pytest.raises(ValueError, match="heal_lr"):
+        heal(out, ids, steps=1, loss="lm", heal_lr=1.5, progress=False)
     with pytest.raises(ValueError, match="shares parameters"):
         heal(out, ids, steps=1, loss="kd", teacher=out, progress=False)
     with pytest.raises(ValueError, match="loss"):
@@ -246,10 +248,35 @@ def test_cli_caches_the_generated_text_and_reuses_it(tmp_path, capsys):
     assert torch.equal(load_teacher_text(tmp_path / "c" / TEACHER_TEXT_NAME)[0], ids)
 
 
+def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_the_optimiser(tmp_path, capsys):
+    """Without --heal-lr, distillation and the language-model loss train at their own defaults
+    (`DEFAULT_HEAL_LR`, distillation's the smaller: the measured rate that leaves a model with nothing to repair
+    where it is), written in the report; with --heal-lr the given rate is used and the healed weights differ."""
+    assert DEFAULT_HEAL_LR["kd"] < DEFAULT_HEAL_LR["lm"]
+    src, text = _source(tmp_path)
+    heal_flags = ["--heal-steps", "2", "--heal-samples", "4", "--heal-length", "24"]
+    runs = {
+        "kd": heal_flags,
+        "lm": ["--heal-steps", "2", "--heal-loss", "lm"],
+        "kd_lr": [*heal_flags, "--heal-lr", "0.05"],
+    }
+    reports = {}
+    for name, flags in runs.items():
+        assert _compress(src, tmp_path / name, text, *flags) == 0, capsys.readouterr().err
+        reports[name] = json.loads((tmp_path / name / "compression_report.json").read_text())["heal"]
+    assert reports["kd"]["learning_rate"] == DEFAULT_HEAL_LR["kd"]
+    assert reports["lm"]["learning_rate"] == DEFAULT_HEAL_LR["lm"]
+    assert reports["kd_lr"]["learning_rate"] == 0.05
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("kd", "kd_lr"))
+    assert any(not torch.allclose(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
         (["--heal-loss", "lm"], ["--heal-loss", "--heal-steps"]),
+        (["--heal-lr", "0.001"], ["--heal-lr", "--heal-steps"]),
+        (["--heal-steps", "1", "--heal-lr", "1.5"], ["--heal-lr", "(0, 1)"]),
         (["--heal-samples", "4"], ["--heal-samples", "--heal-steps"]),
         (["--heal-steps", "1", "--heal-loss", "lm", "--heal-length", "8"], ["--heal-length", "lm"]),
         (["--heal-steps", "1", "--heal-text", "{text}", "--heal-seed", "1"], ["--heal-seed", "--heal-text"]),

@@ -17,7 +17,8 @@ written beside it and moved into place when complete (`relational_hf.outputs`).
 SRC's next-token distributions on text SRC samples itself (--heal-samples rows of --heal-length tokens, seed
 --heal-seed), written into OUT as `heal_text.safetensors`; give that file as --heal-text to a later run to reuse it.
 --heal-text FILE.txt distils on that text instead; --heal-loss lm trains on the language-model loss (on --heal-text,
-default: the calibration windows), which also adapts the model to that text.
+default: the calibration windows), which also adapts the model to that text. --heal-lr sets the LoRA learning rate
+(default 3e-4 for kd, 1e-3 for lm: `training.heal.DEFAULT_HEAL_LR`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class CompressOptions:
         "text to heal on: a text file, or the heal_text.safetensors of an earlier run (default for kd: text SRC "
         "generates; for lm: the calibration windows)",
         metavar="FILE",
+    )
+    heal_lr: OpenFraction | None = option(
+        None, "learning rate of the LoRA repair (default: 3e-4 for kd, 1e-3 for lm)", metavar="LR"
     )
     heal_samples: PositiveInt | None = option(None, "kd: rows of text SRC generates (default: 256)")
     heal_length: Length | None = option(None, "kd: tokens per generated row (default: 256)")
@@ -146,7 +150,7 @@ def check(args: CompressArguments) -> None:
             check_text_file(args.heal_text, "--heal-text")
     generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
     if not args.heal_steps:
-        given = [f for f in ("heal_loss", "heal_text", *generation) if getattr(args, f) is not None]
+        given = [f for f in ("heal_loss", "heal_text", "heal_lr", *generation) if getattr(args, f) is not None]
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
     if generation and (args.heal_loss == "lm" or args.heal_text is not None):
@@ -228,6 +232,8 @@ def _run(args: CompressArguments, lock) -> int:
     options = (
         {"correction": args.correction, "slice_fraction": args.slice_fraction} if args.method == "relational" else {}
     )
+    if args.heal_lr is not None:
+        options["heal_lr"] = args.heal_lr
     compressed, report = compress_model(
         model,
         tokenizer,
