@@ -78,13 +78,18 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def command_line(script: str | None = None, argv: list[str] | None = None) -> str:
+    """This run's command (`script`, default this process's script name, and `argv`, default its arguments) without
+    --workdir / --out-dir: where this machine kept its files is not a result."""
+    command = " ".join([script or Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+    return re.sub(r" --(workdir|out-dir) \S+", "", command)
+
+
 def write_json(name: str, payload: dict) -> Path:
     """Write results/<name>.json atomically and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    command = re.sub(r" --(workdir|out-dir) \S+", "", command)  # where this machine kept its files: not a result
-    payload = {"machine": machine(), "command": command, **payload}
+    payload = {"machine": machine(), "command": command_line(), **payload}
     fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2)

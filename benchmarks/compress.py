@@ -19,7 +19,9 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - slice, relational: the project's methods through `relational_hf.jobs.compress_model` (recorded as not
   available when that module is missing; rerun with `--methods slice relational --resume`);
 - relational-residual: the relational method with the previous default plan (`sensitivity="token"`: widths chosen by
-  the error each truncation adds to the residual stream, relative to each token's residual energy), for comparison.
+  the error each truncation adds to the residual stream, relative to each token's residual energy), for comparison;
+- relational-greedy: the relational method keeping SwiGLU units in the order of forward selection for the refit
+  (`mlp_order="greedy"`, `compress.truncation.greedy_unit_order`) instead of each unit's own score.
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -53,7 +55,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, corpus, machine
+from common import RESULTS, command_line, corpus, machine
 
 logger = logging.getLogger("compress")
 
@@ -68,9 +70,11 @@ METHODS = (
     "slice",
     "relational",
     "relational-residual",
+    "relational-greedy",
 )
-PROJECT_METHODS = ("slice", "relational", "relational-residual")
-PROJECT_OPTIONS = {"relational-residual": {"sensitivity": "token"}}  # compress_model options of a method variant
+PROJECT_METHODS = ("slice", "relational", "relational-residual", "relational-greedy")
+# compress_model options of a method variant
+PROJECT_OPTIONS = {"relational-residual": {"sensitivity": "token"}, "relational-greedy": {"mlp_order": "greedy"}}
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
 TARGETS = (0.1, 0.2, 0.25, 0.3)
@@ -275,7 +279,7 @@ def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.
         for key, cell in other["cells"].items():
             if cell.get("perplexity") is not None and payload["cells"].get(key, {}).get("perplexity") is None:
                 payload["cells"][key] = cell
-        command = re.sub(r" --out-dir \S+", "", other.get("command") or "")  # no machine paths in the results
+        command = re.sub(r" --(workdir|out-dir) \S+", "", other.get("command") or "")  # no machine paths
         runs.append({"command": command, "wall_seconds": other.get("wall_seconds")})
     payload["wall_seconds"] = sum(r["wall_seconds"] or 0.0 for r in runs)
     write_atomically(json_path, payload)
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["cells"] = {k: v for k, v in previous["cells"].items() if v.get("perplexity") is not None}
         payload["wall_seconds"] = previous.get("wall_seconds", 0.0)
     payload["machine"] = machine()
-    payload["command"] = " ".join(["compress.py", *(argv if argv is not None else sys.argv[1:])])
+    payload["command"] = command_line("compress.py", argv)
     started = time.perf_counter()
     prior_wall = payload.get("wall_seconds", 0.0)
     cells = [

@@ -36,7 +36,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, corpus, load_average, machine
+from common import RESULTS, command_line, corpus, load_average, machine
 from compress import load_model, protocol_windows, write_atomically
 
 logger = logging.getLogger("heal")
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         control = payload["dense_control"] = {
             "what": "the uncompressed model, exactly converted to the relational form, healed with the same LoRA "
             "settings on the same text" + (" (distilled from the source it was converted from)" if args.loss == "kd" else ""),
-            "command": command_line(argv),
+            "command": command_line("python benchmarks/heal.py", argv),
             "curve": [],
         }
         # the run of the compressed model may still be writing the JSON: the control's progress goes to a file of its
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "healing": healing,
         "curve": [],
         "machine": machine(),
-        "command": command_line(argv),
+        "command": command_line("python benchmarks/heal.py", argv),
     }
     compress_json = RESULTS / "compress.json"
     if compress_json.is_file() and not args.quick:
@@ -362,12 +361,6 @@ def main(argv: list[str] | None = None) -> int:
         f"(dense {dense_ppl:.2f}; {last / dense_ppl - 1:+.1%}); wrote {json_path}"
     )
     return 0
-
-
-def command_line(argv: list[str] | None) -> str:
-    """This run's command, relative to the repository root, without the machine's work folder."""
-    command = " ".join(["python benchmarks/heal.py", *(argv if argv is not None else sys.argv[1:])])
-    return re.sub(r" --workdir \S+", "", command)
 
 
 if __name__ == "__main__":

@@ -334,6 +334,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("compress {model} {root}/c --remove 0.2 --calibration {binary}", ["--calibration", "weights.bin"]),
     ("compress {model} {root}/c --remove 0.2 --eval {latin1}", ["--eval", "latin1.txt"]),
     ("compress {model} {root}/c --remove 0.2 --method slice --slice-fraction 0.1", ["--slice-fraction", "relational"]),
+    ("compress {model} {root}/c --remove 0.2 --method slice --mlp-order greedy", ["--mlp-order", "relational"]),
+    ("compress {model} {root}/c --remove 0.2 --mlp-order best", ["--mlp-order", "invalid choice"]),
     ("compress {model} {foreign} --remove 0.2", ["OUT", "not empty"]),
     ("compress {root}/missing_model {root}/c --remove 0.2", ["missing_model", "no such file or directory"]),
     ("compress {model} {root}/c --remove 0.2 --method prune", ["--method", "invalid choice"]),

@@ -156,6 +156,7 @@ def test_compress_model_rejects_bad_arguments():
         (dict(remove=0.2, calibration=torch.randint(0, 64, (8,))), "calibration"),
         (dict(remove=0.2, nonsense=1), "nonsense"),
         (dict(remove=0.2, heal_steps=-1), "heal_steps"),
+        (dict(remove=0.2, mlp_order="random"), "mlp_order"),
     ):
         with pytest.raises(ValueError, match=word):
             compress_model(llama, **({"calibration": ids, "progress": False} | kwargs))
@@ -353,3 +354,31 @@ def test_compact_gram_is_the_kept_submatrix_in_place(kept, rows):
         compact_gram(torch.zeros(5, 5), torch.tensor([3, 1]))
     with pytest.raises(ValueError, match="square"):
         compact_gram(torch.zeros(5, 4), torch.tensor([1]))
+
+
+def test_greedy_unit_order_picks_the_best_next_unit_for_the_refit():
+    """Each unit of `greedy_unit_order` is, among those not chosen yet, the one whose addition leaves the smallest
+    refit error (`mlp_error_curve`, brute force over every candidate) on correlated units; the order is a
+    permutation; a target made by a few units is explained, to the ridge, by exactly those first; bad shapes are
+    refused."""
+    from relational_hf.compress.truncation import greedy_unit_order, mlp_error_curve
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(200, 12, generator=g, dtype=torch.float64) @ torch.randn(12, 12, generator=g, dtype=torch.float64)
+    y = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    gram, cross, energy = z.T @ z, z.T @ y, float(y.pow(2).sum())
+    order = greedy_unit_order(gram, cross, ridge=1e-3)
+    assert sorted(order.tolist()) == list(range(12))
+    for k in range(12):
+        rest = [i for i in range(12) if i not in order[:k].tolist()]
+        errors = {i: float(mlp_error_curve(gram, cross, energy, torch.cat([order[:k], torch.tensor([i])]), 1e-3)[k])
+                  for i in rest}  # fmt: skip
+        assert errors[int(order[k])] <= min(errors.values()) * (1 + 1e-9) + 1e-9
+    support = torch.tensor([7, 2, 9])
+    y = z[:, support] @ torch.randn(3, 5, generator=g, dtype=torch.float64)
+    order = greedy_unit_order(gram, z.T @ y, ridge=1e-9)
+    assert set(order[:3].tolist()) == set(support.tolist())
+    curve = mlp_error_curve(gram, z.T @ y, float(y.pow(2).sum()), order, 1e-9)
+    assert float(curve[2]) < 1e-6 * float(y.pow(2).sum())
+    with pytest.raises(ValueError, match="d_ff"):
+        greedy_unit_order(gram, cross[:5])

@@ -43,10 +43,16 @@ OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
 
 
 @pytest.mark.parametrize(
-    ("tied", "sensitivity", "correction"),
-    [(True, "fisher", "local"), (False, "fisher", "dense"), (True, "token", "local"), (False, "relative", "none")],
+    ("tied", "sensitivity", "correction", "mlp_order"),
+    [
+        (True, "fisher", "local", "score"),
+        (False, "fisher", "dense", "score"),
+        (True, "token", "local", "score"),
+        (False, "relative", "none", "score"),
+        (True, "fisher", "local", "greedy"),
+    ],
 )
-def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction):
+def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order):
     """From a Llama checkpoint on disk, the layer-streamed compression chooses the same widths as the in-memory
     `compress_model` and its saved model computes the same logits (float tolerance); the stored count and the
     calibration perplexities of its report agree too."""
@@ -54,7 +60,7 @@ def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction):
     src = tmp_path / "src"
     model.save_pretrained(src)
     ids = _ids()
-    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction)
+    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction, mlp_order=mlp_order)
     ref, ref_report = compress_model(model, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
     out = tmp_path / "out"
     report = compress_checkpoint(src, out, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
@@ -192,20 +198,23 @@ def _cli_source(tmp_path):
     return src, text
 
 
-def test_cli_streams_a_safetensors_folder_like_the_in_memory_path(tmp_path, capsys):
+@pytest.mark.parametrize("mlp_order", ["score", "greedy"])
+def test_cli_streams_a_safetensors_folder_like_the_in_memory_path(tmp_path, capsys, mlp_order):
     """`relational-hf compress` streams a local safetensors folder by default; --no-stream loads it whole: same
-    widths, same stored count, same evaluation perplexity (float tolerance); both reports say how they ran."""
+    widths, same stored count, same evaluation perplexity (float tolerance), with either --mlp-order, which both
+    paths apply; both reports say how they ran."""
     from relational_hf.commands.main import main
 
     src, text = _cli_source(tmp_path)
     common = ["--remove", "0.2", "--calibration", str(text), "--eval", str(text), "--window", "32",
-              "--calibration-windows", "4", "--eval-windows", "2"]  # fmt: skip
+              "--calibration-windows", "4", "--eval-windows", "2", "--mlp-order", mlp_order]  # fmt: skip
     assert main(["compress", str(src), str(tmp_path / "s"), *common]) == 0, capsys.readouterr().err
     assert "one layer at a time" in capsys.readouterr().out
     assert main(["compress", str(src), str(tmp_path / "m"), *common, "--no-stream"]) == 0, capsys.readouterr().err
     streamed = json.loads((tmp_path / "s" / "compression_report.json").read_text())
     whole = json.loads((tmp_path / "m" / "compression_report.json").read_text())
     assert streamed["streamed"] is True and "streamed" not in whole
+    assert streamed["options"]["mlp_order"] == whole["options"]["mlp_order"] == mlp_order
     assert streamed["widths"] == whole["widths"]
     assert streamed["parameters_after"] == whole["parameters_after"]
     assert streamed["eval_perplexity_before"] == pytest.approx(whole["eval_perplexity_before"], rel=1e-4)

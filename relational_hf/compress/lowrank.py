@@ -50,6 +50,7 @@ from .truncation import (  # noqa: F401  (public here too)
     _vo_errors,
     _vo_factors,
     compact_gram,
+    greedy_unit_order,
     mlp_error_curve,
     mlp_refit,
     mlp_unit_scores,
@@ -134,6 +135,10 @@ class LowRankOptions:
     # of the sublayer's output (what the rest of the model reads) instead of the Euclidean norm
     fisher_metric: bool = False
     layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
+    # order in which SwiGLU units are kept: "score" (each unit's balanced importance alone, `mlp_unit_scores`) or
+    # "greedy" (forward selection for the refit, `greedy_unit_order`: sees the correlations between units; one more
+    # d_ff x d_ff float64 matrix and O(d_ff^3) work per layer)
+    mlp_order: str = "score"
 
 
 @dataclass
@@ -173,6 +178,8 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
     """ValueError in one line for options, a model or calibration ids the compression cannot take (both paths)."""
     if opts.sensitivity not in SENSITIVITIES:
         raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
+    if opts.mlp_order not in ("score", "greedy"):
+        raise ValueError(f"`mlp_order` must be 'score' or 'greedy', got {opts.mlp_order!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
     if config.value_parallel_removal:
@@ -286,14 +293,23 @@ def layer_error_curves(
         del z
         yf = y.reshape(-1, y.shape[-1]).double()
         weights = None if tw is None else tw.reshape(-1, 1).double()
-        energy = (zf.pow(2) if weights is None else zf.pow(2) * weights).sum(0)  # the Gram's diagonal
-        order = mlp_unit_scores(m.pop("down"), energy, metric["mlp"]).argsort(descending=True)
-        m.clear()
-        # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
-        zf = zf[:, order]
-        zw = zf if weights is None else zf * weights
-        gram, cross = zw.T @ zf, zw.T @ yf
-        del zw
+        if opts.mlp_order == "greedy":  # the order needs the statistics first; then they are permuted into it
+            zw = zf if weights is None else zf * weights
+            gram, cross = zw.T @ zf, zw.T @ yf
+            del zw
+            order = greedy_unit_order(gram, cross, opts.ridge)
+            gram = gram.index_select(0, order).index_select(1, order)
+            cross, zf = cross[order], zf[:, order]
+            m.clear()
+        else:
+            energy = (zf.pow(2) if weights is None else zf.pow(2) * weights).sum(0)  # the Gram's diagonal
+            order = mlp_unit_scores(m.pop("down"), energy, metric["mlp"]).argsort(descending=True)
+            m.clear()
+            # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
+            zf = zf[:, order]
+            zw = zf if weights is None else zf * weights
+            gram, cross = zw.T @ zf, zw.T @ yf
+            del zw
         y_energy = _weighted_energy(y, tw)
         if fisher:
             curve = mlp_fisher_curve(zf, yf, gram, cross, None, opts.ridge, directions["mlp"])
@@ -462,7 +478,10 @@ def compress_layer(
             else:
                 y_t = F.linear(z, m["down"].float())
             _accumulate_product(cross, zw, y_t)
-        order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
+        if opts.mlp_order == "greedy":
+            order = greedy_unit_order(gram, cross, opts.ridge)
+        else:
+            order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
         keep = torch.sort(order[:f_new]).values
         down = m["down"][:, keep]
         if opts.correction != "none":  # the kept units' statistics only, the full ones freed first (memory)
