@@ -293,23 +293,17 @@ def layer_error_curves(
         del z
         yf = y.reshape(-1, y.shape[-1]).double()
         weights = None if tw is None else tw.reshape(-1, 1).double()
-        if opts.mlp_order == "greedy":  # the order needs the statistics first; then they are permuted into it
-            zw = zf if weights is None else zf * weights
-            gram, cross = zw.T @ zf, zw.T @ yf
-            del zw
-            order = greedy_unit_order(gram, cross, opts.ridge)
-            gram = gram.index_select(0, order).index_select(1, order)
-            cross, zf = cross[order], zf[:, order]
-            m.clear()
-        else:
-            energy = (zf.pow(2) if weights is None else zf.pow(2) * weights).sum(0)  # the Gram's diagonal
-            order = mlp_unit_scores(m.pop("down"), energy, metric["mlp"]).argsort(descending=True)
-            m.clear()
-            # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
-            zf = zf[:, order]
-            zw = zf if weights is None else zf * weights
-            gram, cross = zw.T @ zf, zw.T @ yf
-            del zw
+        zw = zf if weights is None else zf * weights
+        if opts.mlp_order == "greedy":  # the order needs the statistics (a transient d_ff x d_ff matrix)
+            order = greedy_unit_order(zw.T @ zf, zw.T @ yf, opts.ridge)
+        else:  # (zw * zf).sum(0): the Gram's diagonal
+            order = mlp_unit_scores(m["down"], (zw * zf).sum(0), metric["mlp"]).argsort(descending=True)
+        m.clear()
+        # the statistics built in that order, so the curves factor them in place (memory: one d_ff x d_ff matrix)
+        zf = zf[:, order]
+        zw = zf if weights is None else zf * weights
+        gram, cross = zw.T @ zf, zw.T @ yf
+        del zw
         y_energy = _weighted_energy(y, tw)
         if fisher:
             curve = mlp_fisher_curve(zf, yf, gram, cross, None, opts.ridge, directions["mlp"])
