@@ -78,11 +78,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def command_line(script: str | None = None, argv: list[str] | None = None) -> str:
-    """This run's command (`script`, default this process's script name, and `argv`, default its arguments) without
-    --workdir / --out-dir: where this machine kept its files is not a result."""
-    command = " ".join([script or Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+def without_paths(command: str) -> str:
+    """A command line without --workdir / --out-dir: where this machine kept its files is not a result."""
     return re.sub(r" --(workdir|out-dir) \S+", "", command)
+
+
+def command_line(script: str | None = None, argv: list[str] | None = None) -> str:
+    """This run's command (`script`, default this process's script name, and `argv`, default its arguments),
+    `without_paths`."""
+    return without_paths(" ".join([script or Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
 
 
 def write_json(name: str, payload: dict) -> Path:

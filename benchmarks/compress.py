@@ -46,7 +46,6 @@ import copy
 import json
 import logging
 import os
-import re
 import resource
 import sys
 import tempfile
@@ -55,7 +54,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, corpus, machine
+from common import RESULTS, command_line, corpus, machine, without_paths
 
 logger = logging.getLogger("compress")
 
@@ -279,7 +278,7 @@ def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.
         for key, cell in other["cells"].items():
             if cell.get("perplexity") is not None and payload["cells"].get(key, {}).get("perplexity") is None:
                 payload["cells"][key] = cell
-        command = re.sub(r" --(workdir|out-dir) \S+", "", other.get("command") or "")  # no machine paths
+        command = without_paths(other.get("command") or "")
         runs.append({"command": command, "wall_seconds": other.get("wall_seconds")})
     payload["wall_seconds"] = sum(r["wall_seconds"] or 0.0 for r in runs)
     write_atomically(json_path, payload)

@@ -54,13 +54,13 @@ def _run_command(
 ) -> dict:
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
-    lr = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
-    lr += [] if windows is None else ["--calibration-windows", str(windows)]
+    extra = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
+    extra += [] if windows is None else ["--calibration-windows", str(windows)]
     start = time.perf_counter()
-    subprocess.run(command + lr, check=True)
+    subprocess.run(command + extra, check=True)
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
     return {
-        "line": " ".join([line, *lr]),
+        "line": " ".join([line, *extra]),
         "wall_seconds": round(time.perf_counter() - start, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "cpus": os.cpu_count(),
