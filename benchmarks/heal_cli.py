@@ -15,6 +15,11 @@ the dense model within 2% of itself.
     python benchmarks/heal_cli.py --workdir DIR            # the timed command, then the control (about an hour)
     python benchmarks/heal_cli.py --workdir DIR --reuse    # the control only, on DIR/compressed of an earlier run
     python benchmarks/heal_cli.py --workdir DIR --heal-lr 1e-3 --tag lr1e-3   # the command with --heal-lr 1e-3
+    python benchmarks/heal_cli.py --workdir DIR --control-from heal_cli_calibration64   # reuse an earlier control
+    python benchmarks/heal_cli.py --workdir DIR --heal-on-calibration --tag heal_on_calibration   # --heal-text FILE
+
+The control depends on SRC, the healing settings and the teacher text alone, not on the compressed model, so
+--control-from NAME takes it from results/NAME.json when all three match the command's report (refused otherwise).
 
 Writes results/heal_cli.json and heal_cli.png (`heal_cli_TAG.*` with --tag; the command's own time and memory are
 kept in DIR/command.json, so a --reuse run reports them too).
@@ -51,24 +56,28 @@ def _texts(workdir: Path) -> tuple[Path, Path]:
 def _run_command(
     src: Path, out: Path, calibration: Path, held_out: Path, steps: int, remove: float, heal_lr: float | None,
     windows: int | None = None,
+    heal_text: Path | None = None,
 ) -> dict:
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
     extra = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
     extra += [] if windows is None else ["--calibration-windows", str(windows)]
+    extra += [] if heal_text is None else ["--heal-text", str(heal_text)]
     start = time.perf_counter()
     subprocess.run(command + extra, check=True)
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
+    shown = ["FILE" if part == str(heal_text) else part for part in extra]
     return {
-        "line": " ".join([line, *extra]),
+        "line": " ".join([line, *shown]),
         "wall_seconds": round(time.perf_counter() - start, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "cpus": os.cpu_count(),
     }
 
 
-def _control(src: Path, out: Path, held_out: Path, report: dict) -> dict:
-    """The dense model through the same healing, on the same teacher text, measured on the same windows."""
+def _control(src: Path, out: Path, held_out: Path, report: dict, heal_text: Path | None = None) -> dict:
+    """The dense model through the same healing, on the same text (the cached teacher text, or `heal_text` tokenised
+    as the command does), measured on the same windows."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,18 +93,47 @@ def _control(src: Path, out: Path, held_out: Path, report: dict) -> dict:
     teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     dense = to_relational(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
     before = perplexity(dense, evaluation, progress=True)
-    ids, _ = load_teacher_text(out / "heal_text.safetensors")
+    if heal_text is None:
+        ids, _ = load_teacher_text(out / "heal_text.safetensors")
+    else:
+        ids = text_windows(heal_text, tokenizer, window=window, n=1_000_000)
     settings = report["heal"]
     healed, heal_report = heal(
         dense, ids, steps=settings["steps"], loss=settings["loss"], teacher=teacher, heal_lr=settings["learning_rate"],
         heal_rank=settings["lora_rank"], heal_batch_size=settings["batch_size"], heal_block_size=settings["block_size"],
     )  # fmt: skip
     return {
-        "what": "SRC converted exactly to the relational form, healed with the command's settings and teacher text",
+        "what": "SRC converted exactly to the relational form, healed with the command's settings and "
+        + ("teacher text" if heal_text is None else "--heal-text FILE"),
         "perplexity_before": before,
         "perplexity_after": perplexity(healed, evaluation, progress=True),
         "heal": heal_report,
     }
+
+
+#: What the control depends on: the healing settings and the teacher text's settings (its seconds aside).
+_CONTROL_KEYS = ("loss", "steps", "lora_rank", "learning_rate", "batch_size", "block_size")
+
+
+def _control_inputs(report: dict) -> dict:
+    heal = report.get("heal") or {}
+    text = heal.get("text")
+    text = {k: v for k, v in text.items() if k != "seconds"} if isinstance(text, dict) else text
+    return {"heal": {k: heal.get(k) for k in _CONTROL_KEYS}, "text": text, "eval_windows": report.get("eval_windows")}
+
+
+def _reused_control(path: Path, report: dict) -> dict:
+    """The control of an earlier result whose healing settings, teacher text and evaluation windows are this run's;
+    ValueError naming what differs otherwise."""
+    earlier = json.loads(path.read_text())
+    old, new = _control_inputs(earlier["command_report"]), _control_inputs(report)
+    differ = [k for k in new if old[k] != new[k]]
+    dense_old, dense_new = earlier["control"]["perplexity_before"], report.get("eval_perplexity_before")
+    if dense_new is None or abs(dense_old / dense_new - 1) > 1e-4:
+        differ.append(f"dense perplexity ({dense_old} against {dense_new})")
+    if differ:
+        raise ValueError(f"{path.name} was measured with other {', '.join(differ)}: run the control instead")
+    return {**earlier["control"], "reused_from": path.name}
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -139,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remove", type=float, default=0.25)
     parser.add_argument("--heal-lr", type=float, default=None, help="--heal-lr for the command (default: its own)")
     parser.add_argument("--calibration-windows", type=int, default=None, help="for the command (default: its own)")
+    parser.add_argument(
+        "--heal-on-calibration", action="store_true", help="--heal-text FILE for the command: distil on the calibration text"
+    )
     parser.add_argument("--tag", default=None, help="write results/heal_cli_TAG.json instead")
     parser.add_argument("--reuse", action="store_true", help="the control only, on DIR/compressed of an earlier run")
+    parser.add_argument("--control-from", metavar="NAME", help="take the control from results/NAME.json (see above)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
     if args.heal_lr is not None and not 0.0 < args.heal_lr < 1.0:
@@ -162,20 +204,28 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             parser.error(f"{out} exists: pass --reuse to measure the control on it, or another --workdir")
         run = _run_command(
-            src, out, calibration, held_out, args.steps, args.remove, args.heal_lr, args.calibration_windows
-        )
+            src, out, calibration, held_out, args.steps, args.remove, args.heal_lr, args.calibration_windows,
+            calibration if args.heal_on_calibration else None,
+        )  # fmt: skip
         timing.write_text(json.dumps(run, indent=2))
     if not timing.is_file() or not (out / "compression_report.json").is_file():
         parser.error(f"--reuse: {args.workdir} holds no finished command run (command.json, compressed/)")
     report = json.loads((out / "compression_report.json").read_text())
     command = json.loads(timing.read_text())
-    control = _control(src, out, held_out, report)
+    if args.control_from:
+        try:
+            control = _reused_control(RESULTS / f"{args.control_from}.json", report)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--control-from {args.control_from}: {error}")
+    else:
+        control = _control(src, out, held_out, report, calibration if args.heal_on_calibration else None)
     keys = ("parameters_before", "parameters_after", "removed_share", "eval_windows", "eval_perplexity_before",
             "eval_perplexity_after", "eval_perplexity_compressed", "heal", "widths")  # fmt: skip
     payload = {
         "steps": args.steps,
         "remove": args.remove,
-        "texts": "calibration: the first 90% of the WikiText-2 validation documents; held out: the last 10%",
+        "texts": "calibration: the first 90% of the WikiText-2 validation documents; held out: the last 10%"
+        + ("; healing: the calibration text" if args.heal_on_calibration else "; healing: text SRC samples itself"),
         "command_run": command,  # the timed command line ("command" is the benchmark's own, `write_json`)
         "target_seconds": TARGET_SECONDS,
         "command_report": {k: report.get(k) for k in keys},

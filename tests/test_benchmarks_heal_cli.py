@@ -1,0 +1,70 @@
+"""`benchmarks/heal_cli.py --control-from`: an earlier dense control is reused only for the same healing inputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+EARLIER = BENCHMARKS / "results" / "heal_cli_calibration64.json"
+
+
+@pytest.fixture(scope="module")
+def heal_cli():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import heal_cli
+
+        yield heal_cli
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture
+def report():
+    """A new command's report with the earlier run's healing inputs (its compressed figures changed)."""
+    earlier = json.loads(EARLIER.read_text())
+    report = copy.deepcopy(earlier["command_report"])
+    report["eval_perplexity_compressed"] = 1.5 * report["eval_perplexity_compressed"]
+    report["heal"]["text"]["seconds"] += 100.0  # the text's generation time is not an input of the control
+    report["widths"] = {"mlp": [1]}
+    return report
+
+
+def test_same_inputs_reuse_the_earlier_control_and_say_so(heal_cli, report):
+    control = heal_cli._reused_control(EARLIER, report)
+    earlier = json.loads(EARLIER.read_text())["control"]
+    assert {k: v for k, v in control.items() if k != "reused_from"} == earlier
+    assert control["reused_from"] == EARLIER.name
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda r: r["heal"].update(learning_rate=1e-3), "heal"),
+        (lambda r: r["heal"].update(steps=100), "heal"),
+        (lambda r: r["heal"]["text"].update(source="0123456789abcdef"), "text"),
+        (lambda r: r["heal"]["text"].update(samples=512), "text"),
+        (lambda r: r.update(eval_windows=[12, 512]), "eval_windows"),
+        (lambda r: r.update(eval_perplexity_before=r["eval_perplexity_before"] * 1.01), "dense perplexity"),
+    ],
+)
+def test_other_inputs_are_refused_naming_what_differs(heal_cli, report, change, named):
+    change(report)
+    with pytest.raises(ValueError, match=named):
+        heal_cli._reused_control(EARLIER, report)
+
+
+def test_command_line_refuses_a_missing_result_in_one_line(heal_cli, tmp_path, capsys):
+    (tmp_path / "compressed").mkdir()
+    (tmp_path / "command.json").write_text("{}")
+    (tmp_path / "compressed" / "compression_report.json").write_text(json.dumps({"heal": {}}))
+    for name in ("wikitext2_first90.txt", "wikitext2_last10.txt"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(SystemExit):
+        heal_cli.main(["--workdir", str(tmp_path), "--reuse", "--control-from", "no_such_result"])
+    assert "--control-from no_such_result" in capsys.readouterr().err
