@@ -4,7 +4,10 @@ checkpoint (the tiny models are in tiny_models.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import hub_server
@@ -23,6 +26,17 @@ torch.set_num_threads(1)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: the real corpora: $RELATIONAL_HF_DATA, default ../shared/data beside the project (`relational_hf.lm.corpora`)
 SHARED_DATA = data_dir()
+
+
+@contextlib.contextmanager
+def benchmark_modules(*names: str):
+    """The benchmark scripts `names`, imported by name as they import one another (benchmarks/ on `sys.path` while
+    the context lasts)."""
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    try:
+        yield [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(PROJECT_ROOT / "benchmarks"))
 
 
 def corpus_or_skip(name: str) -> Path:

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT, benchmark_modules
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-EARLIER = BENCHMARKS / "results" / "heal_cli_calibration64.json"
+EARLIER = PROJECT_ROOT / "benchmarks" / "results" / "heal_cli_calibration64.json"
 
 
 @pytest.fixture(scope="module")
 def heal_cli():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import heal_cli
-
-        yield heal_cli
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("heal_cli") as (module,):
+        yield module
 
 
 @pytest.fixture

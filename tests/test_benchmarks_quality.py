@@ -7,29 +7,18 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark modules, imported by name as the scripts import one another."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import common  # noqa: F401  (the quality modules import it by name)
-        import quality
-        import quality_analysis
-        import quality_runner
-        import quality_setup
-
-        yield {"quality": quality, "analysis": quality_analysis, "runner": quality_runner, "setup": quality_setup}
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    names = ("quality", "quality_analysis", "quality_runner", "quality_setup")
+    with benchmark_modules(*names) as modules:
+        yield dict(zip(("quality", "analysis", "runner", "setup"), modules, strict=True))
 
 
 @pytest.fixture(scope="module")

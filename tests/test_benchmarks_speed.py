@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def speed():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import speed
-
-        yield speed
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("speed") as (module,):
+        yield module
 
 
 def test_gpu_configuration_builds_every_size_and_runs_one_bf16_round_on_cpu(speed):
@@ -52,11 +45,8 @@ def test_gpu_flag_without_cuda_is_a_clear_error(speed, monkeypatch, capsys):
 def test_memory_trace_keeps_its_peak_when_merged_and_the_peak_reader_sees_an_allocation():
     """`RSSTrace.coarse` keeps at most the asked number of points, the overall peak and the first time of each
     merged run; `peak_rss_mib` grows by at least the size of a buffer this process touches."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("common") as (common,):
+        pass
     trace = common.RSSTrace()
     trace.points = [(float(s), 100.0 + (s % 13) + (500.0 if s == 1234 else 0.0)) for s in range(3001)]
     merged = trace.coarse(600)

@@ -78,7 +78,9 @@ class CompressOptions:
     heal_text: str | None = option(
         None,
         "text to heal on: a text file, or the heal_text.safetensors of an earlier run (default for kd: text SRC "
-        "generates; for lm: the calibration windows)",
+        "generates; for lm: the calibration windows). Text like the text the model will serve repairs more: on "
+        "SmolLM2 at 25%%, distilling on the calibration text gave x1.40 of dense on held-out text of its kind, SRC's "
+        "own text x1.55",
         metavar="FILE",
     )
     heal_lr: OpenFraction | None = option(

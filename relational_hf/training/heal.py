@@ -37,8 +37,8 @@ HEAL_LOSSES: tuple[str, ...] = ("kd", "lm")
 
 #: Default learning rate of each loss. Through the command line on SmolLM2 at 25%, 200 distillation steps at 1e-3 moved
 #: the dense control +4.3% and did not repair (`benchmarks/results/heal_cli_lr1e-3.json`); at 3e-4 the control moved
-#: +0.5% and the compressed model went from x1.73 to x1.60 of dense (`heal_cli.json`; `heal_kd_lr3e-4.json` for the
-#: benchmark's protocol). The language-model loss keeps its measured 1e-3.
+#: +0.5% and the compressed model went from x1.73 to x1.60 of dense (`heal_cli_calibration64.json`;
+#: `heal_kd_lr3e-4.json` for the benchmark's protocol). The language-model loss keeps its measured 1e-3.
 DEFAULT_HEAL_LR: dict[str, float] = {"kd": 3e-4, "lm": 1e-3}
 
 
