@@ -161,7 +161,8 @@ def plot(payload: dict, path: Path) -> None:
         ax.text(i, v, f"{v:.2f} (x{v / dense:.2f})", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("held-out WikiText-2 perplexity")
     lr = r["heal"]["learning_rate"]
-    ax.set_title(f"{payload['steps']} distillation steps (learning rate {lr:g}) at {payload['remove']:.0%} removed")
+    text = "the calibration text" if "healing: the calibration text" in payload["texts"] else "text SRC samples itself"
+    ax.set_title(f"{payload['steps']} distillation steps (learning rate {lr:g}) on {text}, {payload['remove']:.0%} removed")
     ax.legend()
     bx.bar(["command"], [payload["command_run"]["wall_seconds"] / 60], color="tab:purple")
     bx.axhline(TARGET_SECONDS / 60, color="red", linestyle="--", label="target 45 min")
