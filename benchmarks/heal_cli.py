@@ -16,10 +16,11 @@ the dense model within 2% of itself.
     python benchmarks/heal_cli.py --workdir DIR --reuse    # the control only, on DIR/compressed of an earlier run
     python benchmarks/heal_cli.py --workdir DIR --heal-lr 1e-3 --tag lr1e-3   # the command with --heal-lr 1e-3
     python benchmarks/heal_cli.py --workdir DIR --control-from heal_cli_calibration64   # reuse an earlier control
-    python benchmarks/heal_cli.py --workdir DIR --heal-on-calibration --tag heal_on_calibration   # --heal-text FILE
+    python benchmarks/heal_cli.py --workdir DIR --heal-on-calibration --tag calibration_text   # --heal-text FILE
 
-The control depends on SRC, the healing settings and the teacher text alone, not on the compressed model, so
---control-from NAME takes it from results/NAME.json when all three match the command's report (refused otherwise).
+The control depends on SRC, the healing settings, the healing text and the evaluation windows alone, not on the
+compressed model, so --control-from NAME takes it from results/NAME.json when these and the dense perplexity match
+the command's report (refused otherwise, naming what differs).
 
 Writes results/heal_cli.json and heal_cli.png (`heal_cli_TAG.*` with --tag; the command's own time and memory are
 kept in DIR/command.json, so a --reuse run reports them too).
