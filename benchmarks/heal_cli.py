@@ -16,6 +16,7 @@ the dense model within 2% of itself.
     python benchmarks/heal_cli.py --workdir DIR --reuse    # the control only, on DIR/compressed of an earlier run
     python benchmarks/heal_cli.py --workdir DIR --heal-lr 1e-3 --tag lr1e-3   # the command with --heal-lr 1e-3
     python benchmarks/heal_cli.py --workdir DIR --control-from heal_cli_calibration64   # reuse an earlier control
+    python benchmarks/heal_cli.py --workdir DIR --correction local --tag local   # the command with --correction local
     python benchmarks/heal_cli.py --workdir DIR --heal-on-calibration --tag calibration_text   # --heal-text FILE
 
 The control depends on SRC, the healing settings, the healing text and the evaluation windows alone, not on the
@@ -58,12 +59,14 @@ def _run_command(
     src: Path, out: Path, calibration: Path, held_out: Path, steps: int, remove: float, heal_lr: float | None,
     windows: int | None = None,
     heal_text: Path | None = None,
+    correction: str | None = None,
 ) -> dict:
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
     extra = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
     extra += [] if windows is None else ["--calibration-windows", str(windows)]
     extra += [] if heal_text is None else ["--heal-text", str(heal_text)]
+    extra += [] if correction is None else ["--correction", correction]
     start = time.perf_counter()
     subprocess.run(command + extra, check=True)
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heal-lr", type=float, default=None, help="--heal-lr for the command (default: its own)")
     parser.add_argument("--calibration-windows", type=int, default=None, help="for the command (default: its own)")
     parser.add_argument(
+        "--correction", choices=("dense", "local", "none"), default=None, help="for the command (default: its own)"
+    )
+    parser.add_argument(
         "--heal-on-calibration", action="store_true", help="--heal-text FILE for the command: distil on the calibration text"
     )
     parser.add_argument("--tag", default=None, help="write results/heal_cli_TAG.json instead")
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{out} exists: pass --reuse to measure the control on it, or another --workdir")
         run = _run_command(
             src, out, calibration, held_out, args.steps, args.remove, args.heal_lr, args.calibration_windows,
-            calibration if args.heal_on_calibration else None,
+            calibration if args.heal_on_calibration else None, args.correction,
         )  # fmt: skip
         timing.write_text(json.dumps(run, indent=2))
     if not timing.is_file() or not (out / "compression_report.json").is_file():

@@ -61,3 +61,19 @@ def test_command_line_refuses_a_missing_result_in_one_line(heal_cli, tmp_path, c
     with pytest.raises(SystemExit):
         heal_cli.main(["--workdir", str(tmp_path), "--reuse", "--control-from", "no_such_result"])
     assert "--control-from no_such_result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("correction", [None, "local"])
+def test_command_options_reach_the_command_and_its_recorded_line(heal_cli, monkeypatch, tmp_path, correction):
+    """--correction (like --heal-lr) is passed to `relational-hf compress` and shown in the line the result records;
+    without it the command runs with its own default and the line says nothing about it."""
+    seen = []
+    monkeypatch.setattr(heal_cli.subprocess, "run", lambda command, check: seen.append(command))
+    run = heal_cli._run_command(
+        tmp_path / "src", tmp_path / "out", tmp_path / "cal.txt", tmp_path / "held.txt", 200, 0.25, None,
+        correction=correction,
+    )  # fmt: skip
+    assert len(seen) == 1
+    passed = "--correction local" in " ".join(seen[0])
+    assert passed == (correction == "local") and ("--correction local" in run["line"]) == passed
+    assert str(tmp_path) not in run["line"]

@@ -382,3 +382,63 @@ def test_greedy_unit_order_picks_the_best_next_unit_for_the_refit():
     assert float(curve[2]) < 1e-6 * float(y.pow(2).sum())
     with pytest.raises(ValueError, match="d_ff"):
         greedy_unit_order(gram, cross[:5])
+
+
+def _first_layer_output(model, ids: torch.Tensor) -> torch.Tensor:
+    seen = {}
+    handle = model.model.layers[0].register_forward_hook(lambda _m, _a, out: seen.setdefault("h", out))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    out = seen["h"]
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_dense_correction_is_the_least_squares_optimum_of_the_distance_to_the_dense_trajectory():
+    """correction="dense" refits W_down on the dense model's next hidden states: with the same widths and kept units
+    (ranked on statistics both targets share) its layer output on the calibration windows is closer to the dense
+    model's than the output of the "local" refit (the dense MLP's output on the compressed attention's output, blind
+    to the attention's error) or of no refit at all: it is the least-squares optimum of that distance."""
+    torch.manual_seed(0)
+    rel = to_relational(_llama(1))
+    ids = torch.randint(0, 64, (6, 16))
+    reference = _first_layer_output(rel, ids)
+    budget = _stored(rel) - 40 * 3 * 48  # about 40 SwiGLU units' worth, from the attention and the MLP
+    distances, widths = {}, []
+    for correction in ("dense", "local", "none"):
+        opts = LowRankOptions(correction=correction, sensitivity="uniform", ridge=1e-9, plan_windows=6)
+        new, result = compress_relational(copy.deepcopy(rel), ids, budget, opts, progress=False)
+        widths.append(result.widths)
+        distances[correction] = float((_first_layer_output(new, ids) - reference).double().pow(2).sum())
+    assert widths[0] == widths[1] == widths[2] and widths[0]["mlp"][0] < 96
+    assert widths[0]["qk"][0] < 8 or widths[0]["vo"][0] < 8  # the attention's error reaches the MLP
+    assert distances["dense"] < 0.99 * distances["local"]
+    assert distances["dense"] < distances["none"]
+
+
+def test_dense_correction_frees_the_dense_layer_and_keeps_the_result():
+    """With correction="dense" the dense layer is still released once it has carried the dense trajectory on (its
+    weights go to the meta device), and releasing it changes nothing in the compressed layer."""
+    from relational_hf.compress.lowrank import _new_model, _positions, compress_layer
+
+    torch.manual_seed(1)
+    rel = to_relational(_llama(1))
+    ids = torch.randint(0, 64, (4, 16))
+    widths = {"qk": 6, "vo": 6, "mlp": 64}
+    opts = LowRankOptions(correction="dense")
+    outputs, layers = [], []
+    for release in (False, True):
+        model = copy.deepcopy(rel)
+        new = _new_model(model, {k: [w] for k, w in widths.items()})
+        h = model.model.embed_tokens(ids).detach()
+        layer = model.model.layers[0]
+        out, out_dense = compress_layer(
+            layer, new.model.layers[0], h, h.clone(), widths, opts, _positions(model.config, 16), release=release
+        )
+        outputs.append((out.clone(), out_dense))
+        layers.append(layer)
+    assert all(p.device.type == "meta" for p in layers[1].parameters())
+    assert all(p.device.type != "meta" for p in layers[0].parameters())
+    torch.testing.assert_close(outputs[1][0], outputs[0][0])
+    torch.testing.assert_close(outputs[1][1], outputs[0][1])
+    torch.testing.assert_close(outputs[0][1], _first_layer_output(rel, ids))

@@ -80,7 +80,7 @@ class CompressOptions:
         "text to heal on: a text file, or the heal_text.safetensors of an earlier run (default for kd: text SRC "
         "generates; for lm: the calibration windows). Text like the text the model will serve repairs more: on "
         "SmolLM2 at 25%%, distilling on the calibration text gave x1.40 of dense on held-out text of its kind, SRC's "
-        "own text x1.55",
+        "own text x1.55 (both with --correction local)",
         metavar="FILE",
     )
     heal_lr: OpenFraction | None = option(
@@ -89,7 +89,11 @@ class CompressOptions:
     heal_samples: PositiveInt | None = option(None, "kd: rows of text SRC generates (default: 256)")
     heal_length: Length | None = option(None, "kd: tokens per generated row (default: 256)")
     heal_seed: NonNegativeInt | None = option(None, "kd: seed of the generated text (default: 0)")
-    correction: Literal["local", "dense", "none"] = option("local", "MLP down-projection refit target")
+    correction: Literal["local", "dense", "none"] = option(
+        "dense",
+        "MLP down-projection refit target: the dense model's next hidden states (dense), the dense MLP's output on "
+        "the compressed stream (local: better with few calibration windows), or none",
+    )
     mlp_order: Literal["score", "greedy"] = option(
         "score",
         "order in which SwiGLU units are kept: each unit's own score, or forward selection for the refit (on SmolLM2 "
