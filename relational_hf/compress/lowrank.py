@@ -66,8 +66,6 @@ logger = logging.getLogger(__name__)
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Layer-by-layer machinery
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,9 +119,8 @@ class LowRankOptions:
     min_mlp_units: int = 64
     plan_windows: int = 8  # calibration windows used to measure the error curves
     batch_size: int = 4
-    # MLP down-projection refit target: "dense" (the dense model's own next hidden states, so the refit also absorbs
-    # the error of everything compressed before it; measured best with 128 calibration windows), "local" (the dense
-    # MLP's output on the compressed stream; better with 16 windows, where "dense" overfits) or "none"
+    # MLP down-projection refit target: "dense" (the dense model's next hidden states: also absorbs the error of all
+    # compressed before it; best with 128 windows), "local" (dense MLP output; better with 16 windows) or "none"
     correction: str = "dense"
     ridge: float = 1e-2  # relative ridge of the refit: 1e-2 generalised better than 1e-3 on SmolLM2 (held-out text)
     vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
@@ -449,9 +446,8 @@ def compress_layer(
     # MLP: statistics at the compressed attention's output
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     norm = layer.post_attention_layernorm
-    dense_out = None
+    dense_out = None if h_dense is None else torch.empty_like(h_dense)
     if h_dense is not None:  # the dense trajectory's next hidden states, before the dense layer's weights go
-        dense_out = torch.empty_like(h_dense)
         for s in _batches(n, opts.batch_size):
             dense_out[s] = run_layer(layer, h_dense[s])
     if release:
