@@ -287,6 +287,23 @@ def merge(json_path: Path, png_path: Path, others: list[Path], parser: argparse.
     return 0
 
 
+def resumed_payload(previous: dict | None, protocol: dict, command: str) -> dict:
+    """The JSON a run starts from: empty, or with --resume (`previous`: the earlier JSON) its measured cells and wall
+    time, and the earlier runs' commands in `earlier_commands` (oldest first), so that a resumed file still names every
+    command that measured its cells (each new cell also records its own). ValueError when `previous` was measured on
+    other evaluation windows."""
+    payload = {"protocol": protocol, "cells": {}, "command": command}
+    if previous is None:
+        return payload
+    if previous.get("protocol", {}).get("evaluation") != protocol["evaluation"]:
+        raise ValueError("was measured with another protocol")
+    payload["cells"] = {k: v for k, v in previous["cells"].items() if v.get("perplexity") is not None}
+    payload["wall_seconds"] = previous.get("wall_seconds", 0.0)
+    earlier = [*previous.get("earlier_commands", []), previous.get("command")]
+    payload["earlier_commands"] = [c for c in earlier if c]
+    return payload
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, short windows (about a minute)")
@@ -354,15 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     calibration, evaluation, protocol = protocol_windows(
         tokenizer, window, n_cal, n_eval, args.quick, args.threads, split=args.split
     )
-    payload = {"protocol": protocol, "cells": {}}
-    if args.resume and json_path.is_file():
-        previous = json.loads(json_path.read_text())
-        if previous.get("protocol", {}).get("evaluation") != protocol["evaluation"]:
-            parser.error(f"--resume: {json_path} was measured with another protocol")
-        payload["cells"] = {k: v for k, v in previous["cells"].items() if v.get("perplexity") is not None}
-        payload["wall_seconds"] = previous.get("wall_seconds", 0.0)
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.is_file() else None
+    try:
+        payload = resumed_payload(previous, protocol, command_line("compress.py", argv))
+    except ValueError as err:
+        parser.error(f"--resume: {json_path} {err}")
     payload["machine"] = machine()
-    payload["command"] = command_line("compress.py", argv)
     started = time.perf_counter()
     prior_wall = payload.get("wall_seconds", 0.0)
     cells = [
@@ -402,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 eval_seconds=time.perf_counter() - t1,
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
                 details=details,
+                command=payload["command"],
             )
             del compressed
             logger.info("%s: %d stored, ppl %.3f", key, counts["total"], ppl)

@@ -1,5 +1,6 @@
 """The budget of `compress.lowrank`: stored parameters of one layer's truncated maps at given widths, and the
-Lagrangian choice of one width per (layer, kind) that minimises the summed measured error at a stored size."""
+Lagrangian choice of one width per (layer, kind) that minimises the summed measured error at a stored size, the
+grids of candidate widths, and the check that a budget can be met at all."""
 
 from __future__ import annotations
 
@@ -75,4 +76,52 @@ def plan_widths(options: dict[tuple[int, str], list[WidthOption]], budget: int) 
     return choose(hi)
 
 
-__all__ = ["KINDS", "WidthOption", "layer_kind_parameters", "plan_widths"]
+def width_grid(width: int, step: int, smallest: int) -> range:
+    """Candidate widths below `width`: steps of `step` down to `smallest`, both shrunk for narrow maps (at least
+    8 candidates when the width allows)."""
+    step = max(1, min(step, width // 8))
+    smallest = max(1, min(smallest, width // 4))
+    return range(width - step, smallest - 1, -step)
+
+
+def check_budget(config: RelationalConfig, budget: int, fixed: int, opts) -> None:
+    """ValueError before any work when even the narrowest widths the planner may choose (the grids' smallest,
+    `opts.kinds` only; `opts`: `compress.lowrank.LowRankOptions`) store more than `budget` with the `fixed` parameters outside the truncated maps."""
+    rope = config.position_encoding == "rope"
+    narrowest = fixed
+    for li in range(config.num_hidden_layers):
+        r, rv, f = config.layer_qk_rank(li), config.layer_value_rank(li), config.layer_intermediate_size(li)
+        if "qk" in opts.kinds and rope:
+            r = min([r, *(2 * kp for kp in width_grid(r // 2, opts.qk_step, opts.min_qk_pairs))])
+        if "vo" in opts.kinds:
+            rv = min([rv, *width_grid(rv, opts.vo_step, opts.min_vo_rank)])
+        if "mlp" in opts.kinds:
+            f = min([f, *width_grid(f, opts.mlp_step, opts.min_mlp_units)])
+        narrowest += sum(layer_kind_parameters(config, k, w) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
+    if narrowest > budget:
+        raise ValueError(
+            f"the narrowest widths store {narrowest:,} parameters ({fixed:,} of them in the embedding, head and norms, "
+            f"which are not truncated), more than the budget {budget:,}: choose a smaller `remove`"
+        )
+
+
+def fixed_parameters(config: RelationalConfig, total: int) -> int:
+    """Of a relational model of `config` storing `total` parameters, those outside the truncated maps."""
+    return total - sum(
+        layer_kind_parameters(config, "qk", config.layer_qk_rank(li))
+        + layer_kind_parameters(config, "vo", config.layer_value_rank(li))
+        + layer_kind_parameters(config, "mlp", config.layer_intermediate_size(li))
+        for li in range(config.num_hidden_layers)
+    )
+
+
+__all__ = [
+    "KINDS",
+    "WidthOption",
+    "check_budget",
+    "fixed_parameters",
+    "layer_kind_parameters",
+    "plan_widths",
+    "width_grid",
+]
+

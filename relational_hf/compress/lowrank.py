@@ -39,7 +39,7 @@ from transformers.initialization import no_init_weights
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
 from ..shards import release as release_layer
-from .budget import KINDS, WidthOption, layer_kind_parameters, plan_widths
+from .budget import KINDS, WidthOption, check_budget, fixed_parameters, layer_kind_parameters, plan_widths, width_grid
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _attention_output,
@@ -83,14 +83,6 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
         return pairs.detach().clone()
     device = next(attn.parameters()).device
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
-
-
-def _grid(width: int, step: int, smallest: int) -> range:
-    """Candidate widths below `width`: steps of `step` down to `smallest`, both shrunk for narrow maps (at least
-    8 candidates when the width allows)."""
-    step = max(1, min(step, width // 8))
-    smallest = max(1, min(smallest, width // 4))
-    return range(width - step, smallest - 1, -step)
 
 
 def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
@@ -262,7 +254,7 @@ def layer_error_curves(
             back = (dirs.float().reshape(dirs.shape[0], -1, dirs.shape[-1]) @ w["o"].float()).view(
                 dirs.shape[0], *mixed.shape
             )  # (K, B, T, H, r_v): W_O^T g
-        for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs):
+        for kp in width_grid(r // 2, opts.qk_step, opts.min_qk_pairs):
             qi, ki, factor, new_pairs = qk_rows(pairs, order[:, :kp], r, nh // nkv)
             new_mixed = _mix(qf[..., qi] * factor, kf[..., ki], vf, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
             delta = new_mixed - mixed
@@ -279,7 +271,7 @@ def layer_error_curves(
         if opts.vo_weighting == "input":
             grams = value_grams(w["v"], cov, num_kv_heads=nkv)
         factors = _vo_factors(w["o"], grams, nkv, metric["attn"])
-        ranks = list(_grid(rv, opts.vo_step, opts.min_vo_rank))
+        ranks = list(width_grid(rv, opts.vo_step, opts.min_vo_rank))
         if fisher:
             errs = vo_fisher_errors(mixed, w["o"], factors, ranks, directions["attn"])
         else:
@@ -311,7 +303,7 @@ def layer_error_curves(
             curve = mlp_error_curve(gram, cross, y_energy, None, opts.ridge)
         del gram, cross, zf
         full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
-        for units in _grid(f, opts.mlp_step, opts.min_mlp_units):
+        for units in width_grid(f, opts.mlp_step, opts.min_mlp_units):
             err = max(float(curve[units - 1]) - full, 0.0) / scale
             mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
     return {"qk": qk_opts, "vo": vo_opts, "mlp": mlp_opts}, h_out
@@ -489,37 +481,6 @@ def compress_layer(
     for s in _batches(n, opts.batch_size):
         h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
     return h, dense_out
-
-
-def check_budget(config: RelationalConfig, budget: int, fixed: int, opts: LowRankOptions) -> None:
-    """ValueError before any work when even the narrowest widths the planner may choose (the grids' smallest,
-    `opts.kinds` only) store more than `budget` with the `fixed` parameters outside the truncated maps."""
-    rope = config.position_encoding == "rope"
-    narrowest = fixed
-    for li in range(config.num_hidden_layers):
-        r, rv, f = config.layer_qk_rank(li), config.layer_value_rank(li), config.layer_intermediate_size(li)
-        if "qk" in opts.kinds and rope:
-            r = min([r, *(2 * kp for kp in _grid(r // 2, opts.qk_step, opts.min_qk_pairs))])
-        if "vo" in opts.kinds:
-            rv = min([rv, *_grid(rv, opts.vo_step, opts.min_vo_rank)])
-        if "mlp" in opts.kinds:
-            f = min([f, *_grid(f, opts.mlp_step, opts.min_mlp_units)])
-        narrowest += sum(layer_kind_parameters(config, k, w) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
-    if narrowest > budget:
-        raise ValueError(
-            f"the narrowest widths store {narrowest:,} parameters ({fixed:,} of them in the embedding, head and norms, "
-            f"which are not truncated), more than the budget {budget:,}: choose a smaller `remove`"
-        )
-
-
-def fixed_parameters(config: RelationalConfig, total: int) -> int:
-    """Of a relational model of `config` storing `total` parameters, those outside the truncated maps."""
-    return total - sum(
-        layer_kind_parameters(config, "qk", config.layer_qk_rank(li))
-        + layer_kind_parameters(config, "vo", config.layer_value_rank(li))
-        + layer_kind_parameters(config, "mlp", config.layer_intermediate_size(li))
-        for li in range(config.num_hidden_layers)
-    )
 
 
 @torch.no_grad()
