@@ -21,7 +21,11 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - relational-residual: the relational method with the previous default plan (`sensitivity="token"`: widths chosen by
   the error each truncation adds to the residual stream, relative to each token's residual energy), for comparison;
 - relational-greedy: the relational method keeping SwiGLU units in the order of forward selection for the refit
-  (`mlp_order="greedy"`, `compress.truncation.greedy_unit_order`) instead of each unit's own score.
+  (`mlp_order="greedy"`, `compress.truncation.greedy_unit_order`) instead of each unit's own score;
+- relational-fisher-metric: the relational method choosing the VO subspace and ranking the SwiGLU units by their
+  error in the Fisher metric of the sublayer's output (`fisher_metric=True`) instead of the Euclidean norm;
+- relational-holdout: the relational method holding back the last 16 calibration windows to choose each layer's
+  refit (its ridge and its blend of the dense and local targets, `refit_holdout=16`), then refitting on all of them.
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -70,10 +74,17 @@ METHODS = (
     "relational",
     "relational-residual",
     "relational-greedy",
+    "relational-fisher-metric",
+    "relational-holdout",
 )
-PROJECT_METHODS = ("slice", "relational", "relational-residual", "relational-greedy")
+PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
-PROJECT_OPTIONS = {"relational-residual": {"sensitivity": "token"}, "relational-greedy": {"mlp_order": "greedy"}}
+PROJECT_OPTIONS = {
+    "relational-residual": {"sensitivity": "token"},
+    "relational-greedy": {"mlp_order": "greedy"},
+    "relational-fisher-metric": {"fisher_metric": True},
+    "relational-holdout": {"refit_holdout": 16},
+}
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
 TARGETS = (0.1, 0.2, 0.25, 0.3)

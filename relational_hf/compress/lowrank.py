@@ -49,6 +49,7 @@ from .truncation import (  # noqa: F401  (public here too)
     _sqrt_psd,
     _vo_errors,
     _vo_factors,
+    choose_refit,
     compact_gram,
     greedy_unit_order,
     mlp_error_curve,
@@ -131,6 +132,9 @@ class LowRankOptions:
     # "greedy" (forward selection for the refit, `greedy_unit_order`: sees the correlations between units; one more
     # d_ff x d_ff float64 matrix and O(d_ff^3) work per layer)
     mlp_order: str = "score"
+    # calibration windows (the last ones) held back to choose each layer's refit: its ridge and its blend of the dense
+    # and local targets, by the error on them (`truncation.choose_refit`); the refit then uses every window
+    refit_holdout: int = 0
 
 
 @dataclass
@@ -142,7 +146,7 @@ class LowRankResult:
     budget: int = 0
     plan_seconds: float = 0.0
     compress_seconds: float = 0.0
-    layer_errors: list[dict[str, float]] = field(default_factory=list)
+    refits: list[dict[str, float]] = field(default_factory=list)  # per layer, with refit_holdout: `choose_refit`
 
 
 def _batches(n: int, size: int):
@@ -174,6 +178,13 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
         raise ValueError(f"`mlp_order` must be 'score' or 'greedy', got {opts.mlp_order!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
+    held = opts.refit_holdout
+    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+        raise ValueError(f"`refit_holdout` must be a number of calibration windows >= 0, got {held!r}")
+    if held and opts.correction == "none":
+        raise ValueError("`refit_holdout` chooses the refit of W_down: it needs correction 'dense' or 'local'")
+    if held and isinstance(calibration, torch.Tensor) and held >= calibration.shape[0]:
+        raise ValueError(f"`refit_holdout` ({held}) must leave windows to fit on (of {calibration.shape[0]})")
     if config.value_parallel_removal:
         raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
@@ -376,18 +387,34 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blo
         out[:, i : i + block] += (a.T @ b[:, i : i + block]).to(out.dtype)
 
 
+def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
+    """Per batch of the calibration `windows`: Z (tokens, d_ff) the SwiGLU units on the compressed stream h_mid, Z
+    times the tokens' weights (the plan's sensitivity), the refit's target Y (tokens, d: the dense trajectory's step
+    with `dense_out`, else the dense MLP's output) and the weighted energy of Y; Z, Y in fp32."""
+    f, d = m["down"].shape[1], h_mid.shape[-1]
+    for b in _batches(len(windows), opts.batch_size):
+        s = slice(windows.start + b.start, windows.start + b.stop)
+        xm = norm(h_mid[s])
+        z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
+        tw = _token_weights(h_mid[s], opts.sensitivity)
+        tw = None if tw is None else tw.reshape(-1, 1).float()
+        y = F.linear(z, m["down"].float()) if dense_out is None else (dense_out[s] - h_mid[s]).reshape(-1, d).float()
+        yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
+
+
 @torch.no_grad()
 def compress_layer(
     layer: nn.Module, target: nn.Module, h: torch.Tensor, h_dense: torch.Tensor | None, widths: dict[str, int],
     opts: LowRankOptions, positions: tuple, metric: dict[str, torch.Tensor | None] | None = None,
-    release: bool = False,
+    release: bool = False, record: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2 for one layer: load into `target` (a `RelationalDecoderLayer` of the planned widths {"qk": r, "vo": r_v,
     "mlp": d_ff}) the truncation of the dense `layer` fitted on the calibration hidden states h (N, T, d) that reach
     it through the already-compressed layers (`h_dense`: the dense model's own, for correction="dense", else None).
     Returns the next (h, h_dense); h is updated in place. Shared by the in-memory and the layer-streamed paths.
     release: the dense layer's parameters are dropped once its full weights are assembled and, with
-    correction="dense", once it has carried h_dense one layer on (the caller is done with it)."""
+    correction="dense", once it has carried h_dense one layer on (the caller is done with it). record: a dict that
+    receives the refit chosen on held-back windows (`LowRankOptions.refit_holdout`)."""
     cos, sin, mask, pos = positions
     rope = cos is not None
     metric = metric or {"attn": None, "mlp": None}
@@ -452,29 +479,38 @@ def compress_layer(
             target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
         )[0]
     if f_new < f or opts.correction == "dense":
+        held_back = opts.refit_holdout if opts.correction != "none" else 0
         gram = torch.zeros(f, f, dtype=torch.float64, device=h.device)
         cross = torch.zeros(f, d, dtype=torch.float64, device=h.device)
-        for s in _batches(n, opts.batch_size):
-            xm = norm(h_mid[s])
-            # per-batch products in fp32 (twice as fast as fp64 on CPUs), accumulated in fp64
-            z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
-            tw = _token_weights(h_mid[s], opts.sensitivity)
-            zw = z if tw is None else z * tw.reshape(-1, 1).float()
-            _accumulate_product(gram, zw, z)
-            if dense_out is not None:
-                y_t = (dense_out[s] - h_mid[s]).reshape(-1, d).float()
-            else:
-                y_t = F.linear(z, m["down"].float())
-            _accumulate_product(cross, zw, y_t)
+        for z, zw, y, _ in _mlp_samples(mlp, m, norm, h_mid, dense_out, range(0, n - held_back), opts):
+            _accumulate_product(gram, zw, z)  # per-batch products in fp32, accumulated in fp64
+            _accumulate_product(cross, zw, y)
+        # the held-back windows' samples are kept (windows x T x d_ff floats): only the kept units' Gram is formed
+        held = [torch.cat(t) if i < 3 else sum(t) for i, t in enumerate(zip(*_mlp_samples(
+            mlp, m, norm, h_mid, dense_out, range(n - held_back, n), opts)))] if held_back else None  # fmt: skip
         if opts.mlp_order == "greedy":
-            order = greedy_unit_order(gram, cross, opts.ridge)
+            both = (gram, cross) if held is None else (gram + held[1].T @ held[0], cross + held[1].T @ held[2])
+            order = greedy_unit_order(*both, opts.ridge)
         else:
-            order = mlp_unit_scores(m["down"], torch.diagonal(gram), metric["mlp"]).argsort(descending=True)
+            diag = torch.diagonal(gram) + (0 if held is None else (held[1] * held[0]).sum(0))
+            order = mlp_unit_scores(m["down"], diag, metric["mlp"]).argsort(descending=True)
         keep = torch.sort(order[:f_new]).values
-        down = m["down"][:, keep]
-        if opts.correction != "none":  # the kept units' statistics only, the full ones freed first (memory)
+        down, ridge, blend = m["down"][:, keep], opts.ridge, 1.0
+        if opts.correction != "none":  # kept units' statistics only, the full ones freed first; Z^T Y_local = G W^T
+            local = gram[keep] @ m["down"].double().T if held is not None and opts.correction == "dense" else None
             gram, cross = compact_gram(gram, keep), cross[keep]
-            down = mlp_refit(gram, cross, None, opts.ridge).to(down.dtype)
+            if held is not None:  # the ridge and the targets' blend chosen on the held-back windows, then fit on all
+                z_h, zw_h = held[0][:, keep].double(), held[1][:, keep].double()
+                back = (zw_h.T @ z_h, zw_h.T @ held[2].double(), held[3])
+                choice = choose_refit((gram, cross, local), back)
+                ridge, blend = choice["ridge"], choice["blend"]
+                (record if record is not None else {}).update(choice)
+                gram, cross = gram.add_(back[0]), cross + back[1]
+                if blend != 1.0:
+                    local = local + zw_h.T @ F.linear(held[0], m["down"].float()).double()
+                    cross = blend * cross + (1 - blend) * local
+                del held, back, z_h, zw_h, local
+            down = mlp_refit(gram, cross, None, ridge).to(down.dtype)
         del gram, cross
         m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
     target.mlp.set_full_weights(m)
@@ -529,7 +565,10 @@ def compress_relational(
     layers = zip(model.model.layers, new.model.layers, strict=True)
     for li, (layer, target) in enumerate(tqdm(layers, total=n_layers, desc="compressing layers", disable=not progress)):
         chosen = {kind: widths[kind][li] for kind in KINDS}
-        h, h_dense = compress_layer(layer, target, h, h_dense, chosen, opts, positions, metrics[li])
+        record: dict[str, float] = {}
+        h, h_dense = compress_layer(layer, target, h, h_dense, chosen, opts, positions, metrics[li], record=record)
+        if record:
+            result.refits.append(record)
     result.compress_seconds = time.perf_counter() - t1
     return new, result
 

@@ -306,7 +306,10 @@ def compress_streamed(
             target = RelationalDecoderLayer(new_config, li)
         target = target.float().eval().to(device)
         chosen = {kind: widths[kind][li] for kind in KINDS}
-        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions, release=True)
+        record: dict[str, float] = {}
+        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions, release=True, record=record)
+        if record:
+            result.refits.append(record)
         del dense
         for key, tensor in target.state_dict().items():
             emit(f"model.layers.{li}.{key}", tensor)

@@ -232,6 +232,43 @@ def mlp_refit(
     return torch.cholesky_solve(c.double(), chol).T  # (d, k)
 
 
+REFIT_RIDGES: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+REFIT_BLENDS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@torch.no_grad()
+def choose_refit(
+    fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], held: tuple[torch.Tensor, torch.Tensor, float], *,
+    ridges: tuple[float, ...] = REFIT_RIDGES, blends: tuple[float, ...] = REFIT_BLENDS,
+) -> dict[str, float]:
+    """The refit of W_down (`mlp_refit`) that predicts held-back windows best: its ridge, and its blend of two targets.
+
+    fit = (G, C, C_local): the kept units' Gram Z^T Z (k, k) and cross terms Z^T Y (k, d) of the target Y and Z^T
+    Y_local of a second target (None: one target) on the fitting windows; held = (G_h, C_h, E_h): the same Gram and
+    cross term of Y and the energy ||Y||^2 on the held-back windows. For every ridge (relative, as in `mlp_refit`) and
+    blend b, W fits b Y + (1 - b) Y_local on the fitting windows, and its error on the held-back ones,
+    ||Z_h W^T - Y_h||^2 = tr(W G_h W^T) - 2 tr(W C_h) + E_h, comes from their statistics alone (one Cholesky factor
+    per ridge). Returns {"ridge", "blend", "held_error"} of the smallest error, relative to E_h."""
+    gram, cross, local = fit
+    g_h, c_h, energy = held
+    k = gram.shape[0]
+    if gram.shape != (k, k) or cross.shape[0] != k or g_h.shape != (k, k) or c_h.shape != cross.shape:
+        raise ValueError("choose_refit: the fitting and held-back statistics must be of the same kept units")
+    if local is None:
+        blends = (1.0,)
+    best = {"ridge": ridges[0], "blend": blends[0], "held_error": math.inf}
+    for ridge in ridges:
+        chol = ordered_cholesky(gram, torch.arange(k, device=gram.device), ridge)
+        for b in blends:
+            c = cross.double() if b == 1.0 else b * cross.double() + (1 - b) * local.double()
+            w = torch.cholesky_solve(c, chol)  # (k, d): W^T
+            err = float(((g_h.double() @ w) * w).sum() - 2 * (w * c_h.double()).sum() + energy)
+            if err < best["held_error"]:
+                best = {"ridge": ridge, "blend": b, "held_error": err}
+    best["held_error"] = best["held_error"] / max(energy, 1e-300)
+    return best
+
+
 def compact_gram(gram: torch.Tensor, keep: torch.Tensor, rows: int = 16) -> torch.Tensor:
     """G[keep][:, keep] for increasing indices `keep`, written into the first k^2 entries of `gram`'s own storage
     (contiguous (n, n); returned as a (k, k) view of it, and `gram` is overwritten): the kept units' Gram without a

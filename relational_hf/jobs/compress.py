@@ -163,6 +163,8 @@ def compress_model(
         report["widths"] = result.widths
         report["plan_seconds"] = round(result.plan_seconds, 2)
         report["compress_seconds"] = round(result.compress_seconds, 2)
+        if result.refits:
+            report["refits"] = result.refits
         report["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()}
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
@@ -286,6 +288,7 @@ def compress_checkpoint(
             widths=result.widths,
             plan_seconds=round(result.plan_seconds, 2),
             compress_seconds=round(result.compress_seconds, 2),
+            **({"refits": result.refits} if result.refits else {}),
             options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             **streamed,
         )
