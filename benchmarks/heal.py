@@ -6,7 +6,10 @@ KL(p_source || p_model) of the next-token distributions, on text the source mode
 generic chat prompts, half from a random vocabulary token, seed `--text-seed`); the KL to the source is also measured
 on 16 further rows of such text (another seed) at every evaluation. "lm" trains on the language-model loss on random
 blocks of the first 90% of the WikiText-2 documents (adaptation to the evaluation's domain as well as repair).
-Every figure has its control: `--dense-control` runs the same healing on the uncompressed model.
+`--kd-text calibration` keeps the KL to the source as the loss but reads random blocks of the first 90% of the WikiText-2
+documents instead of the source's samples (text of the evaluation's kind, never its windows); `--refit-holdout N`
+compresses with each layer's refit chosen on N held-back calibration windows. Every figure has its control:
+`--dense-control` runs the same healing on the uncompressed model.
 
 Protocol (the one of `benchmarks/compress.py`): the model is compressed by the project's relational method
 (`relational_hf.jobs.compress_model`, default options) to `--remove` of its stored parameters removed, calibrated
@@ -22,6 +25,8 @@ back into the compressed shapes (stored size unchanged, checked). The held-out p
     python benchmarks/heal.py --calibration-windows 64 --steps 200 --eval-every 40        # distillation
     python benchmarks/heal.py --calibration-windows 64 --steps 200 --eval-every 40 --dense-control
     python benchmarks/heal.py --loss lm --calibration-windows 64 --steps 200 --eval-every 40   # LM loss on WikiText-2
+    python benchmarks/heal.py --kd-text calibration --refit-holdout 16 --calibration-windows 128 --steps 500 \
+        --eval-every 100 --batch-size 2 --tag calibration_holdout   # distillation on the calibration side, one epoch
     python benchmarks/heal.py --quick         # 2 layers, 128-token windows, 20 steps (about a minute)
     python benchmarks/heal.py --plot-only     # redraw the PNG from the JSON
 
@@ -49,20 +54,28 @@ from compress import load_model, protocol_windows, write_atomically
 logger = logging.getLogger("heal")
 
 
-def compressed_model(model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None):
+def compressed_model(
+    model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None, refit_holdout: int = 0
+):
     """The relational compression of `model` at `remove` (reloaded from `workdir` when it was saved there with the
-    same calibration windows); returns (model, compression report)."""
+    same calibration windows and options); returns (model, compression report)."""
     from relational_hf.jobs import compress_model
     from relational_hf.modeling import RelationalForCausalLM
 
-    folder = None if workdir is None else workdir / f"relational-{remove:g}"
+    suffix = f"-holdout{refit_holdout}" if refit_holdout else ""
+    folder = None if workdir is None else workdir / f"relational-{remove:g}{suffix}"
     signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)}
+    if refit_holdout:
+        signature["refit_holdout"] = refit_holdout
     if folder is not None and (folder / "signature.json").is_file():
         if json.loads((folder / "signature.json").read_text()) == signature:
             logger.info("reusing the compressed model in %s", folder)
             report = json.loads((folder / "report.json").read_text())
             return RelationalForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), report
-    compressed, report = compress_model(model, tokenizer, remove=remove, method="relational", calibration=calibration)
+    options = {"refit_holdout": refit_holdout} if refit_holdout else {}
+    compressed, report = compress_model(
+        model, tokenizer, remove=remove, method="relational", calibration=calibration, **options
+    )
     report = json.loads(json.dumps(report, default=str))
     if folder is not None:
         stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=workdir))
@@ -136,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         "--loss", choices=("kd", "lm"), default="kd",
         help="kd: distillation from the source on its own text (default); lm: LM loss on WikiText-2",
     )  # fmt: skip
+    parser.add_argument(
+        "--kd-text", choices=("source", "calibration"), default="source",
+        help="kd only: the source's own samples (default) or random blocks of the first 90%% of the WikiText-2 "
+        "documents, the calibration side (the loss is still the KL to the source)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--refit-holdout", type=int, default=0, help="the compression's --refit-holdout (0: off, the default)"
+    )
     parser.add_argument("--text-samples", type=int, default=None, help="teacher-text rows for kd (256; quick 32)")
     parser.add_argument("--text-length", type=int, default=None, help="tokens per teacher-text row (256; quick 64)")
     parser.add_argument("--text-seed", type=int, default=0, help="seed of the teacher text (0)")
@@ -174,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.refit_holdout < 0:
+        parser.error(f"--refit-holdout must be >= 0, got {args.refit_holdout}")
+    if args.kd_text != "source" and args.loss != "kd":
+        parser.error("--kd-text applies to --loss kd only")
     if args.lr is None:
         from relational_hf.training.heal import DEFAULT_HEAL_LR
 
@@ -212,17 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     compressed = report = None
     if not args.dense_control:  # compressed first: a --dense-control run beside this one can cache the teacher text
-        compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir)
+        compressed, report = compressed_model(
+            model, tokenizer, calibration, args.remove, args.workdir, refit_holdout=args.refit_holdout
+        )
+        if args.refit_holdout:
+            protocol["refit_holdout"] = f"each layer's refit chosen on the last {args.refit_holdout} calibration windows"
     held_out_text = None
+    calibration_side = None
+    if args.loss == "lm" or args.kd_text == "calibration":
+        calibration_side = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
     if args.loss == "kd":
         samples, length = args.text_samples or (32 if args.quick else 256), args.text_length or (64 if args.quick else 256)
+        held_out_text, _ = cached_teacher_text(
+            model, tokenizer, args.workdir, f"heal_text_heldout-{length}-{args.text_seed + 1}.safetensors",
+            samples=16, length=length, seed=args.text_seed + 1, progress=True,
+        )  # fmt: skip
+        protocol["teacher_kl"] = (
+            f"mean KL(p_source || p_model) per token on 16 further rows of {length} tokens of the source's own text "
+            f"(seed {args.text_seed + 1}), nats"
+        )
+    if args.loss == "kd" and args.kd_text == "source":
         heal_ids, text_settings = cached_teacher_text(
             model, tokenizer, args.workdir, f"heal_text-{samples}x{length}-{args.text_seed}.safetensors",
             samples=samples, length=length, seed=args.text_seed, progress=True,
-        )  # fmt: skip
-        held_out_text, held_settings = cached_teacher_text(
-            model, tokenizer, args.workdir, f"heal_text_heldout-{length}-{args.text_seed + 1}.safetensors",
-            samples=16, length=length, seed=args.text_seed + 1, progress=True,
         )  # fmt: skip
         protocol["healing_text"] = (
             f"{samples} rows of {length} tokens sampled from the source model itself at temperature 1 "
@@ -230,15 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             f"from a random vocabulary token), {heal_ids.numel():,} tokens, read as one stream in random blocks of "
             f"{block}; generated in {text_settings['seconds']} s"
         )
-        protocol["teacher_kl"] = (
-            f"mean KL(p_source || p_model) per token on 16 further rows of {length} tokens of the source's own text "
-            f"(seed {args.text_seed + 1}), nats"
-        )
     else:
-        heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
+        heal_ids = calibration_side
         protocol["healing_text"] = (
             f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
             "the calibration side, disjoint from the evaluation windows)"
+            + (", the loss the KL to the source" if args.loss == "kd" else "")
         )
     dense_ppl = perplexity_on_windows(model, evaluation, batch_size=2, progress=True)
     healing = {
@@ -246,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
         "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
     }  # fmt: skip
-    if args.loss == "kd":
+    if args.loss == "kd" and args.kd_text == "source":
         healing["text"] = {k: text_settings[k] for k in ("samples", "length", "seed", "chat_share", "source")}
+    elif args.loss == "kd":
+        healing["text"] = "the calibration side of WikiText-2"
     else:
         healing.pop("loss")  # the LM-loss JSON predates the option; its settings compare equal to a rerun's
 
