@@ -55,24 +55,22 @@ logger = logging.getLogger("heal")
 
 
 def compressed_model(
-    model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None, refit_holdout: int = 0
+    model, tokenizer, calibration: torch.Tensor, remove: float, workdir: Path | None, options: dict | None = None
 ):
-    """The relational compression of `model` at `remove` (reloaded from `workdir` when it was saved there with the
-    same calibration windows and options); returns (model, compression report)."""
+    """The relational compression of `model` at `remove` with the `compress_model` options `options` (reloaded from
+    `workdir` when it was saved there with the same calibration windows and options); returns (model, report)."""
     from relational_hf.jobs import compress_model
     from relational_hf.modeling import RelationalForCausalLM
 
-    suffix = f"-holdout{refit_holdout}" if refit_holdout else ""
+    options = dict(options or {})
+    suffix = "".join(f"-{key}{value}" for key, value in sorted(options.items()))
     folder = None if workdir is None else workdir / f"relational-{remove:g}{suffix}"
-    signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)}
-    if refit_holdout:
-        signature["refit_holdout"] = refit_holdout
+    signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)} | options
     if folder is not None and (folder / "signature.json").is_file():
         if json.loads((folder / "signature.json").read_text()) == signature:
             logger.info("reusing the compressed model in %s", folder)
             report = json.loads((folder / "report.json").read_text())
             return RelationalForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), report
-    options = {"refit_holdout": refit_holdout} if refit_holdout else {}
     compressed, report = compress_model(
         model, tokenizer, remove=remove, method="relational", calibration=calibration, **options
     )
@@ -237,15 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     compressed = report = None
     if not args.dense_control:  # compressed first: a --dense-control run beside this one can cache the teacher text
-        compressed, report = compressed_model(
-            model, tokenizer, calibration, args.remove, args.workdir, refit_holdout=args.refit_holdout
-        )
+        options = {"refit_holdout": args.refit_holdout} if args.refit_holdout else {}
+        compressed, report = compressed_model(model, tokenizer, calibration, args.remove, args.workdir, options)
         if args.refit_holdout:
             protocol["refit_holdout"] = f"each layer's refit chosen on the last {args.refit_holdout} calibration windows"
     held_out_text = None
-    calibration_side = None
-    if args.loss == "lm" or args.kd_text == "calibration":
-        calibration_side = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
+    on_source_text = args.loss == "kd" and args.kd_text == "source"
     if args.loss == "kd":
         samples, length = args.text_samples or (32 if args.quick else 256), args.text_length or (64 if args.quick else 256)
         held_out_text, _ = cached_teacher_text(
@@ -256,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             f"mean KL(p_source || p_model) per token on 16 further rows of {length} tokens of the source's own text "
             f"(seed {args.text_seed + 1}), nats"
         )
-    if args.loss == "kd" and args.kd_text == "source":
+    if on_source_text:
         heal_ids, text_settings = cached_teacher_text(
             model, tokenizer, args.workdir, f"heal_text-{samples}x{length}-{args.text_seed}.safetensors",
             samples=samples, length=length, seed=args.text_seed, progress=True,
@@ -268,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{block}; generated in {text_settings['seconds']} s"
         )
     else:
-        heal_ids = calibration_side
+        heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
         protocol["healing_text"] = (
             f"random blocks of {block} tokens of the first 90% of the documents ({heal_ids.numel():,} tokens; "
             "the calibration side, disjoint from the evaluation windows)"
@@ -280,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size, "block": block, "tokens_per_step": args.batch_size * block,
         "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
     }  # fmt: skip
-    if args.loss == "kd" and args.kd_text == "source":
+    if on_source_text:
         healing["text"] = {k: text_settings[k] for k in ("samples", "length", "seed", "chat_share", "source")}
     elif args.loss == "kd":
         healing["text"] = "the calibration side of WikiText-2"
