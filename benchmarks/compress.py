@@ -25,7 +25,9 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - relational-fisher-metric: the relational method choosing the VO subspace and ranking the SwiGLU units by their
   error in the Fisher metric of the sublayer's output (`fisher_metric=True`) instead of the Euclidean norm;
 - relational-holdout: the relational method holding back the last 16 calibration windows to choose each layer's
-  refit (its ridge and its blend of the dense and local targets, `refit_holdout=16`), then refitting on all of them.
+  refit (its ridge and its blend of the dense and local targets, `refit_holdout=16`), then refitting on all of them;
+- relational-blend: the relational method refitting every layer's W_down to the fixed blend 0.5 of the two targets
+  (`refit_blend=0.5`, no window held back): the blend most layers chose with `relational-holdout` on both splits.
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -76,6 +78,7 @@ METHODS = (
     "relational-greedy",
     "relational-fisher-metric",
     "relational-holdout",
+    "relational-blend",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -84,6 +87,7 @@ PROJECT_OPTIONS = {
     "relational-greedy": {"mlp_order": "greedy"},
     "relational-fisher-metric": {"fisher_metric": True},
     "relational-holdout": {"refit_holdout": 16},
+    "relational-blend": {"refit_blend": 0.5},
 }
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")

@@ -14,11 +14,15 @@ process, in alternated rounds (the order flips every round, one warm-up round fi
   gauge-fixed weights assembled once; a no-op for the dense Llama); prefill_bare: the batch-1 pass as a bare
   forward call, which assembles every gauge-fixed weight at each call;
 - decode: `generate(do_sample=False)` of `--decode` new tokens (no early stop) after a `--prompt`-token prompt,
-  batch 1 (the prompt's prefill included).
+  batch 1 (the prompt's prefill included);
+- prefill_last: the batch-1 pass as `generate()` runs a prompt, with only the last position's logits
+  (`logits_to_keep=1`: the tied head, a fifth of SmolLM2's parameters and not compressed, applied to one position).
 
 Reported per case: the median over `--rounds` rounds of tokens/s by wall clock, and by the process's CPU time (all
-threads; on a machine that other jobs share, CPU time is the steadier of the two), with the load average beside them.
-The figure of merit is compressed / dense.
+threads; on a machine that other jobs share, CPU time is the steadier of the two), and the best round (the least
+disturbed; `speedup_best`), with the load average beside them. The figure of merit is compressed / dense.
+`--keep-assembled` times a third model, the compressed one keeping its assembled gauge-fixed weights between calls
+(`keep_assembled`: `generate()` then assembles nothing after its first call), in the same alternated rounds.
 
     python benchmarks/compress_speed.py                  # every level (compressions are cached in --workdir)
     python benchmarks/compress_speed.py --quick          # 2 layers, 1 level, short inputs: a minute or two
@@ -36,6 +40,7 @@ Writes results/compress_speed.json and compress_speed.png (`_curve`, `_gpu`, `_q
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import statistics
@@ -52,7 +57,7 @@ from relational_hf.modeling import weight_cache
 logger = logging.getLogger("compress_speed")
 
 LEVELS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5)
-CASES = ("prefill", "prefill_batched", "decode", "prefill_bare")
+CASES = ("prefill", "prefill_batched", "decode", "prefill_bare", "prefill_last")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,6 +82,8 @@ def measure(model, args, device: str, generator: torch.Generator) -> dict[str, t
         with weight_cache(model):  # what generate() and the project's evaluation loops enter (no-op for Llama)
             out["prefill"] = (*clocked(lambda: model(input_ids=one, use_cache=False)), one.numel())
             out["prefill_batched"] = (*clocked(lambda: model(input_ids=many, use_cache=False)), many.numel())
+            last = clocked(lambda: model(input_ids=one, use_cache=False, logits_to_keep=1))  # as generate() prefills
+            out["prefill_last"] = (*last, one.numel())
         out["decode"] = (
             *clocked(
                 lambda: model.generate(
@@ -89,13 +96,14 @@ def measure(model, args, device: str, generator: torch.Generator) -> dict[str, t
     return out
 
 
-def compare(dense, compressed, args, device: str) -> dict:
-    """Alternated rounds of dense and compressed; medians of tokens/s (wall and CPU) and their ratios."""
-    models = {"dense": dense, "compressed": compressed}
+def compare(dense, compressed, args, device: str, kept=None) -> dict:
+    """Alternated rounds of dense and compressed (and `kept`, the compressed model keeping its assembled weights,
+    when given); medians of tokens/s (wall and CPU) and their ratios to dense."""
+    models = {"dense": dense, "compressed": compressed} | ({"compressed_kept": kept} if kept is not None else {})
     samples: dict[str, list] = {name: [] for name in models}
     loads = []
     for r in range(args.rounds + 1):  # round 0 warms up (allocations, kernels, caches)
-        order = ["dense", "compressed"] if r % 2 == 0 else ["compressed", "dense"]
+        order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
             gen = torch.Generator().manual_seed(r)  # the same inputs for both models in a round
             result = measure(models[name], args, device, gen)
@@ -111,14 +119,23 @@ def compare(dense, compressed, args, device: str) -> dict:
             out[name][case] = {
                 "tokens_per_s": statistics.median(walls),
                 "tokens_per_cpu_s": statistics.median(cpus) if cpus else None,
+                "best_tokens_per_s": max(walls),  # the round least disturbed by anything else on the machine
                 "rounds": walls,
             }
-    out["speedup"] = {case: out["compressed"][case]["tokens_per_s"] / out["dense"][case]["tokens_per_s"] for case in CASES}
-    out["speedup_cpu_time"] = {
-        case: (out["compressed"][case]["tokens_per_cpu_s"] or float("nan"))
-        / (out["dense"][case]["tokens_per_cpu_s"] or float("nan"))
-        for case in CASES
-    }
+    for name, suffix in (("compressed", ""), ("compressed_kept", "_kept")):
+        if name not in out:
+            continue
+        out["speedup" + suffix] = {
+            case: out[name][case]["tokens_per_s"] / out["dense"][case]["tokens_per_s"] for case in CASES
+        }
+        out["speedup_best" + suffix] = {
+            case: out[name][case]["best_tokens_per_s"] / out["dense"][case]["best_tokens_per_s"] for case in CASES
+        }
+        out["speedup_cpu_time" + suffix] = {
+            case: (out[name][case]["tokens_per_cpu_s"] or float("nan"))
+            / (out["dense"][case]["tokens_per_cpu_s"] or float("nan"))
+            for case in CASES
+        }
     return out
 
 
@@ -131,11 +148,17 @@ def plot(payload: dict, path: Path) -> None:
     levels = sorted(payload["levels"], key=float)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, key, title in ((axes[0], "speedup", "wall clock"), (axes[1], "speedup_cpu_time", "process CPU time")):
-        for case, marker in zip(CASES, "osd^"):
-            ax.plot(
+        for case, marker in zip(CASES, "osd^v"):
+            line = ax.plot(
                 [100 * float(lv) for lv in levels], [payload["levels"][lv][key][case] for lv in levels], marker=marker,
                 label=case.replace("_", " "),
             )  # fmt: skip
+            kept = [lv for lv in levels if key + "_kept" in payload["levels"][lv]]
+            if kept and case != "prefill_bare":
+                ax.plot(
+                    [100 * float(lv) for lv in kept], [payload["levels"][lv][key + "_kept"][case] for lv in kept],
+                    marker=marker, linestyle=":", color=line[0].get_color(), label=case.replace("_", " ") + ", kept",
+                )  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(1.2, color="grey", linewidth=0.8, linestyle="--", label="target at 25%: 1.2x")
         ax.set_xlabel("stored parameters removed (%)")
@@ -164,14 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-windows", type=int, default=8, help="calibration windows of the compression (8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where compressed models are kept between runs")
+    parser.add_argument(
+        "--keep-assembled", action="store_true",
+        help="also time the compressed model keeping its assembled weights between calls (keep_assembled)",
+    )  # fmt: skip
+    parser.add_argument("--tag", default="", help="appended to the results' file name")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
         "--widths-from", type=Path, default=None, metavar="JSON",
         help="time models of the widths that benchmarks/compress.py's relational cells chose (no compression run)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tag and not args.tag.replace("_", "").replace("-", "").isalnum():
+        parser.error(f"--tag must be letters, digits, '_' or '-', got {args.tag!r}")
     name = "compress_speed" + ("_curve" if args.widths_from else "") + ("_gpu" if args.gpu else "")
-    name += "_quick" if args.quick else ""
+    name += ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     if args.plot_only:
         path = RESULTS / f"{name}.json"
         if not path.is_file():
@@ -254,7 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         compressed.set_attn_implementation(args.attn)
         dense.set_attn_implementation(args.attn)
         logger.info("level %g: %s stored parameters; timing", level, f"{info['stored_parameters']:,}")
-        result = compare(dense, compressed, args, device)
+        kept = None
+        if args.keep_assembled:
+            from relational_hf.modeling import GaugeFixedLinear
+
+            kept = copy.deepcopy(compressed)
+            for m in kept.modules():
+                if isinstance(m, GaugeFixedLinear):
+                    m.keep_assembled = True
+        result = compare(dense, compressed, args, device, kept)
+        del kept
         payload["levels"][f"{level:g}"] = info | result
         logger.info("level %g: speed-up %s (CPU time %s)", level, result["speedup"], result["speedup_cpu_time"])
         write_json(name, payload)

@@ -1,5 +1,5 @@
 """The refit of W_down chosen on held-back calibration windows (`LowRankOptions.refit_holdout`,
-`compress.truncation.choose_refit`)."""
+`compress.truncation.choose_refit`), and refitted to a fixed blend of its two targets (`LowRankOptions.refit_blend`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from relational_hf.commands.main import main
 from relational_hf.compress import LowRankOptions, compress_relational, lowrank
+from relational_hf.compress.options import DEFAULT_REFIT_BLEND
 from relational_hf.compress.truncation import REFIT_BLENDS, REFIT_RIDGES, choose_refit, mlp_refit
 from relational_hf.convert import to_relational
 from relational_hf.jobs import compress_model
@@ -98,7 +99,8 @@ def test_holdout_only_chooses_the_refit_which_then_fits_every_window(monkeypatch
     torch.manual_seed(0)
     rel = to_relational(_llama())
     ids = torch.randint(0, 64, (8, 16))
-    reference, ref_result = _compress(rel, ids, correction=correction, mlp_order=mlp_order)
+    plain = {"refit_blend": 1.0} if correction == "dense" else {}  # the target itself, as the pinned choice below
+    reference, ref_result = _compress(rel, ids, correction=correction, mlp_order=mlp_order, **plain)
     real = lowrank.choose_refit
     monkeypatch.setattr(lowrank, "choose_refit", lambda fit, held: real(fit, held, ridges=(1e-2,), blends=(1.0,)))
     pinned, result = _compress(rel, ids, correction=correction, mlp_order=mlp_order, refit_holdout=3)
@@ -110,6 +112,49 @@ def test_holdout_only_chooses_the_refit_which_then_fits_every_window(monkeypatch
     assert chosen.widths == ref_result.widths and len(chosen.refits) == 2
     blends = REFIT_BLENDS if correction == "dense" else (1.0,)
     assert all(r["ridge"] in REFIT_RIDGES and r["blend"] in blends for r in chosen.refits)
+
+
+def test_fixed_blend_interpolates_the_two_targets_refits_and_its_ends_are_the_two_corrections():
+    """`refit_blend` b refits W_down to b x the dense trajectory's step + (1 - b) x the dense MLP's output: b = 0 is
+    the local correction (whole models equal), the default is DEFAULT_REFIT_BLEND, and as the refit is linear in its
+    target, the first layer's W_down (fitted on the same stream whatever b) is b W(1) + (1 - b) W(0). Widths never
+    change."""
+    torch.manual_seed(2)
+    rel = to_relational(_llama())
+    ids = torch.randint(0, 64, (8, 16))
+    dense, r_dense = _compress(rel, ids, correction="dense", refit_blend=1.0)
+    local, r_local = _compress(rel, ids, correction="local")
+    half, r_half = _compress(rel, ids, correction="dense", refit_blend=0.25)
+    pairs = [(local, _compress(rel, ids, correction="dense", refit_blend=0.0)[0])]
+    pairs.append((_compress(rel, ids, correction="dense", refit_blend=DEFAULT_REFIT_BLEND)[0], _compress(rel, ids)[0]))
+    assert r_dense.widths == r_local.widths == r_half.widths
+    for reference, model in pairs:
+        for a, b in zip(reference.state_dict().values(), model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    down = [m.model.layers[0].mlp.down_proj.weight.detach() for m in (local, dense, half)]
+    torch.testing.assert_close(down[2], 0.75 * down[0] + 0.25 * down[1], rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(down[0], down[1], atol=1e-4)  # the two targets do differ here
+    second = [m.model.layers[1].mlp.down_proj.weight.detach() for m in (local, dense, half)]
+    assert not torch.allclose(second[2], 0.75 * second[0] + 0.25 * second[1], atol=1e-6)  # later layers: other streams
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"refit_blend": 1.5}, "refit_blend"),
+        ({"refit_blend": -0.1}, "refit_blend"),
+        ({"refit_blend": True}, "refit_blend"),
+        ({"refit_blend": "0.5"}, "refit_blend"),
+        ({"refit_blend": 0.5, "refit_holdout": 2}, "no `refit_holdout`"),
+        ({"refit_blend": 1.0, "correction": "local"}, "needs correction 'dense'"),
+        ({"refit_blend": 0.5, "correction": "none"}, "needs correction 'dense'"),
+    ],
+)
+def test_bad_refit_blends_are_refused_in_one_line(options, match):
+    model = _llama()
+    ids = torch.randint(0, 64, (6, 16))
+    with pytest.raises(ValueError, match=match):
+        compress_model(model, None, remove=0.1, calibration=ids, **options)
 
 
 def test_holdout_reaches_the_report_and_bad_values_are_refused():
@@ -151,3 +196,23 @@ def test_cli_refit_holdout_is_recorded_and_bad_values_are_refused(tmp_path, caps
     assert main(args) != 0
     err = capsys.readouterr().err
     assert "refit_holdout" in err and "Traceback" not in err and not out.exists()
+
+
+def test_cli_refit_blend_reaches_the_options_and_bad_combinations_are_refused(tmp_path, capsys, byte_llama_checkpoint):
+    """`compress --refit-blend B` reaches the compression's options (recorded in the report); a value outside [0, 1],
+    or a blend where no blended refit happens (another correction, a held-back choice, the slice method), is refused
+    in one line naming the flag, and OUT is not written."""
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    base = ["compress", str(byte_llama_checkpoint), "--remove", "0.1", "--calibration", str(text), "--window", "32",
+            "--calibration-windows", "4", "--no-stream"]  # fmt: skip
+    assert main([*base[:2], str(tmp_path / "out"), *base[2:], "--refit-blend", "0.25"]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "compression_report.json").read_text())
+    assert report["options"]["refit_blend"] == report["options"]["refit_target_blend"] == 0.25
+    bad = (["1.5"], ["-0.5"], ["0.5", "--correction", "local"], ["0.5", "--refit-holdout", "1"],
+           ["0.5", "--method", "slice"])  # fmt: skip
+    for i, extra in enumerate(bad):
+        out = tmp_path / f"bad{i}"
+        assert main([*base[:2], str(out), *base[2:], "--refit-blend", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "--refit-blend" in err and "Traceback" not in err and not out.exists()

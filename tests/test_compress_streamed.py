@@ -43,17 +43,18 @@ OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
 
 
 @pytest.mark.parametrize(
-    ("tied", "sensitivity", "correction", "mlp_order", "holdout"),
+    ("tied", "sensitivity", "correction", "mlp_order", "refit"),
     [
-        (True, "fisher", "local", "score", 0),
-        (False, "fisher", "dense", "score", 0),
-        (True, "token", "local", "score", 0),
-        (False, "relative", "none", "score", 0),
-        (True, "fisher", "local", "greedy", 0),
-        (True, "fisher", "dense", "score", 2),
+        (True, "fisher", "local", "score", {}),
+        (False, "fisher", "dense", "score", {}),
+        (True, "token", "local", "score", {}),
+        (False, "relative", "none", "score", {}),
+        (True, "fisher", "local", "greedy", {}),
+        (True, "fisher", "dense", "score", {"refit_holdout": 2}),
+        (False, "fisher", "dense", "score", {"refit_blend": 0.5}),
     ],
 )
-def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, holdout):
+def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, refit):
     """From a Llama checkpoint on disk, the layer-streamed compression chooses the same widths as the in-memory
     `compress_model` and its saved model computes the same logits (float tolerance); the stored count and the
     calibration perplexities of its report agree too, and so do the refits chosen on held-back windows."""
@@ -61,14 +62,14 @@ def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_
     src = tmp_path / "src"
     model.save_pretrained(src)
     ids = _ids()
-    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction, mlp_order=mlp_order, refit_holdout=holdout)
+    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction, mlp_order=mlp_order, **refit)
     ref, ref_report = compress_model(model, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
     out = tmp_path / "out"
     report = compress_checkpoint(src, out, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
     assert report["widths"] == ref_report["widths"]
     assert [(r["ridge"], r["blend"]) for r in report.get("refits", [])] == [
         (r["ridge"], r["blend"]) for r in ref_report.get("refits", [])
-    ] and len(report.get("refits", [])) == (3 if holdout else 0)
+    ] and len(report.get("refits", [])) == (3 if refit.get("refit_holdout") else 0)
     assert report["parameters_after"] == ref_report["parameters_after"] <= report["parameters_budget"]
     assert report["parameters_before"] == ref_report["parameters_before"]
     for key in ("calibration_perplexity_before", "calibration_perplexity_after"):

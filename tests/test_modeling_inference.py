@@ -81,6 +81,30 @@ def test_inference_assembles_each_weight_once_and_computes_the_same_logits(monke
     torch.testing.assert_close(second, reference, rtol=0, atol=0)
 
 
+def test_successive_generate_calls_reuse_kept_weights_only_when_keeping(monkeypatch):
+    """`generate` enters `weight_cache`: leaving it drops the assembled weights of a model that does not keep them
+    (the next call assembles every weight again), and keeps those of a model that does (the next call assembles
+    nothing). The greedy continuations are the same either way."""
+    model = compressed_shape_model()
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    calls = []
+    original = GaugeFixedLinear._assemble
+    monkeypatch.setattr(GaugeFixedLinear, "_assemble", lambda self: calls.append(self) or original(self))
+
+    def generate():
+        return model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    n = len(gauge_modules(model))
+    plain = [generate(), generate()]
+    assert len(calls) == 2 * n  # each call assembles every weight once
+    keeping(model)
+    calls.clear()
+    kept = [generate(), generate()]
+    assert len(calls) == n  # the first call assembles, the second reuses
+    for a, b in zip(plain, kept):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused", "sgd"])
 def test_kept_weights_are_never_stale_after_an_optimizer_step(optimizer):
     """Inference, then a training step taken in EVAL mode (fused AdamW does not bump version counters), then

@@ -169,6 +169,7 @@ PositiveFloat = Annotated[float, positive_float]
 NonNegativeFloat = Annotated[float, nonnegative_float]
 OpenFraction = Annotated[float, fraction_open]
 Fraction = Annotated[float, fraction_closed_open]
+Share = Annotated[float, float_in(0.0, 1.0)]  # [0, 1]
 Length = Annotated[int, int_at_least(2)]
 NonEmptyStr = Annotated[str, nonempty_str]
 TextPath = Annotated[str, TextFile()]
@@ -410,6 +411,7 @@ __all__ = [
     "OpenFraction",
     "PositiveFloat",
     "PositiveInt",
+    "Share",
     "StreamOptions",
     "TextFile",
     "TextPath",

@@ -17,7 +17,7 @@ and `training`, and imports none of them. The job that converts, compresses and 
 
 from .baselines import prune_to_target, slicegpt, wanda_feature_norms
 from .eval import ModelGrewError, check_not_grown, perplexity_on_windows, stored_parameters, text_windows
-from .lowrank import LowRankOptions, compress_relational, plan_widths, qk_pair_scores, qk_truncate, vo_truncate
+from .lowrank import compress_relational, plan_widths, qk_pair_scores, qk_truncate, vo_truncate
 from .ops import (
     COMPRESSION_SETTINGS,
     compress_weights,
@@ -27,6 +27,7 @@ from .ops import (
     pruning_mask,
     quantize_weights,
 )
+from .options import LowRankOptions
 from .slicing import SliceReport, principal_basis, residual_covariance, slice_relational
 
 __all__ = [

@@ -15,7 +15,8 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
 - MLP: the scale gauge (w_up,i c, w_down,i / c) leaves a_i = sqrt(E z_i^2) ||w_down,i|| invariant: units with the
   smallest a_i go; W_down of the kept units S is refitted by least squares, W_down' = argmin ||Z_S W - Y||^2 with Y
   the dense MLP output (`local`) or the dense trajectory's residual target (`dense`, which also absorbs the error
-  of everything compressed before it) (`mlp_truncate`).
+  of everything compressed before it; by default blended half and half with the local target, `refit_blend`)
+  (`mlp_truncate`).
 - Budget: a first pass over the dense model measures, per layer and kind, the error added to the residual stream
   (relative to its energy) at a grid of widths; a Lagrangian choice then minimises the summed (optionally
   loss-sensitivity weighted) error at the requested stored size (`plan_widths`). A second pass compresses layer by
@@ -28,7 +29,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
 from ..shards import release as release_layer
 from .budget import KINDS, WidthOption, check_budget, fixed_parameters, layer_kind_parameters, plan_widths, width_grid
+from .options import SENSITIVITIES, LowRankOptions, LowRankResult, _check  # noqa: F401  (public here too)
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _attention_output,
@@ -63,8 +65,6 @@ from .truncation import (  # noqa: F401  (public here too)
 )
 
 logger = logging.getLogger(__name__)
-
-SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,55 +100,6 @@ def _weighted_energy(e: torch.Tensor, token_weights: torch.Tensor | None) -> flo
     return float(per_token.sum() if token_weights is None else (per_token * token_weights).sum())
 
 
-@dataclass
-class LowRankOptions:
-    """Settings of `compress_relational` (see its docstring)."""
-
-    qk_step: int = 2  # pairs per grid step (rank step 2 * qk_step)
-    vo_step: int = 4
-    mlp_step: int = 64
-    min_qk_pairs: int = 2
-    min_vo_rank: int = 4
-    min_mlp_units: int = 64
-    plan_windows: int = 8  # calibration windows used to measure the error curves
-    batch_size: int = 4
-    # MLP down-projection refit target: "dense" (the dense model's next hidden states: also absorbs the error of all
-    # compressed before it; best with 128 windows), "local" (dense MLP output; better with 16 windows) or "none"
-    correction: str = "dense"
-    ridge: float = 1e-2  # relative ridge of the refit: 1e-2 generalised better than 1e-3 on SmolLM2 (held-out text)
-    vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
-    kinds: tuple[str, ...] = KINDS
-    # error currency of the plan: "fisher" (the predicted KL of the model's next-token distributions, from sampled
-    # Fisher directions: one currency for every layer and kind, `compress.sensitivity`), "token" (each token's error
-    # relative to its residual energy, what the next norm sees), "relative" (error / total residual energy of the
-    # layer output) or "uniform" (plain error energy)
-    sensitivity: str = "fisher"
-    fisher_samples: int = 2  # label sets sampled per window for the Fisher directions (sensitivity="fisher")
-    # with sensitivity="fisher": choose the VO subspace and rank the SwiGLU units by their error in the Fisher metric
-    # of the sublayer's output (what the rest of the model reads) instead of the Euclidean norm
-    fisher_metric: bool = False
-    layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
-    # order in which SwiGLU units are kept: "score" (each unit's balanced importance alone, `mlp_unit_scores`) or
-    # "greedy" (forward selection for the refit, `greedy_unit_order`: sees the correlations between units; one more
-    # d_ff x d_ff float64 matrix and O(d_ff^3) work per layer)
-    mlp_order: str = "score"
-    # calibration windows (the last ones) held back to choose each layer's refit: its ridge and its blend of the dense
-    # and local targets, by the error on them (`truncation.choose_refit`); the refit then uses every window
-    refit_holdout: int = 0
-
-
-@dataclass
-class LowRankResult:
-    """What `compress_relational` chose and measured."""
-
-    widths: dict[str, list[int]] = field(default_factory=dict)
-    planned_parameters: int = 0
-    budget: int = 0
-    plan_seconds: float = 0.0
-    compress_seconds: float = 0.0
-    refits: list[dict[str, float]] = field(default_factory=list)  # per layer, with refit_holdout: `choose_refit`
-
-
 def _batches(n: int, size: int):
     for i in range(0, n, size):
         yield slice(i, min(n, i + size))
@@ -168,27 +119,6 @@ def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> Re
     if not config.tie_word_embeddings:
         new.lm_head.weight.copy_(model.lm_head.weight)
     return new
-
-
-def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOptions) -> None:
-    """ValueError in one line for options, a model or calibration ids the compression cannot take (both paths)."""
-    if opts.sensitivity not in SENSITIVITIES:
-        raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
-    if opts.mlp_order not in ("score", "greedy"):
-        raise ValueError(f"`mlp_order` must be 'score' or 'greedy', got {opts.mlp_order!r}")
-    if opts.correction not in ("dense", "local", "none"):
-        raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
-    held = opts.refit_holdout
-    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
-        raise ValueError(f"`refit_holdout` must be a number of calibration windows >= 0, got {held!r}")
-    if held and opts.correction == "none":
-        raise ValueError("`refit_holdout` chooses the refit of W_down: it needs correction 'dense' or 'local'")
-    if held and isinstance(calibration, torch.Tensor) and held >= calibration.shape[0]:
-        raise ValueError(f"`refit_holdout` ({held}) must leave windows to fit on (of {calibration.shape[0]})")
-    if config.value_parallel_removal:
-        raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
-    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
-        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got {getattr(calibration, 'shape', None)}")
 
 
 def _positions(config: RelationalConfig, t: int, dtype: torch.dtype = torch.float32, device=None):
@@ -390,7 +320,8 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blo
 def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
     """Per batch of the calibration `windows`: Z (tokens, d_ff) the SwiGLU units on the compressed stream h_mid, Z
     times the tokens' weights (the plan's sensitivity), the refit's target Y (tokens, d: the dense trajectory's step
-    with `dense_out`, else the dense MLP's output) and the weighted energy of Y; Z, Y in fp32."""
+    with `dense_out`, blended with the dense MLP's output by `refit_blend`, else the dense MLP's output alone) and the
+    weighted energy of Y; Z, Y in fp32."""
     f, d = m["down"].shape[1], h_mid.shape[-1]
     for b in _batches(len(windows), opts.batch_size):
         s = slice(windows.start + b.start, windows.start + b.stop)
@@ -399,6 +330,8 @@ def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
         tw = _token_weights(h_mid[s], opts.sensitivity)
         tw = None if tw is None else tw.reshape(-1, 1).float()
         y = F.linear(z, m["down"].float()) if dense_out is None else (dense_out[s] - h_mid[s]).reshape(-1, d).float()
+        if dense_out is not None and opts.target_blend() != 1:  # blended per token: no statistics beyond the refit's
+            y = opts.target_blend() * y + (1 - opts.target_blend()) * F.linear(z, m["down"].float())
         yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
 
 

@@ -39,24 +39,10 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRMSNorm
 from ..params import stored_parameters
 from ..shards import ShardWriter, open_checkpoint, trim_heap
-from .lowrank import (
-    KINDS,
-    ErrorCurves,
-    LowRankOptions,
-    LowRankResult,
-    WidthOption,
-    _batches,
-    _positions,
-    check_budget,
-    compress_layer,
-    compressed_config,
-    fixed_parameters,
-    layer_error_curves,
-    plan,
-)
-from .lowrank import (
-    _check as check_options,
-)
+from .budget import KINDS, WidthOption, check_budget, fixed_parameters
+from .lowrank import ErrorCurves, _batches, _positions, compress_layer, compressed_config, layer_error_curves, plan
+from .options import LowRankOptions, LowRankResult
+from .options import _check as check_options
 from .sensitivity import head_label_gradients, layer_fisher_step
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compress.budget import KINDS
 from ..compress.distill import TEXT_OPTIONS, teacher_text
-from ..compress.lowrank import KINDS, LowRankOptions, compress_relational
+from ..compress.lowrank import compress_relational
+from ..compress.options import LowRankOptions
 from ..compress.slicing import slice_relational
 from ..convert.relational import to_relational
 from ..lm.metrics import perplexity
@@ -165,7 +167,7 @@ def compress_model(
         report["compress_seconds"] = round(result.compress_seconds, 2)
         if result.refits:
             report["refits"] = result.refits
-        report["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()}
+        report["options"] = opts.as_report()
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
@@ -244,7 +246,7 @@ def compress_checkpoint(
     time too: eval_perplexity_before/after); report_extra: entries added to the report; options: the fields of
     `LowRankOptions` except `fisher_metric`. No healing (it trains the whole model): heal the result in memory if it
     fits. Returns the report (also in the folder), with per-layer seconds and the peak resident memory."""
-    from ..compress.lowrank import LowRankOptions
+    from ..compress.options import LowRankOptions
     from ..compress.streamed import RelationalCheckpointLayers, compress_streamed, streamed_perplexity
     from ..convert.streaming import _copy_tokenizer, _write_metadata
     from ..outputs import check_new_output, write_new_output
@@ -289,7 +291,7 @@ def compress_checkpoint(
             plan_seconds=round(result.plan_seconds, 2),
             compress_seconds=round(result.compress_seconds, 2),
             **({"refits": result.refits} if result.refits else {}),
-            options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+            options=opts.as_report(),
             **streamed,
         )
         report["removed_share"] = 1.0 - report["parameters_after"] / source.stored_parameters

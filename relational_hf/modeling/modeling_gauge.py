@@ -474,7 +474,9 @@ class GaugeFixedLinear(nn.Module):
 def weight_cache(model: nn.Module) -> Iterator[None]:
     """Within the context, every GaugeFixedLinear of `model` keeps its assembled weight between calls without autograd
     (decoding reads one weight per step, like a plain Linear). Use it only where the weights do not change: edits made
-    through `.data` inside the context are not seen. `generate` enters it."""
+    through `.data` inside the context are not seen. `generate` enters it. On leaving, the assembled weights are
+    dropped, except those of modules that keep them for inference anyway (`keep_assembled`), so successive
+    `generate` calls of such a model assemble nothing again."""
     modules = [m for m in model.modules() if isinstance(m, GaugeFixedLinear)]
     previous = [m._cache_assembled for m in modules]
     for m in modules:
@@ -484,7 +486,7 @@ def weight_cache(model: nn.Module) -> Iterator[None]:
     finally:
         for m, was in zip(modules, previous):
             m._cache_assembled = was
-            if not was:
+            if not (was or m.keep_assembled):  # a module that keeps its weight for inference keeps it past the context
                 m._drop_caches()
 
 

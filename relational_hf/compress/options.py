@@ -1,0 +1,108 @@
+"""The settings of the relational compression (`LowRankOptions`), what it reports (`LowRankResult`) and their
+validation, shared by the in-memory (`compress.lowrank`) and streamed (`compress.streamed`) paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..modeling import RelationalConfig
+from .budget import KINDS
+
+SENSITIVITIES = ("fisher", "token", "relative", "uniform")
+DEFAULT_REFIT_BLEND = 0.5  # the blend most layers chose on held-back windows (refit_holdout), on both splits
+
+
+@dataclass
+class LowRankOptions:
+    """Settings of `compress_relational` (see its docstring)."""
+
+    qk_step: int = 2  # pairs per grid step (rank step 2 * qk_step)
+    vo_step: int = 4
+    mlp_step: int = 64
+    min_qk_pairs: int = 2
+    min_vo_rank: int = 4
+    min_mlp_units: int = 64
+    plan_windows: int = 8  # calibration windows used to measure the error curves
+    batch_size: int = 4
+    # MLP down-projection refit target: "dense" (the dense model's next hidden states: also absorbs the error of all
+    # compressed before it; best with 128 windows), "local" (dense MLP output; better with 16 windows) or "none"
+    correction: str = "dense"
+    ridge: float = 1e-2  # relative ridge of the refit: 1e-2 generalised better than 1e-3 on SmolLM2 (held-out text)
+    vo_weighting: str = "mixed"  # VO weighting: "mixed" (attention-mixed values) or "input" (C = X^T X)
+    kinds: tuple[str, ...] = KINDS
+    # error currency of the plan: "fisher" (the predicted KL of the model's next-token distributions, from sampled
+    # Fisher directions: one currency for every layer and kind, `compress.sensitivity`), "token" (each token's error
+    # relative to its residual energy, what the next norm sees), "relative" (error / total residual energy of the
+    # layer output) or "uniform" (plain error energy)
+    sensitivity: str = "fisher"
+    fisher_samples: int = 2  # label sets sampled per window for the Fisher directions (sensitivity="fisher")
+    # with sensitivity="fisher": choose the VO subspace and rank the SwiGLU units by their error in the Fisher metric
+    # of the sublayer's output (what the rest of the model reads) instead of the Euclidean norm
+    fisher_metric: bool = False
+    layer_weights: list[float] | None = None  # optional per-layer loss sensitivities multiplying the errors
+    # order in which SwiGLU units are kept: "score" (each unit's balanced importance alone, `mlp_unit_scores`) or
+    # "greedy" (forward selection for the refit, `greedy_unit_order`: sees the correlations between units; one more
+    # d_ff x d_ff float64 matrix and O(d_ff^3) work per layer)
+    mlp_order: str = "score"
+    # calibration windows (the last ones) held back to choose each layer's refit: its ridge and its blend of the dense
+    # and local targets, by the error on them (`truncation.choose_refit`); the refit then uses every window
+    refit_holdout: int = 0
+    # correction "dense" without refit_holdout: the refit's target is b x the dense trajectory's step + (1 - b) x the
+    # dense MLP's output on the compressed stream (the local target); None: DEFAULT_REFIT_BLEND (`target_blend`)
+    refit_blend: float | None = None
+
+    def as_report(self) -> dict:
+        """The settings as the compression report records them (JSON types), with the blend the refit used."""
+        fields = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
+        return fields | {"refit_target_blend": self.target_blend()}
+
+    def target_blend(self) -> float:
+        """The share b of the dense trajectory's step in the refit's target: `refit_blend` (default
+        DEFAULT_REFIT_BLEND) with correction "dense", 1 with "local" or "none" (one target) and with `refit_holdout`
+        (which chooses b per layer)."""
+        if self.correction != "dense" or self.refit_holdout:
+            return 1.0
+        return DEFAULT_REFIT_BLEND if self.refit_blend is None else float(self.refit_blend)
+
+
+@dataclass
+class LowRankResult:
+    """What `compress_relational` chose and measured."""
+
+    widths: dict[str, list[int]] = field(default_factory=dict)
+    planned_parameters: int = 0
+    budget: int = 0
+    plan_seconds: float = 0.0
+    compress_seconds: float = 0.0
+    refits: list[dict[str, float]] = field(default_factory=list)  # per layer, with refit_holdout: `choose_refit`
+
+
+def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOptions) -> None:
+    """ValueError in one line for options, a model or calibration ids the compression cannot take (both paths)."""
+    if opts.sensitivity not in SENSITIVITIES:
+        raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
+    if opts.mlp_order not in ("score", "greedy"):
+        raise ValueError(f"`mlp_order` must be 'score' or 'greedy', got {opts.mlp_order!r}")
+    if opts.correction not in ("dense", "local", "none"):
+        raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
+    held = opts.refit_holdout
+    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+        raise ValueError(f"`refit_holdout` must be a number of calibration windows >= 0, got {held!r}")
+    if held and opts.correction == "none":
+        raise ValueError("`refit_holdout` chooses the refit of W_down: it needs correction 'dense' or 'local'")
+    b = opts.refit_blend
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0):
+        raise ValueError(f"`refit_blend` must be a share in [0, 1] (or None: the default), got {b!r}")
+    if b is not None and (held or opts.correction != "dense"):
+        raise ValueError(
+            "`refit_blend` blends the dense trajectory's target with the local one: it needs correction 'dense' and "
+            "no `refit_holdout` (which chooses the blend itself)"
+        )
+    if held and isinstance(calibration, torch.Tensor) and held >= calibration.shape[0]:
+        raise ValueError(f"`refit_holdout` ({held}) must leave windows to fit on (of {calibration.shape[0]})")
+    if config.value_parallel_removal:
+        raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
+        raise ValueError(f"`calibration` must be token ids (N, T) with T >= 2, got {getattr(calibration, 'shape', None)}")

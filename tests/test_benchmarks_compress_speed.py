@@ -1,0 +1,50 @@
+"""`benchmarks/compress_speed.py`: the speed-ups are the ratios of the rounds' medians (and of their best rounds) to
+the dense model's, for every model timed, the rounds alternate their order, and a bad `--tag` is refused in one line
+before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import pytest
+from conftest import benchmark_modules
+
+
+@pytest.fixture(scope="module")
+def speed():
+    with benchmark_modules("compress_speed") as (module,):
+        yield module
+
+
+def test_speedups_are_ratios_of_medians_and_of_best_rounds_for_every_model(speed, monkeypatch):
+    walls = {"dense": [4.0, 2.0, 3.0], "compressed": [2.0, 1.0, 4.0], "compressed_kept": [1.0, 2.0, 2.0]}
+    calls = []
+
+    def fake_measure(model, args, device, generator):
+        calls.append(model)
+        r = sum(1 for m in calls if m == model) - 2  # the first call of each model is the warm-up round
+        wall = walls[model][max(r, 0)]
+        return {case: (wall, 2 * wall, 8) for case in speed.CASES}
+
+    monkeypatch.setattr(speed, "measure", fake_measure)
+    monkeypatch.setattr(speed, "load_average", lambda: (0.0, 0.0, 0.0))
+    out = speed.compare("dense", "compressed", argparse.Namespace(rounds=3), "cpu", kept="compressed_kept")
+    assert calls[:3] == ["dense", "compressed", "compressed_kept"] and calls[3:6] == calls[2::-1]
+    for name, suffix in (("compressed", ""), ("compressed_kept", "_kept")):
+        for case in speed.CASES:
+            median = statistics.median(8 / w for w in walls[name]) / statistics.median(8 / w for w in walls["dense"])
+            best = max(8 / w for w in walls[name]) / max(8 / w for w in walls["dense"])
+            assert out["speedup" + suffix][case] == pytest.approx(median)
+            assert out["speedup_best" + suffix][case] == pytest.approx(best)
+            assert out["speedup_cpu_time" + suffix][case] == pytest.approx(median)
+    calls.clear()
+    plain = speed.compare("dense", "compressed", argparse.Namespace(rounds=1), "cpu")
+    assert "compressed_kept" not in plain and "speedup_kept" not in plain
+
+
+@pytest.mark.parametrize("tag", ["../x", "a/b", "x y"])
+def test_a_tag_that_is_not_a_plain_name_is_refused(speed, tag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        speed.main(["--tag", tag])
+    assert exit_info.value.code == 2 and "--tag" in capsys.readouterr().err
