@@ -323,15 +323,17 @@ def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
     with `dense_out`, blended with the dense MLP's output by `refit_blend`, else the dense MLP's output alone) and the
     weighted energy of Y; Z, Y in fp32."""
     f, d = m["down"].shape[1], h_mid.shape[-1]
+    down = m["down"].float()
+    blend = opts.target_blend()  # share of the dense trajectory's step in the target (with dense_out)
     for b in _batches(len(windows), opts.batch_size):
         s = slice(windows.start + b.start, windows.start + b.stop)
         xm = norm(h_mid[s])
         z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
         tw = _token_weights(h_mid[s], opts.sensitivity)
         tw = None if tw is None else tw.reshape(-1, 1).float()
-        y = F.linear(z, m["down"].float()) if dense_out is None else (dense_out[s] - h_mid[s]).reshape(-1, d).float()
-        if dense_out is not None and opts.target_blend() != 1:  # blended per token: no statistics beyond the refit's
-            y = opts.target_blend() * y + (1 - opts.target_blend()) * F.linear(z, m["down"].float())
+        y = F.linear(z, down) if dense_out is None else (dense_out[s] - h_mid[s]).reshape(-1, d).float()
+        if dense_out is not None and blend != 1.0:  # blended per token: no statistics beyond the refit's own
+            y = blend * y + (1 - blend) * F.linear(z, down)
         yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
 
 
