@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.workdir is None:
         parser.error("--workdir is required (where the texts, OUT and the timing are kept)")
+    if args.control_from and not (RESULTS / f"{args.control_from}.json").is_file():  # before any model or text loads
+        parser.error(f"--control-from {args.control_from}: no results/{args.control_from}.json")
     from relational_hf.pretrained import smollm2_checkpoint
 
     src = Path(smollm2_checkpoint())

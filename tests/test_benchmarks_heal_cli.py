@@ -52,15 +52,22 @@ def test_other_inputs_are_refused_naming_what_differs(heal_cli, report, change, 
         heal_cli._reused_control(EARLIER, report)
 
 
-def test_command_line_refuses_a_missing_result_in_one_line(heal_cli, tmp_path, capsys):
+def test_command_line_refuses_a_missing_result_in_one_line_before_anything_loads(
+    heal_cli, tmp_path, capsys, monkeypatch
+):
+    import relational_hf.pretrained
+
+    def no_load():
+        raise AssertionError("the source checkpoint was loaded before --control-from was checked")
+
+    monkeypatch.setattr(relational_hf.pretrained, "smollm2_checkpoint", no_load)
     (tmp_path / "compressed").mkdir()
     (tmp_path / "command.json").write_text("{}")
     (tmp_path / "compressed" / "compression_report.json").write_text(json.dumps({"heal": {}}))
-    for name in ("wikitext2_first90.txt", "wikitext2_last10.txt"):
-        (tmp_path / name).write_text("x")
     with pytest.raises(SystemExit):
         heal_cli.main(["--workdir", str(tmp_path), "--reuse", "--control-from", "no_such_result"])
     assert "--control-from no_such_result" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["command.json", "compressed"]  # nothing written
 
 
 @pytest.mark.parametrize("correction", [None, "local"])

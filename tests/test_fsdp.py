@@ -175,7 +175,7 @@ def test_fsdp_trainer_matches_one_process_with_projection_and_suppression(fsdp_r
     assert run["projected_steps"] == STEPS and run["vertical_share"] > 1e-3  # AdamW steps have a vertical part
     single = _train(tmp_path / "single", per_device_batch=8, fsdp=False)
     single_weights = _flat(_named_full(single.model))
-    torch.testing.assert_close(_flat(run["weights"]), single_weights, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(_flat(run["weights"]), single_weights, rtol=1e-4, atol=1e-5)
     # the projection acted: the same run without it ends far from both
     unprojected = _flat(_named_full(_train(tmp_path / "none", per_device_batch=8, fsdp=False, projection="none").model))
     assert (unprojected - single_weights).abs().max() > 100 * 1e-6
@@ -211,7 +211,7 @@ def test_projected_optimizer_on_fully_shard_parameters_takes_the_one_process_ste
     ids, labels = _fixed_batch()
     optimizer = _direct_steps(model, ids, labels)
     assert optimizer.projected_steps == run["projected_steps"] == 2
-    torch.testing.assert_close(_flat(run["weights"]), _flat(_named_full(model)), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(_flat(run["weights"]), _flat(_named_full(model)), rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
