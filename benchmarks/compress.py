@@ -29,7 +29,9 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - relational-blend: the relational method refitting every layer's W_down to the fixed blend 0.5 of the two targets
   (`refit_blend=0.5`, no window held back): the blend most layers chose with `relational-holdout` on both splits;
 - relational-ridge3e-3: the default (blend 0.5) with the refit's relative ridge 3e-3 instead of 1e-2 (`ridge=3e-3`),
-  the ridge `relational-holdout` chose most often.
+  the ridge `relational-holdout` chose most often;
+- relational-refine: the default, then 4 epochs of Adam (3e-4) on each layer's kept SwiGLU maps against the refit's
+  own target, the epoch kept by the error on the last eighth of the calibration windows (`refine_epochs=4`).
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -82,6 +84,7 @@ METHODS = (
     "relational-holdout",
     "relational-blend",
     "relational-ridge3e-3",
+    "relational-refine",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -92,6 +95,7 @@ PROJECT_OPTIONS = {
     "relational-holdout": {"refit_holdout": 16},
     "relational-blend": {"refit_blend": 0.5},
     "relational-ridge3e-3": {"ridge": 3e-3},
+    "relational-refine": {"refine_epochs": 4},
 }
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")

@@ -52,12 +52,14 @@ OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
         (True, "fisher", "local", "greedy", {}),
         (True, "fisher", "dense", "score", {"refit_holdout": 2}),
         (False, "fisher", "dense", "score", {"refit_blend": 0.5}),
+        (True, "fisher", "dense", "score", {"refine_epochs": 4, "refine_lr": 1e-3}),
     ],
 )
 def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, refit):
     """From a Llama checkpoint on disk, the layer-streamed compression chooses the same widths as the in-memory
     `compress_model` and its saved model computes the same logits (float tolerance); the stored count and the
-    calibration perplexities of its report agree too, and so do the refits chosen on held-back windows."""
+    calibration perplexities of its report agree too, and so do the refits chosen on held-back windows and the
+    epochs the refinement kept."""
     model = _llama(tied)
     src = tmp_path / "src"
     model.save_pretrained(src)
@@ -67,9 +69,10 @@ def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_
     out = tmp_path / "out"
     report = compress_checkpoint(src, out, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
     assert report["widths"] == ref_report["widths"]
-    assert [(r["ridge"], r["blend"]) for r in report.get("refits", [])] == [
-        (r["ridge"], r["blend"]) for r in ref_report.get("refits", [])
-    ] and len(report.get("refits", [])) == (3 if refit.get("refit_holdout") else 0)
+    chosen = ("ridge", "blend", "refine_epoch")
+    assert [[r.get(k) for k in chosen] for r in report.get("refits", [])] == [
+        [r.get(k) for k in chosen] for r in ref_report.get("refits", [])
+    ] and len(report.get("refits", [])) == (3 if refit else 0) - (refit.get("refit_blend") is not None) * 3
     assert report["parameters_after"] == ref_report["parameters_after"] <= report["parameters_budget"]
     assert report["parameters_before"] == ref_report["parameters_before"]
     for key in ("calibration_perplexity_before", "calibration_perplexity_after"):

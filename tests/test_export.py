@@ -188,3 +188,20 @@ def test_smollm2_first_layers_round_trip(smollm2_dir):
             want = invariants
     for got, ref in zip(invariants, want, strict=True):
         assert torch.allclose(got, ref, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_float32_rounding_past_the_tolerance_is_decided_in_float64_and_a_real_error_is_refused(monkeypatch):
+    """An export whose float32 logits miss the tolerance (here by a whole unit added to what float32 measured) is verified on float64 copies (noted in
+    the report); one that really differs is refused after that check too."""
+    import relational_hf.convert.export as export
+
+    model = _relational(num_key_value_heads=2)
+    real = export.max_logit_difference
+    monkeypatch.setattr(export, "max_logit_difference", lambda a, b, **kw: real(a, b, **kw) + 1.0)
+    llama, report = to_llama(model, return_report=True)
+    assert report.max_logit_difference <= 1e-4 and any("float64" in note for note in report.notes)
+    assert _max_diff(model, llama, _ids()) < 1e-5
+
+    monkeypatch.setattr(export, "float64_logit_difference", lambda *a, **kw: (1.0, 1.0, 1.0))
+    with pytest.raises(ExportError, match="differ"):
+        to_llama(model)

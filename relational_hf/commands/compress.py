@@ -117,6 +117,15 @@ class CompressOptions:
         "53.4 instead of 54.8 with 1, 29.0 instead of 29.5 on the reverse split); --refit-holdout chooses it per layer",
         metavar="B",
     )
+    refine_epochs: NonNegativeInt = option(
+        0,
+        "after each layer's MLP refit: epochs of Adam on its kept gate/up/down maps against the refit's own target, "
+        "the epoch kept by its error on the last eighth of the calibration windows (0: the closed-form refit alone; "
+        "on SmolLM2 at 25%%, 4 epochs: held-out perplexity 51.8 instead of 53.4, 28.3 instead of 29.0 on the reverse "
+        "split, for about 11 s more a layer on 2 cores and two more copies of the calibration hidden states)",
+        metavar="N",
+    )
+    refine_lr: OpenFraction = option(3e-4, "learning rate of --refine-epochs", metavar="LR")
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
 
 
@@ -202,6 +211,12 @@ def check(args: CompressArguments) -> None:
             f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on "
             f"(--calibration-windows {args.calibration_windows})"
         )
+    if args.refine_epochs and args.method != "relational":
+        raise UsageError("--refine-epochs applies to --method relational (the slice method refits nothing)")
+    if args.refine_lr != 3e-4 and not args.refine_epochs:
+        raise UsageError("--refine-lr sets the learning rate of --refine-epochs N (N >= 1)")
+    if args.refine_epochs and args.calibration_windows < 2:
+        raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
     args.stream = args.stream_chosen()
@@ -277,7 +292,8 @@ def _run(args: CompressArguments, lock) -> int:
         eval_before = perplexity(model, evaluation, progress=True)
     options = (
         {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
-         "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend}
+         "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
+         "refine_epochs": args.refine_epochs, "refine_lr": args.refine_lr}
         if args.method == "relational"
         else {}
     )
@@ -337,7 +353,7 @@ def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, eval
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
         mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
-        report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
+        refine_epochs=args.refine_epochs, refine_lr=args.refine_lr, report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
     )
     summary = (
         f"compressed {args.src} one layer at a time: {report['parameters_before']:,} -> {report['parameters_after']:,} "

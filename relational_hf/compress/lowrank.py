@@ -26,6 +26,7 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from ..modeling.modeling_relational import RelationalRotaryEmbedding
 from ..shards import release as release_layer
 from .budget import KINDS, WidthOption, check_budget, fixed_parameters, layer_kind_parameters, plan_widths, width_grid
 from .options import SENSITIVITIES, LowRankOptions, LowRankResult, _check  # noqa: F401  (public here too)
+from .refine import refine_mlp
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _attention_output,
@@ -337,6 +339,22 @@ def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
         yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
 
 
+def _refine(mlp, dense_mlp, kept, norm, h_mid, dense_out, opts: LowRankOptions, record: dict | None) -> dict:
+    """`refine.refine_mlp` of the kept SwiGLU maps on the refit's own target and token weights (the blend chosen on
+    held-back windows, with refit_holdout), every calibration window's rows at once (two copies of h_mid)."""
+    n = h_mid.shape[0]
+    record = record if record is not None else {}
+    if "blend" in record:  # refit_holdout chose this layer's target
+        opts = dataclasses.replace(opts, refit_holdout=0, refit_blend=record["blend"])
+    x = torch.cat([norm(h_mid[s]).reshape(-1, h_mid.shape[-1]) for s in _batches(n, opts.batch_size)])
+    y = torch.cat([y for _, _, y, _ in _mlp_samples(mlp, dense_mlp, norm, h_mid, dense_out, range(0, n), opts)])
+    weights = _token_weights(h_mid, opts.sensitivity)
+    refine_opts = opts.refine_options(n)
+    kept, done = refine_mlp(kept, mlp.act_fn, x, y, None if weights is None else weights.reshape(-1), n, refine_opts)
+    record.update(done)
+    return kept
+
+
 @torch.no_grad()
 def compress_layer(
     layer: nn.Module, target: nn.Module, h: torch.Tensor, h_dense: torch.Tensor | None, widths: dict[str, int],
@@ -447,7 +465,9 @@ def compress_layer(
                 del held, back, z_h, zw_h, local
             down = mlp_refit(gram, cross, None, ridge).to(down.dtype)
         del gram, cross
-        m = {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
+        dense_mlp, m = m, {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
+        if opts.refine_epochs:
+            m = _refine(mlp, dense_mlp, m, norm, h_mid, dense_out, opts, record)
     target.mlp.set_full_weights(m)
     for s in _batches(n, opts.batch_size):
         h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))

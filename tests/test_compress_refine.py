@@ -1,0 +1,162 @@
+"""Refinement of the compressed SwiGLU blocks (`compress.refine`): it never returns a block that fits its held-back
+windows worse than the closed form, it recovers a block that can be recovered, it is deterministic, the compression
+keeps its widths with it, and bad settings are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relational_hf.commands.main import main
+from relational_hf.compress.refine import RefineOptions, refine_mlp, swiglu, weighted_error
+from relational_hf.jobs import compress_model
+
+D, FF, WINDOWS, T = 12, 10, 8, 64
+
+
+def _block(seed: int, width: int = FF) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "gate": torch.randn(width, D, generator=g) / D**0.5,
+        "up": torch.randn(width, D, generator=g) / D**0.5,
+        "down": torch.randn(D, width, generator=g) / width**0.5,
+    }
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(WINDOWS * T, D, generator=g)
+    w = torch.rand(WINDOWS * T, generator=g) + 0.5
+    return x, w
+
+
+def _held(n_held: int):
+    return slice((WINDOWS - n_held) * T, None)
+
+
+def test_refinement_recovers_a_perturbed_block_and_reports_its_held_out_error():
+    """Targets made by a teacher block of the same width: a perturbed copy of it, refined, fits the held-back rows
+    far better than before, and the record's errors are the held-back errors of the given and returned weights."""
+    x, w = _data()
+    teacher = _block(1)
+    y = swiglu(teacher, F.silu, x)
+    start = {k: v + 0.3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) for k, v in teacher.items()}
+    opts = RefineOptions(epochs=30, lr=1e-2, held_out=2, batch_tokens=64)
+    refined, record = refine_mlp(start, F.silu, x, y, w, WINDOWS, opts)
+    held = _held(2)
+    before = weighted_error(start, F.silu, x[held], y[held], w[held])
+    after = weighted_error(refined, F.silu, x[held], y[held], w[held])
+    assert record["refine_held_out_error_before"] == pytest.approx(before, rel=1e-6)
+    assert record["refine_held_out_error_after"] == pytest.approx(after, rel=1e-6)
+    assert after < 0.2 * before and record["refine_epoch"] >= 1
+    assert {k: v.shape for k, v in refined.items()} == {k: v.shape for k, v in start.items()}
+
+
+def test_refinement_never_returns_a_block_worse_on_the_held_back_windows():
+    """With a learning rate that only makes things worse, the given weights come back unchanged (epoch 0); with any
+    rate, the held-back error returned is at most the given one."""
+    x, w = _data(3)
+    y = swiglu(_block(4, 16), F.silu, x) + 0.1 * torch.randn(x.shape[0], D, generator=torch.Generator().manual_seed(5))
+    start = _block(6)
+    for lr in (1e-3, 1e-1, 10.0):
+        refined, record = refine_mlp(start, F.silu, x, y, w, WINDOWS, RefineOptions(epochs=3, lr=lr, held_out=3))
+        assert record["refine_held_out_error_after"] <= record["refine_held_out_error_before"]
+        if record["refine_epoch"] == 0:
+            assert all(torch.equal(refined[k], start[k]) for k in start)
+    _, record = refine_mlp(start, F.silu, x, y, w, WINDOWS, RefineOptions(epochs=3, lr=10.0, held_out=3))
+    assert record["refine_epoch"] == 0
+
+
+def test_refinement_is_deterministic_for_a_seed():
+    x, w = _data(7)
+    y = swiglu(_block(8), F.silu, x)
+    start = _block(9)
+    a, _ = refine_mlp(start, F.silu, x, y, w, WINDOWS, RefineOptions(epochs=2, lr=1e-2, held_out=2, batch_tokens=32))
+    b, _ = refine_mlp(start, F.silu, x, y, w, WINDOWS, RefineOptions(epochs=2, lr=1e-2, held_out=2, batch_tokens=32))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [
+        (RefineOptions(epochs=-1), "refine_epochs"),
+        (RefineOptions(lr=0.0), "refine_lr"),
+        (RefineOptions(lr=float("nan")), "refine_lr"),
+        (RefineOptions(held_out=0), "refine_holdout"),
+        (RefineOptions(held_out=WINDOWS), "leave calibration windows"),
+    ],
+)
+def test_refinement_refuses_settings_that_cannot_run(opts, needle):
+    x, w = _data()
+    with pytest.raises(ValueError, match=needle):
+        refine_mlp(_block(0), F.silu, x, x, w, WINDOWS, opts)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_compression_with_refinement_keeps_the_widths_and_improves_every_layer_on_its_held_back_windows():
+    """The same plan with and without refinement: identical widths and stored size; each layer's record says the
+    refined block fits its held-back windows at least as well as the closed form."""
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(1))
+    options = dict(mlp_step=16, plan_windows=4, batch_size=2)
+    _, plain = compress_model(model, remove=0.3, calibration=ids, progress=False, **options)
+    refined, report = compress_model(
+        model, remove=0.3, calibration=ids, progress=False, refine_epochs=4, refine_lr=1e-3, **options
+    )
+    assert report["widths"] == plain["widths"] and report["parameters_after"] == plain["parameters_after"]
+    assert len(report["refits"]) == 2 and report["options"]["refine_epochs"] == 4
+    for record in report["refits"]:
+        assert record["refine_held_out_error_after"] <= record["refine_held_out_error_before"]
+    assert any(r["refine_epoch"] > 0 for r in report["refits"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--refine-epochs", "-1"], "--refine-epochs"),
+        (["--refine-lr", "1e-3"], "--refine-lr sets"),
+        (["--refine-epochs", "2", "--refine-lr", "0"], "--refine-lr"),
+        (["--refine-epochs", "2", "--calibration-windows", "1"], "--calibration-windows >= 2"),
+        (["--refine-epochs", "2", "--method", "slice", "--slice-fraction", "0.1"], "--method relational"),
+    ],
+)
+def test_cli_refuses_bad_refinement_settings_in_one_line(tmp_path, capsys, extra, needle):
+    src = tmp_path / "src"
+    _llama().save_pretrained(src)
+    text = tmp_path / "t.txt"
+    text.write_text("words " * 400)
+    code = main(["compress", str(src), str(tmp_path / "out"), "--remove", "0.2", "--calibration", str(text), *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_cli_refine_epochs_reach_the_compression_on_either_path(tmp_path, capsys, byte_llama_checkpoint, stream):
+    """`compress --refine-epochs N --refine-lr LR` reaches the compression's options on the streamed and in-memory
+    paths: the report records them and one refinement record per layer, none worse on its held-back windows."""
+    import json
+
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "out"
+    args = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.1", "--calibration", str(text), "--window",
+            "32", "--calibration-windows", "4", "--refine-epochs", "2", "--refine-lr", "1e-3", stream]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["options"]["refine_epochs"] == 2 and report["options"]["refine_lr"] == 1e-3
+    layers = len(report["widths"]["mlp"])
+    assert len(report["refits"]) == layers >= 1
+    assert all(r["refine_held_out_error_after"] <= r["refine_held_out_error_before"] for r in report["refits"])
