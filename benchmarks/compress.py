@@ -31,7 +31,8 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - relational-ridge3e-3: the default (blend 0.5) with the refit's relative ridge 3e-3 instead of 1e-2 (`ridge=3e-3`),
   the ridge `relational-holdout` chose most often;
 - relational-refine: the default, then 4 epochs of Adam (3e-4) on each layer's kept SwiGLU maps against the refit's
-  own target, the epoch kept by the error on the last eighth of the calibration windows (`refine_epochs=4`).
+  own target, the epoch kept by the error on the last eighth of the calibration windows (`refine_epochs=4`);
+  relational-refine8 the same with 8 epochs.
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -85,6 +86,7 @@ METHODS = (
     "relational-blend",
     "relational-ridge3e-3",
     "relational-refine",
+    "relational-refine8",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -96,6 +98,7 @@ PROJECT_OPTIONS = {
     "relational-blend": {"refit_blend": 0.5},
     "relational-ridge3e-3": {"ridge": 3e-3},
     "relational-refine": {"refine_epochs": 4},
+    "relational-refine8": {"refine_epochs": 8},
 }
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")

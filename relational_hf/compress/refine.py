@@ -3,10 +3,11 @@
 The closed-form refit (`truncation.mlp_refit`) finds the best W_down for the kept units with W_gate and W_up fixed.
 `refine_mlp` then moves all three of the kept maps together, by a few epochs of Adam on the same weighted
 least-squares objective: sum over tokens of w_t |MLP(x_t) - y_t|^2, with the refit's target y and token weights w.
-The last calibration windows are held back: the weights kept are those of the epoch (the closed form counting as
-epoch 0) with the smallest error on them, so the refinement never returns a block that fits text it did not train
-on worse than the closed form did. Deterministic for a given seed. It neither truncates nor plans: the widths are
-those it is given.
+The last calibration windows are held back from the descent: the weights kept are those of the epoch (the given
+weights counting as epoch 0) with the smallest error on them, so the refinement never returns a block that fits them
+worse than the given one did. (`compress.lowrank` gives the closed form fitted on every window, the held-back ones
+included, so this choice leans towards the closed form.) Deterministic for a given seed. It neither truncates nor
+plans: the widths are those it is given.
 """
 
 from __future__ import annotations
