@@ -125,7 +125,7 @@ class CompressOptions:
         "split, for about 11 s more a layer on 2 cores and two more copies of the calibration hidden states)",
         metavar="N",
     )
-    refine_lr: OpenFraction = option(3e-4, "learning rate of --refine-epochs", metavar="LR")
+    refine_lr: OpenFraction | None = option(None, "learning rate of --refine-epochs (default: 3e-4)", metavar="LR")
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
 
 
@@ -213,7 +213,7 @@ def check(args: CompressArguments) -> None:
         )
     if args.refine_epochs and args.method != "relational":
         raise UsageError("--refine-epochs applies to --method relational (the slice method refits nothing)")
-    if args.refine_lr != 3e-4 and not args.refine_epochs:
+    if args.refine_lr is not None and not args.refine_epochs:
         raise UsageError("--refine-lr sets the learning rate of --refine-epochs N (N >= 1)")
     if args.refine_epochs and args.calibration_windows < 2:
         raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
@@ -293,12 +293,14 @@ def _run(args: CompressArguments, lock) -> int:
     options = (
         {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
          "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
-         "refine_epochs": args.refine_epochs, "refine_lr": args.refine_lr}
+         "refine_epochs": args.refine_epochs}
         if args.method == "relational"
         else {}
     )
     if args.heal_lr is not None:
         options["heal_lr"] = args.heal_lr
+    if args.refine_lr is not None:
+        options["refine_lr"] = args.refine_lr
     compressed, report = compress_model(
         model,
         tokenizer,
@@ -353,7 +355,8 @@ def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, eval
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
         mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
-        refine_epochs=args.refine_epochs, refine_lr=args.refine_lr, report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
+        refine_epochs=args.refine_epochs, **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
+        report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
     )
     summary = (
         f"compressed {args.src} one layer at a time: {report['parameters_before']:,} -> {report['parameters_after']:,} "

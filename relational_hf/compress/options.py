@@ -9,7 +9,7 @@ import torch
 
 from ..modeling import RelationalConfig
 from .budget import KINDS
-from .refine import check_refine
+from .refine import DEFAULT_REFINE_LR, RefineOptions, check_refine
 
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 DEFAULT_REFIT_BLEND = 0.5  # the blend most layers chose on held-back windows (refit_holdout), on both splits
@@ -57,15 +57,13 @@ class LowRankOptions:
     # own target, the epoch kept by its error on the last `refine_holdout` windows (None: an eighth of them, at least
     # one), the closed form counting as epoch 0 (`compress.refine`); 0: the closed form alone
     refine_epochs: int = 0
-    refine_lr: float = 3e-4
+    refine_lr: float = DEFAULT_REFINE_LR
     refine_holdout: int | None = None
 
-    def refine_options(self, windows: int, seed: int = 0):
+    def refine_options(self, windows: int) -> RefineOptions:
         """The `refine.RefineOptions` of a compression on `windows` calibration windows."""
-        from .refine import RefineOptions
-
         held = max(1, windows // 8) if self.refine_holdout is None else self.refine_holdout
-        return RefineOptions(epochs=self.refine_epochs, lr=float(self.refine_lr), held_out=held, seed=seed)
+        return RefineOptions(epochs=self.refine_epochs, lr=float(self.refine_lr), held_out=held)
 
     def as_report(self) -> dict:
         """The settings as the compression report records them (JSON types), with the blend the refit used."""
@@ -117,10 +115,9 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
         )
     if held and isinstance(calibration, torch.Tensor) and held >= calibration.shape[0]:
         raise ValueError(f"`refit_holdout` ({held}) must leave windows to fit on (of {calibration.shape[0]})")
-    if opts.refine_epochs or opts.refine_holdout is not None or opts.refine_lr != LowRankOptions.refine_lr:
-        n = calibration.shape[0] if isinstance(calibration, torch.Tensor) and calibration.dim() == 2 else None
-        held = 1 if opts.refine_holdout is None else opts.refine_holdout  # None: an eighth, at least one
-        check_refine(opts.refine_epochs, opts.refine_lr, held, n)
+    n = calibration.shape[0] if isinstance(calibration, torch.Tensor) and calibration.dim() == 2 else None
+    held = 1 if opts.refine_holdout is None else opts.refine_holdout  # None: an eighth, at least one
+    check_refine(opts.refine_epochs, opts.refine_lr, held, n)
     if config.value_parallel_removal:
         raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:
