@@ -28,6 +28,7 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
   refit (its ridge and its blend of the dense and local targets, `refit_holdout=16`), then refitting on all of them;
 - relational-blend: the relational method refitting every layer's W_down to the fixed blend 0.5 of the two targets
   (`refit_blend=0.5`, no window held back): the blend most layers chose with `relational-holdout` on both splits;
+- relational-blend0.25: the same with a quarter of the dense trajectory's step in the target (`refit_blend=0.25`);
 - relational-ridge3e-3: the default (blend 0.5) with the refit's relative ridge 3e-3 instead of 1e-2 (`ridge=3e-3`),
   the ridge `relational-holdout` chose most often;
 - relational-refine: the default, then 4 epochs of Adam (3e-4) on each layer's kept SwiGLU maps against the refit's
@@ -84,6 +85,7 @@ METHODS = (
     "relational-fisher-metric",
     "relational-holdout",
     "relational-blend",
+    "relational-blend0.25",
     "relational-ridge3e-3",
     "relational-refine",
     "relational-refine8",
@@ -96,6 +98,7 @@ PROJECT_OPTIONS = {
     "relational-fisher-metric": {"fisher_metric": True},
     "relational-holdout": {"refit_holdout": 16},
     "relational-blend": {"refit_blend": 0.5},
+    "relational-blend0.25": {"refit_blend": 0.25},
     "relational-ridge3e-3": {"ridge": 3e-3},
     "relational-refine": {"refine_epochs": 4},
     "relational-refine8": {"refine_epochs": 8},
