@@ -12,7 +12,13 @@ import torch
 
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.modeling import GaugeFixedLinear, clear_weight_caches, weight_cache
-from relational_hf.modeling.modeling_relational import apply_rotary_pair_subset, apply_rotary_pos_emb, rotate_half
+from relational_hf.modeling.modeling_relational import (
+    apply_rotary_pair_subset,
+    apply_rotary_pos_emb,
+    eager_attention_parts,
+    grouped_decode_attention,
+    rotate_half,
+)
 
 VOCAB = 61
 
@@ -150,6 +156,9 @@ def test_kept_weights_follow_load_state_dict_moves_and_mode_switches():
         up.weight.data.mul_(0.5)
         assert clear_weight_caches(model) == len(gauge_modules(model))
         torch.testing.assert_close(model(ids).logits, fresh_logits(model, ids), rtol=0, atol=0)
+        model(ids)
+        up.pivots[0] = (up.pivots[0] + 1) % up.in_features  # another gauge layout, written in place
+        torch.testing.assert_close(model(ids).logits, fresh_logits(model, ids), rtol=0, atol=0)
 
 
 def test_full_weight_stays_a_new_tensor_outside_weight_cache():
@@ -209,6 +218,53 @@ def test_rotary_pair_subset_rotates_each_kept_pair_with_its_own_frequency():
     identity = torch.arange(full // 2).expand(h_kv, -1)
     for got, want in zip(apply_rotary_pair_subset(q, k, cos, sin, identity), apply_rotary_pos_emb(q, k, cos, sin)):
         torch.testing.assert_close(got, want)
+    half = (q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16(), identity)  # the sign does not promote
+    assert all(x.dtype == torch.bfloat16 for x in apply_rotary_pair_subset(*half))
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_grouped_decode_attention_is_the_attention_of_one_query_position(mask_kind):
+    """The decoding kernel of thin heads (query heads of a group as rows of one product, no padding) equals the eager
+    kernel for QK and value widths that differ, GQA, and SDPA's masks (boolean: True attends; additive); more than
+    one query position is refused."""
+    b, h, h_kv, s, r, dh = 3, 6, 2, 9, 5, 7
+    q, k, v = torch.randn(b, h, 1, r), torch.randn(b, h_kv, s, r), torch.randn(b, h_kv, s, dh)
+    keep = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    keep[0, ..., :4] = False  # a left-padded row
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    mask = {None: None, "bool": keep, "additive": additive}[mask_kind]
+    got = grouped_decode_attention(q, k, v, mask, 0.3)
+    want = eager_attention_parts(q, k, v, None if mask is None else additive, 0.3)[2].transpose(1, 2)
+    assert got.shape == (b, 1, h, dh)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="one query position"):
+        grouped_decode_attention(torch.randn(b, h, 2, r), k, v, None, 0.3)
+
+
+def test_decoding_steps_of_thin_heads_under_sdpa_equal_eager_ones(monkeypatch):
+    """A cached decoding step of a compressed model under SDPA (which takes `grouped_decode_attention` in layers
+    whose QK rank differs from the value width) gives eager attention's logits, with a left-padded row."""
+    from relational_hf.modeling import modeling_relational
+
+    calls = []
+    kernel = modeling_relational.grouped_decode_attention
+    monkeypatch.setattr(modeling_relational, "grouped_decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    model = compressed_shape_model()
+    with torch.no_grad():  # sharp attention patterns, so that a wrong score shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    step = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask[:, :8], use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            step[impl] = model(nxt, attention_mask=mask, cache=out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step["sdpa"], step["eager"], rtol=0, atol=1e-5)
+    assert len(calls) == 2  # the decoding step of the two layers with QK rank != value width, and no other call
 
 
 def test_layers_keeping_every_pair_in_order_take_the_plain_rotary_path():

@@ -363,16 +363,21 @@ class GaugeFixedLinear(nn.Module):
             return self._assemble()
         return self._kept_weight()
 
+    def _kept_key(self) -> tuple:
+        w, p = self._parameters["weight"], self._buffers["pivots"]
+        return (w._version, w.data_ptr(), w.dtype, w.device, p._version, p.data_ptr(), p.device, p.shape,
+                self._layout_version)  # fmt: skip
+
     def _kept_weight(self) -> torch.Tensor:
         """The assembled weight kept between calls, rebuilt when the parameter's version, storage, dtype or the
-        layout changed."""
-        w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, w.device, self._layout_version)
+        layout changed (`pivots` edited or replaced included: one comparison of keys a call when nothing did)."""
         cached = self.__dict__.get("_weight_cache")
-        if cached is None or cached[0] != key:
-            self.__dict__.pop("_weight_cache", None)  # the old one is not needed to build the new one
-            cached = (key, self._assemble().detach())
-            self.__dict__["_weight_cache"] = cached
+        if cached is not None and cached[0] == self._kept_key():
+            return cached[1]
+        self._ensure_layout()
+        self.__dict__.pop("_weight_cache", None)  # the old one is not needed to build the new one
+        cached = (self._kept_key(), self._assemble().detach())
+        self.__dict__["_weight_cache"] = cached
         return cached[1]
 
     def _assemble(self) -> torch.Tensor:
@@ -433,7 +438,6 @@ class GaugeFixedLinear(nn.Module):
         elif not self._offloaded and (
             self._cache_assembled or (self.keep_assembled and not (self.training or torch.is_grad_enabled()))
         ):
-            self._ensure_layout()
             weight = self._kept_weight()  # inference: assembled once, like a plain Linear's weight
         else:
             weight = self.full_weight()

@@ -131,22 +131,31 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def apply_rotary_pair_subset(q, k, cos, sin, pairs):
+def rotary_pair_layout(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For key heads keeping the rotary frequency pairs pairs (H_kv, r/2): (columns (H_kv r,), the columns of the
+    model's cos/sin table that head h's coordinates j and j + r/2 turn with, pair pairs[h, j] for both; sign (H_kv r,)
+    int8, -1 on the first half of each head and +1 on the second, so that rotate_half(x) * sin equals
+    roll(x, r/2) * (sign * sin))."""
+    h_kv, half = pairs.shape
+    columns = torch.cat((pairs, pairs), dim=-1).reshape(-1)
+    sign = torch.ones(h_kv, 2, half, dtype=torch.int8, device=pairs.device)
+    sign[:, 0] = -1
+    return columns, sign.reshape(-1)
+
+
+def apply_rotary_pair_subset(q, k, cos, sin, pairs, layout=None):
     """Rotate q (B, H, T, r) and k (B, H_kv, T, r) when key head h keeps only the rotary frequency pairs
     pairs[h] (H_kv, r/2) of the model's table cos/sin (B, T, R): coordinate j and j + r/2 of head h turn with the
-    frequency of pair pairs[h, j]; each query head uses its key head's pairs."""
-    half = cos.shape[-1] // 2
-
-    def per_head(table: torch.Tensor) -> torch.Tensor:
-        t = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
-        return torch.cat((t, t), dim=-1).transpose(1, 2)  # (B, H_kv, T, r)
-
-    cos_k, sin_k = per_head(cos), per_head(sin)
+    frequency of pair pairs[h, j]; each query head uses its key head's pairs. `layout`: `rotary_pair_layout(pairs)`,
+    when the caller keeps it (one gather per table and no concatenations on the decoding path)."""
+    columns, sign = rotary_pair_layout(pairs) if layout is None else layout
     b, h, t, r = q.shape
     h_kv = k.shape[1]
+    cos_k = cos.index_select(-1, columns).unflatten(-1, (h_kv, r)).transpose(1, 2)  # (B, H_kv, T, r)
+    sin_k = (sin.index_select(-1, columns) * sign).unflatten(-1, (h_kv, r)).transpose(1, 2)
     q = q.reshape(b, h_kv, h // h_kv, t, r)  # the query heads of a group share their key head's angles
-    q = q * cos_k[:, :, None] + rotate_half(q) * sin_k[:, :, None]
-    return q.reshape(b, h, t, r), k * cos_k + rotate_half(k) * sin_k
+    q = q * cos_k[:, :, None] + q.roll(r // 2, -1) * sin_k[:, :, None]
+    return q.reshape(b, h, t, r), k * cos_k + k.roll(r // 2, -1) * sin_k
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -178,6 +187,25 @@ def eager_attention_parts(query, key, value, attention_mask, scaling, dropout=0.
     attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
     attn_weights = F.dropout(attn_weights, p=dropout, training=training)
     return attn_weights, value_states, torch.matmul(attn_weights, value_states)
+
+
+def grouped_decode_attention(query, key, value, attention_mask, scaling):
+    """softmax(q k^T * scaling + mask) v at one query position, for q (B, H, 1, r), k (B, H_kv, S, r),
+    v (B, H_kv, S, d_h) of any widths r and d_h: the query heads of a group are the rows of one product with their
+    key head (no repeated keys, no head-width padding), the softmax in float32. `attention_mask` as SDPA takes it:
+    None, boolean (True attends) or additive, (B or 1, 1, 1, S). Returns (B, 1, H, d_h)."""
+    b, h, t, r = query.shape
+    if t != 1:
+        raise ValueError(f"grouped_decode_attention takes one query position, got {t}")
+    h_kv = key.shape[1]
+    scores = torch.matmul(query.reshape(b, h_kv, h // h_kv, r), key.transpose(2, 3)) * scaling  # (B, H_kv, g, S)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(weights, value).reshape(b, 1, h, -1)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -284,6 +312,7 @@ class RelationalAttention(nn.Module):
             full = 2 * pairs.shape[1] == self.config.qk_rank
             plain = full and bool((pairs == torch.arange(pairs.shape[1], device=pairs.device)).all())
             self.__dict__["_pairs_key"], self.__dict__["_pairs_subset"] = key, not plain
+            self.__dict__["_pair_layout"] = None if plain else rotary_pair_layout(pairs)
         return self.__dict__["_pairs_subset"]
 
     def kernel_width(self) -> int | None:
@@ -293,7 +322,9 @@ class RelationalAttention(nn.Module):
         v; with a QK rank r different from the value width d_h (a compressed layer) SDPA falls back to its unfused
         math path (about 3x slower at 512 tokens on a CPU). Zero columns appended to q and k leave every score
         q.k unchanged (the scaling is r^-1/2, passed explicitly), zero columns appended to v give zero output
-        columns, cut off again: the result is the same attention. Eager attention takes any widths."""
+        columns, cut off again: the result is the same attention. Eager attention takes any widths, and so does
+        `grouped_decode_attention`, which SDPA's decoding steps of such a layer take instead (one query position:
+        no padding, no repeated keys)."""
         if self.qk_rank == self.head_dim or self.config._attn_implementation in (None, "eager"):
             return None
         return max(self.qk_rank, self.head_dim)
@@ -314,30 +345,28 @@ class RelationalAttention(nn.Module):
         if self.rope:
             cos, sin = position_embeddings
             if self.keeps_rotary_subset():
-                query, key = apply_rotary_pair_subset(query, key, cos, sin, self.rope_pair_index)
+                layout = self.__dict__.get("_pair_layout")
+                query, key = apply_rotary_pair_subset(query, key, cos, sin, self.rope_pair_index, layout)
             else:
                 query, key = apply_rotary_pos_emb(query, key, cos, sin)
         own_value = value
         if cache is not None:  # keys and values at their own widths: a thin-key cache stays thin
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         width = self.kernel_width()
-        if width is not None:  # one head width for the fused kernels, padded for this call only
-            query, key, value = pad_head_width(query, width), pad_head_width(key, width), pad_head_width(value, width)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )  # (B, T, H, d_h)
-        if width is not None:
-            attn_output = attn_output[..., : self.head_dim]
+        dropout = self.attention_dropout if self.training else 0.0
+        if width is not None and query.shape[2] == 1 and not dropout and self.config._attn_implementation == "sdpa":
+            attn_output, attn_weights = grouped_decode_attention(query, key, value, attention_mask, self.scaling), None
+        else:
+            if width is not None:  # one head width for the fused kernels, padded for this call only
+                query, key, value = (pad_head_width(x, width) for x in (query, key, value))
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )  # (B, T, H, d_h)
+            if width is not None:
+                attn_output = attn_output[..., : self.head_dim]
         if self.value_parallel_removal:
             v_t = repeat_kv(own_value, self.num_key_value_groups).transpose(1, 2)  # (B, T, H, d_h)
             attn_output = attn_output - parallel_component(attn_output, v_t)
