@@ -7,7 +7,9 @@ the project's relational method (`relational_hf.jobs.compress_model`, calibrated
 the method plans on the first 8 calibration windows whatever their number, so 8 windows give the shapes of the
 README's 16- and 64-window models at a fraction of the time) is timed against the dense source loaded
 as a plain `LlamaForCausalLM`, both in the same dtype (`--dtype`) and attention implementation (`--attn`), in one
-process, in alternated rounds (the order flips every round, one warm-up round first), on:
+process, in alternated rounds (the order flips every round, one warm-up round first), every model's weights copied
+into newly allocated memory first (`in_own_memory`: a checkpoint loaded from a file may be read from mapped memory,
+more slowly and by a varying amount), on:
 
 - prefill: one forward pass over random token ids, batch 1 x `--prefill` tokens and `--batch` x `--prefill-batched`,
   inside `relational_hf.modeling.weight_cache` (what `generate()` and the project's evaluation loops enter: the
@@ -21,7 +23,8 @@ process, in alternated rounds (the order flips every round, one warm-up round fi
 Reported per case: the median over `--rounds` rounds of tokens/s by wall clock, and by the process's CPU time (all
 threads; on a machine that other jobs share, CPU time is the steadier of the two), and the best round (the least
 disturbed; `speedup_best`), with the load average beside them. The figure of merit is compressed / dense.
-`--keep-assembled` times a third model, the compressed one keeping its assembled gauge-fixed weights between calls
+`--gauge free` times the compressed model exported to the free gauge (`relational_hf.convert.to_free_gauge`: every
+map a plain Linear holding its full weight, the pivot entries stored again). `--keep-assembled` times a third model, the compressed one keeping its assembled gauge-fixed weights between calls
 (`keep_assembled`: `generate()` then assembles nothing after its first call), in the same alternated rounds.
 
     python benchmarks/compress_speed.py                  # every level (compressions are cached in --workdir)
@@ -59,6 +62,18 @@ logger = logging.getLogger("compress_speed")
 LEVELS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5)
 CASES = ("prefill", "prefill_batched", "decode", "prefill_bare", "prefill_last")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@torch.no_grad()
+def in_own_memory(model):
+    """`model` with every parameter and buffer copied into newly allocated memory (tied weights stay tied). A checkpoint
+    that `from_pretrained` loads on the CPU may keep its tensors in memory mapped from the file, which this CPU reads
+    more slowly, by an amount that changes from one process to the next (a decoding step of the dense SmolLM2 measured
+    by hand: 62.8 ms mapped, 51.5 ms copied, the compressed model 42 ms either way); a model built in memory (the
+    compression's) never is. Both models are timed from memory of the same kind."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
 
 
 def clocked(fn) -> tuple[float, float]:
@@ -191,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-assembled", action="store_true",
         help="also time the compressed model keeping its assembled weights between calls (keep_assembled)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gauge", choices=("pivot", "free"), default="pivot",
+        help="free: time the compressed model exported to the free gauge (to_free_gauge: full maps, nothing assembled)",
+    )  # fmt: skip
     parser.add_argument("--tag", default="", help="appended to the results' file name")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
@@ -245,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(dtype).replace("torch.", ""),
         "attn": args.attn,
         "threads": args.threads,
+        "gauge": args.gauge,
         "protocol": {
             "compression": f"relational method, {protocol['calibration']}; level 0 = the exact conversion",
             "prefill": f"batch 1 x {args.prefill} tokens; batched: {args.batch} x {args.prefill_batched} tokens",
             "decode": f"greedy, {args.decode} new tokens after {args.prompt} prompt tokens, batch 1",
             "rounds": f"{args.rounds} measured rounds, alternated (order flipped every round), after 1 warm-up round",
             "dense": "the source as Transformers' LlamaForCausalLM, same dtype and attention implementation",
+            "memory": "every model's parameters and buffers copied into newly allocated memory before timing",
         },
         "dense_stored_parameters": stored_parameters(dense)["total"],
         "levels": {},
@@ -280,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
             compressed, report = compressed_model(source.float().cpu(), tokenizer, calibration, level, args.workdir)
             dense = source.to(device=device, dtype=dtype)
             info = {"stored_parameters": report["parameters_after"], "widths": report.get("widths")}
+        if args.gauge == "free":
+            from relational_hf.convert import to_free_gauge
+
+            compressed = to_free_gauge(compressed.float())
+            info["stored_parameters"] = stored_parameters(compressed)["total"]
         compressed = compressed.to(device=device, dtype=dtype).eval()
         compressed.set_attn_implementation(args.attn)
         dense.set_attn_implementation(args.attn)
@@ -292,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             for m in kept.modules():
                 if isinstance(m, GaugeFixedLinear):
                     m.keep_assembled = True
-        result = compare(dense, compressed, args, device, kept)
+        dense, compressed = in_own_memory(dense), in_own_memory(compressed)
+        result = compare(dense, compressed, args, device, kept if kept is None else in_own_memory(kept))
         del kept
         payload["levels"][f"{level:g}"] = info | result
         logger.info("level %g: speed-up %s (CPU time %s)", level, result["speedup"], result["speedup_cpu_time"])

@@ -48,3 +48,19 @@ def test_a_tag_that_is_not_a_plain_name_is_refused(speed, tag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         speed.main(["--tag", tag])
     assert exit_info.value.code == 2 and "--tag" in capsys.readouterr().err
+
+
+def test_both_models_are_timed_from_newly_allocated_memory_with_ties_kept(speed):
+    """in_own_memory gives every parameter and buffer new storage with the same values, and a tied head stays the
+    embedding (one tensor)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    before = {n: (t.data_ptr(), t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    speed.in_own_memory(model)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t.data_ptr() != before[name][0] and torch.equal(t, before[name][1]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight

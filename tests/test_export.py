@@ -12,7 +12,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from relational_hf.commands.main import main
-from relational_hf.convert import ExportError, export_checkpoint, to_llama, to_relational
+from relational_hf.convert import ExportError, export_checkpoint, to_free_gauge, to_llama, to_relational
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
 
 VOCAB = 97
@@ -205,3 +205,51 @@ def test_float32_rounding_past_the_tolerance_is_decided_in_float64_and_a_real_er
     monkeypatch.setattr(export, "float64_logit_difference", lambda *a, **kw: (1.0, 1.0, 1.0))
     with pytest.raises(ExportError, match="differ"):
         to_llama(model)
+
+
+def _compressed_shapes() -> RelationalForCausalLM:
+    """Per-layer widths as a compression leaves them (QK rank != value width, GQA, a rotary pair subset), pivot gauge."""
+    model = _relational(
+        num_hidden_layers=3, num_key_value_heads=2, layer_qk_ranks=[12, 4, 6], layer_value_ranks=[12, 3, 5],
+        layer_intermediate_sizes=[80, 20, 30],
+    )  # fmt: skip
+    with torch.no_grad():
+        model.model.layers[1].self_attn.rope_pair_index.copy_(torch.tensor([[3, 1], [0, 2]]))
+        for p in model.parameters():  # away from the initialisation's scale, so that a wrong entry shows
+            p.mul_(3.0)
+    return model
+
+
+def test_free_gauge_keeps_the_function_and_stores_the_pivots_again():
+    """to_free_gauge gives the same logits and greedy text with plain maps only (no gauge-fixed map, gauge "free"),
+    every per-layer width and rotary pair kept, and stores exactly the source's parameters plus its pivot entries."""
+    from relational_hf.modeling import GaugeFixedLinear
+    from relational_hf.params import stored_parameters
+
+    model = _compressed_shapes()
+    free, report = to_free_gauge(model, return_report=True)
+    assert free.config.gauge == "free" and not any(isinstance(m, GaugeFixedLinear) for m in free.modules())
+    assert free.config.layer_qk_ranks == [12, 4, 6] and free.config.layer_intermediate_sizes == [80, 20, 30]
+    pivots = sum(m.out_features * m.fixed_per_row for m in model.modules() if isinstance(m, GaugeFixedLinear))
+    assert stored_parameters(free)["total"] == stored_parameters(model)["total"] + pivots == report.exported_parameters
+    ids = _ids()
+    assert _max_diff(model, free, ids) < 1e-5
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(model.generate(ids[:, :6], **kwargs), free.generate(ids[:, :6], **kwargs))
+    with pytest.raises(ExportError, match="relational causal LM"):
+        to_free_gauge(_llama(tie=True, bias=False))
+
+
+def test_cli_export_to_the_free_gauge_loads_back_with_the_same_function(tmp_path):
+    """`relational-hf export SRC OUT --to free` writes a relational checkpoint that AutoModelForCausalLM loads in the
+    free gauge with the source's logits, and its report."""
+    from transformers import AutoModelForCausalLM
+
+    model = _compressed_shapes()
+    src, out = tmp_path / "pivot", tmp_path / "free"
+    model.save_pretrained(src)
+    assert main(["export", str(src), str(out), "--to", "free"]) == 0
+    assert json.loads((out / "export_report.json").read_text())["target"] == "free"
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.config.gauge == "free"
+    assert _max_diff(model, loaded, _ids()) < 1e-5

@@ -1,7 +1,7 @@
 """The relational model's inference paths (what makes a compressed model fast) compute the same function and never
 serve stale weights: the assembled gauge-fixed weight kept between inference calls, one head width for the fused
-attention kernels of a layer whose QK rank differs from its value width, and the plain rotary path of a layer that
-keeps every frequency pair."""
+attention kernels of a layer whose QK rank differs from its value width, the decoding kernel of such a layer, and the
+rotary layout a layer keeps."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import torch
 from relational_hf import RelationalConfig, RelationalForCausalLM
 from relational_hf.modeling import GaugeFixedLinear, clear_weight_caches, weight_cache
 from relational_hf.modeling.modeling_relational import (
+    apply_rotary,
     apply_rotary_pair_subset,
     apply_rotary_pos_emb,
     eager_attention_parts,
     grouped_decode_attention,
+    rotary_layout,
     rotate_half,
 )
 
@@ -197,29 +199,39 @@ def test_padded_head_widths_give_the_eager_function_with_and_without_cache():
     torch.testing.assert_close(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
 
 
-def test_rotary_pair_subset_rotates_each_kept_pair_with_its_own_frequency():
-    """apply_rotary_pair_subset turns coordinates j and j + r/2 of key head h (and of its query heads) by the angle of
-    pair pairs[h, j] of the model's table: checked against an explicit per-head rotation; with every pair kept in
-    order it is the plain rotary embedding."""
+def test_rotary_layout_rotates_each_kept_pair_with_its_own_frequency():
+    """apply_rotary (the flat rotation of a decoding step) and apply_rotary_pair_subset (per head, over many
+    positions) with a layer's rotary_layout turn coordinates j and j + r/2 of key head h (and of its query heads) by
+    the angle of pair pairs[h, j] of the model's table: checked head by head against the explicit rotation
+    x cos + rotate_half(x) sin; with every pair kept in order both are Llama's rotary embedding; a half-precision
+    input stays in its dtype."""
     b, t, h, h_kv, full = 2, 5, 4, 2, 8  # the model's table has full/2 = 4 pairs
     angles = torch.randn(b, t, full // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    pairs = torch.tensor([[3, 1], [0, 2]])
-    q, k = torch.randn(b, h, t, 4), torch.randn(b, h_kv, t, 4)
-    q_rot, k_rot = apply_rotary_pair_subset(q, k, cos, sin, pairs)
-    for head in range(h):
-        kv = head // (h // h_kv)
-        a = angles[..., pairs[kv]]  # (b, t, 2)
+
+    def explicit(x, a):  # x (b, t, r) of one head, a (b, t, r/2) its angles
         c, s = torch.cat([a.cos()] * 2, -1), torch.cat([a.sin()] * 2, -1)
-        torch.testing.assert_close(q_rot[:, head], q[:, head] * c + rotate_half(q[:, head]) * s)
-        if head % (h // h_kv) == 0:
-            torch.testing.assert_close(k_rot[:, kv], k[:, kv] * c + rotate_half(k[:, kv]) * s)
-    q, k = torch.randn(b, h, t, full), torch.randn(b, h_kv, t, full)
-    identity = torch.arange(full // 2).expand(h_kv, -1)
-    for got, want in zip(apply_rotary_pair_subset(q, k, cos, sin, identity), apply_rotary_pos_emb(q, k, cos, sin)):
+        return x * c + rotate_half(x) * s
+
+    for pairs in (torch.tensor([[3, 1], [0, 2]]), torch.arange(full // 2).expand(h_kv, -1)):
+        r = 2 * pairs.shape[1]
+        q, k = torch.randn(b, t, h * r), torch.randn(b, t, h_kv * r)
+        out = apply_rotary(torch.cat((q, k), -1), cos, sin, rotary_layout(pairs, h))
+        q_rot, k_rot = out[..., : h * r].view(b, t, h, r), out[..., h * r :].view(b, t, h_kv, r)
+        columns, _, sign = rotary_layout(pairs, h)
+        q4, k4 = q.view(b, t, h, r).transpose(1, 2), k.view(b, t, h_kv, r).transpose(1, 2)
+        q_sub, k_sub = apply_rotary_pair_subset(q4, k4, cos, sin, columns[-h_kv * r :], sign[-h_kv * r :])
+        for head in range(h):
+            kv = head // (h // h_kv)
+            a = angles[..., pairs[kv]]
+            torch.testing.assert_close(q_rot[:, :, head], explicit(q4[:, head], a))
+            torch.testing.assert_close(k_rot[:, :, kv], explicit(k4[:, kv], a))
+            torch.testing.assert_close(q_sub[:, head], explicit(q4[:, head], a))
+            torch.testing.assert_close(k_sub[:, kv], explicit(k4[:, kv], a))
+    for got, want in zip((q_sub, k_sub), apply_rotary_pos_emb(q4, k4, cos, sin)):  # every pair, in order
         torch.testing.assert_close(got, want)
-    half = (q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16(), identity)  # the sign does not promote
-    assert all(x.dtype == torch.bfloat16 for x in apply_rotary_pair_subset(*half))
+    half = (out.bfloat16(), cos.bfloat16(), sin.bfloat16(), rotary_layout(pairs, h))  # the sign does not promote
+    assert apply_rotary(*half).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
@@ -267,22 +279,40 @@ def test_decoding_steps_of_thin_heads_under_sdpa_equal_eager_ones(monkeypatch):
     assert len(calls) == 2  # the decoding step of the two layers with QK rank != value width, and no other call
 
 
-def test_layers_keeping_every_pair_in_order_take_the_plain_rotary_path():
-    """The layer that keeps all pairs in order computes with the plain rotary embedding, the ones with a subset or
-    another order do not; the decision follows an edit of `rope_pair_index`, and the function is the same either way."""
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_cached_decoding_steps_give_the_logits_of_the_whole_sequence(implementation):
+    """Logits of positions decoded one at a time with the cache (the decoding step's flat rotation, and under SDPA its
+    grouped kernel) equal those of one forward pass over the whole sequence (the per-head rotations), in every layer
+    kind: all pairs in order, a subset, another order."""
     model = compressed_shape_model()
-    flags = [layer.self_attn.keeps_rotary_subset() for layer in model.model.layers]
-    assert flags == [False, True, True]
-    ids = torch.randint(0, VOCAB, (1, 7))
+    model.set_attn_implementation(implementation)
     with torch.no_grad():
-        plain = model(ids).logits
-        reference = copy.deepcopy(model)
-        attn = reference.model.layers[0].self_attn
-        attn.__dict__["_pairs_key"] = None
-        attn.keeps_rotary_subset = lambda: True  # force the general path on layer 0
-        torch.testing.assert_close(reference(ids).logits, plain, rtol=0, atol=1e-6)
-        model.model.layers[0].self_attn.rope_pair_index[0] = torch.tensor([1, 0, 2, 3])
-        assert model.model.layers[0].self_attn.keeps_rotary_subset()
+        for layer in model.model.layers:  # sharp attention patterns, so that a wrong angle shows in the logits
+            layer.self_attn.q_proj.weight.mul_(30)
+        ids = torch.randint(0, VOCAB, (2, 9))
+        whole = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        steps = [out.logits]
+        for i in range(5, 9):
+            out = model(ids[:, i : i + 1], cache=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-5)
+
+
+def test_the_kept_rotary_layout_follows_edits_of_the_pairs():
+    """A layer keeps its rotary layout between calls; an edit of `rope_pair_index` in place, or a new tensor in its
+    place, gives the next call the new pairs' function (equal to a fresh copy's), not the kept layout's."""
+    model = compressed_shape_model()
+    ids = torch.randint(0, VOCAB, (1, 7))
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        before = model(ids).logits
+        attn.rope_pair_index[0] = torch.tensor([0, 2])  # in place
+        edited = model(ids).logits
+        assert not torch.allclose(edited, before)
+        torch.testing.assert_close(edited, copy.deepcopy(model)(ids).logits, rtol=0, atol=0)
+        attn.rope_pair_index = torch.tensor([[3, 1], [0, 2]])  # replaced: the original pairs again
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
 
 
 def test_an_offloaded_model_keeps_no_assembled_weight(tmp_path, monkeypatch):

@@ -2,10 +2,13 @@
 remote code.
 
     relational-hf export SRC OUT --to llama
+    relational-hf export SRC OUT --to free
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
-against the relational model's logits in fp32 before anything is written. OUT must be new or empty; it is written
-beside and moved into place when complete.
+against the relational model's logits in fp32 before anything is written. `--to free` keeps the relational
+architecture and writes every map as its full weight (the free gauge, `to_free_gauge`): a checkpoint for inference,
+which reads the weights as stored (no gauge-fixed weight assembled), at the cost of the pivot entries stored again.
+OUT must be new or empty; it is written beside and moved into place when complete.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Literal
 from .checks import check_model_argument
 from .options import CommandArguments, PositiveFloat, option, positional
 
-HELP = "write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it)"
+HELP = "write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it) or in the free gauge"
 
 
 @dataclass
@@ -30,7 +33,9 @@ class ExportPaths:
 class ExportOptions:
     _argument_group_name = "export"
 
-    to: Literal["llama"] = option("llama", "target architecture")
+    to: Literal["llama", "free"] = option(
+        "llama", "llama: a plain Llama checkpoint; free: the relational model with full maps, for inference"
+    )
     tolerance: PositiveFloat = option(1e-4, "max |logit difference| accepted (fp32)")
     trust_remote_code: bool = option(False, "passed to from_pretrained")
 
@@ -66,5 +71,8 @@ def _run(args: ExportArguments, lock, source) -> int:
         sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
     report = export_checkpoint(model, args.out, to=args.to, tokenizer=tokenizer, tolerance=args.tolerance, lock=lock)
     sys.stdout.write(report.to_markdown())
-    sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
+    if args.to == "llama":
+        sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
+    else:
+        sys.stdout.write(f"saved {args.out} (a relational checkpoint in the free gauge: loads with AutoModelForCausalLM)\n")
     return 0

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..modeling.modeling_relational import rotate_half
+from ..modeling.modeling_relational import apply_rotary_pair_subset, rotary_layout
 
 # ----------------------------------------------------------------------------------------------------------------
 # The three truncations (pure functions on full, Linear-layout weights)
@@ -354,15 +354,9 @@ def _mix(
     v = v.view(b, t, num_kv_heads, rv).transpose(1, 2)
     g = num_heads // num_kv_heads
     if cos is not None:
-        half = cos.shape[-1] // 2
-
-        def per_head(table):
-            tt = table[..., :half][..., pairs]  # (B, T, H_kv, r/2)
-            return torch.cat((tt, tt), -1).transpose(1, 2)
-
-        ck, sk = per_head(cos), per_head(sin)
-        cq, sq = ck.repeat_interleave(g, 1), sk.repeat_interleave(g, 1)
-        q, k = q * cq + rotate_half(q) * sq, k * ck + rotate_half(k) * sk
+        columns, _, sign = rotary_layout(pairs, num_heads)
+        n = num_kv_heads * r  # the key heads' part of the layout
+        q, k = apply_rotary_pair_subset(q, k, cos, sin, columns[-n:], sign[-n:])
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)
 

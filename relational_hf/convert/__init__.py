@@ -6,7 +6,7 @@
 - `export`      relational models -> plain `LlamaForCausalLM` checkpoints (`relational-hf export`).
 """
 
-from .export import ExportError, ExportReport, export_checkpoint, to_llama
+from .export import ExportError, ExportReport, export_checkpoint, to_free_gauge, to_llama
 from .relational import ConversionError, ConversionReport, max_logit_difference, relational_config_for, to_relational
 from .streaming import stream_to_relational
 
@@ -19,6 +19,7 @@ __all__ = [
     "max_logit_difference",
     "relational_config_for",
     "stream_to_relational",
+    "to_free_gauge",
     "to_llama",
     "to_relational",
 ]

@@ -18,6 +18,10 @@ Refused, with the reason: value-space parallel removal (a nonlinear per-head edi
 without rotary positions (a Llama always rotates its query/key coordinates), and any tensor a Llama has no place
 for (e.g. per-layer shortcut matrices of a per-layer rotation). The result is checked like a conversion: the
 logits of the relational and the Llama model on random tokens must agree to `tolerance` in fp32.
+
+`to_free_gauge` writes a relational model in the free gauge instead: the same architecture (per-layer widths, thin
+keys, rotary pair subsets all kept, so it loads with the plugin or `trust_remote_code`), with plain full maps that
+inference reads as stored, nothing assembled.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalForCausalLM
+from ..params import stored_parameters
 from .relational import float64_logit_difference, max_logit_difference
 
 logger = logging.getLogger(__name__)
 
-EXPORT_TARGETS = ("llama",)
+EXPORT_TARGETS = ("llama", "free")
 
 
 class ExportError(ValueError):
@@ -68,11 +73,12 @@ class ExportReport:
         return asdict(self)
 
     def to_markdown(self) -> str:
+        stored_again = "the pivot entries" if self.target == "free" else "gauge coordinates and unit norm gains"
         lines = [
             f"## Export to `{self.target}`",
             "",
             f"- relational parameters: {self.source_parameters:,}; {self.target} parameters: "
-            f"{self.exported_parameters:,} (gauge coordinates and unit norm gains stored again"
+            f"{self.exported_parameters:,} ({stored_again} stored again"
             + (f", {self.padding_zeros:,} zeros of padding" if self.padding_zeros else "")
             + ")",
             f"- head width {self.head_dim} (QK rank {self.qk_rank}, value width {self.value_head_dim})",
@@ -287,6 +293,66 @@ def to_llama(
     return (llama, report) if return_report else llama
 
 
+def to_free_gauge(
+    model: nn.Module, *, tolerance: float = 1e-4, verify_length: int = 16, return_report: bool = False
+) -> RelationalForCausalLM | tuple[RelationalForCausalLM, ExportReport]:
+    """The relational causal LM `model` in the free gauge (`RelationalConfig.gauge = "free"`, fp32, eval mode): the
+    same architecture and widths, every map a plain `nn.Linear` holding the full weight it computes with
+    (`full_weights`), so inference reads the weights as they are stored. A pivot-gauge map assembles its full weight
+    from its free entries: once per `generate()` call inside `weight_cache`, at every call outside it. The free-gauge
+    model stores the pivot entries again (0.3% of SmolLM2's parameters), and fine-tuning it leaves the gauge free.
+    Checked like `to_llama` (logits on random tokens within `tolerance`, fp32, float64 where rounding misses it);
+    `return_report=True` returns (model, ExportReport)."""
+    if not isinstance(model, RelationalForCausalLM):
+        raise ExportError(f"the free gauge is a form of a relational causal LM, got {type(model).__name__}")
+    c = model.config
+    source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    was_training = source.training
+    source.eval()
+    config = copy.deepcopy(c)
+    config.gauge = "free"
+    with no_init_weights():
+        free = RelationalForCausalLM(config)
+    free = free.float().eval().to(next(source.parameters()).device)
+    target = free.state_dict()  # everything outside the decoder maps (embedding, gains, head, rotary pairs) as is
+    free.load_state_dict(
+        {k: v for k, v in source.state_dict().items() if k in target and target[k].shape == v.shape}, strict=False
+    )
+    with torch.no_grad():
+        for src_layer, dst_layer in zip(source.model.layers, free.model.layers, strict=True):
+            dst_layer.self_attn.set_full_weights(src_layer.self_attn.full_weights())
+            dst_layer.mlp.set_full_weights(src_layer.mlp.full_weights())
+    if c.tie_word_embeddings:
+        free.tie_weights()
+    if getattr(source, "generation_config", None) is not None:
+        free.generation_config = copy.deepcopy(source.generation_config)
+    length = min(verify_length, c.max_position_embeddings)
+    diff = max_logit_difference(source, free, vocab_size=c.vocab_size, length=length)
+    notes = []
+    if not diff <= tolerance:  # float32 rounding or a real error: float64 copies tell them apart
+        again = float64_logit_difference(source, free, vocab_size=c.vocab_size, length=length)
+        if again is not None and again[0] <= tolerance:
+            notes.append(f"float32 logits differed by {diff:.3g} (rounding); verified in float64: {again[0]:.3g}")
+            diff = again[0]
+    source.train(was_training)
+    if not diff <= tolerance:
+        raise ExportError(f"the free-gauge model's logits differ from the relational model's by {diff:.3g} > {tolerance:g}")
+    report = ExportReport(
+        target="free",
+        source_parameters=stored_parameters(model)["total"],
+        exported_parameters=stored_parameters(free)["total"],
+        head_dim=c.head_dim,
+        qk_rank=c.qk_rank,
+        value_head_dim=c.head_dim,
+        padding_zeros=0,
+        max_logit_difference=diff,
+        verified_sequence_length=length,
+        notes=notes,
+    )
+    logger.info("free gauge: %s parameters, max logit difference %.3g", f"{report.exported_parameters:,}", diff)
+    return (free, report) if return_report else free
+
+
 def export_checkpoint(
     model: nn.Module,
     out: str | os.PathLike,
@@ -296,7 +362,8 @@ def export_checkpoint(
     tolerance: float = 1e-4,
     lock=None,
 ) -> ExportReport:
-    """Export `model` (see `to_llama`) and write it to the new or empty folder `out` with `tokenizer` (if given)
+    """Export `model` (`to_llama`, or `to_free_gauge` for `to="free"`) and write it to the new or empty folder `out`
+    with `tokenizer` (if given)
     and `export_report.json`, through `relational_hf.outputs.write_new_output` (staged beside, moved into place when
     complete; `lock`: the caller's `OutputLock` on `out`): an interrupted export leaves nothing that looks like a
     checkpoint; a non-empty `out` is refused before any work."""
@@ -305,10 +372,11 @@ def export_checkpoint(
     if to not in EXPORT_TARGETS:
         raise ExportError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}")
     check_new_output(out, "OUT")
-    llama, report = to_llama(model, tolerance=tolerance, return_report=True)
+    convert = to_free_gauge if to == "free" else to_llama
+    exported, report = convert(model, tolerance=tolerance, return_report=True)
 
     def write(folder: Path) -> None:
-        llama.save_pretrained(folder)
+        exported.save_pretrained(folder)
         if tokenizer is not None:
             save_tokenizer(tokenizer, folder)
         (folder / "export_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
@@ -324,5 +392,6 @@ __all__ = [
     "export_checkpoint",
     "llama_config_for",
     "llama_head_dim",
+    "to_free_gauge",
     "to_llama",
 ]

@@ -67,9 +67,10 @@ class RelationalRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size)) if hidden_size is not None else None
 
     def normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The gain-free part: x / sqrt(mean(x^2) + eps), computed in fp32, returned in the input dtype."""
-        h = hidden_states.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(hidden_states.dtype)
+        """The gain-free part: x / sqrt(mean(x^2) + eps), computed in fp32, returned in the input dtype (torch's
+        fused kernel: one operator instead of six on a decoding step's few rows)."""
+        h = F.rms_norm(hidden_states.float(), hidden_states.shape[-1:], eps=self.variance_epsilon)
+        return h.to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.normalize(hidden_states)
@@ -126,36 +127,55 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) by the angles cos/sin (B, T, r)."""
+    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) by the angles cos/sin (B, T, r): a layer that keeps every rotary
+    pair of the model's table, in order, over several positions."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def rotary_pair_layout(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For key heads keeping the rotary frequency pairs pairs (H_kv, r/2): (columns (H_kv r,), the columns of the
-    model's cos/sin table that head h's coordinates j and j + r/2 turn with, pair pairs[h, j] for both; sign (H_kv r,)
-    int8, -1 on the first half of each head and +1 on the second, so that rotate_half(x) * sin equals
-    roll(x, r/2) * (sign * sin))."""
-    h_kv, half = pairs.shape
-    columns = torch.cat((pairs, pairs), dim=-1).reshape(-1)
-    sign = torch.ones(h_kv, 2, half, dtype=torch.int8, device=pairs.device)
-    sign[:, 0] = -1
-    return columns, sign.reshape(-1)
-
-
-def apply_rotary_pair_subset(q, k, cos, sin, pairs, layout=None):
-    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) when key head h keeps only the rotary frequency pairs
-    pairs[h] (H_kv, r/2) of the model's table cos/sin (B, T, R): coordinate j and j + r/2 of head h turn with the
-    frequency of pair pairs[h, j]; each query head uses its key head's pairs. `layout`: `rotary_pair_layout(pairs)`,
-    when the caller keeps it (one gather per table and no concatenations on the decoding path)."""
-    columns, sign = rotary_pair_layout(pairs) if layout is None else layout
+def apply_rotary_pair_subset(q, k, cos, sin, columns, sign):
+    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) when key head h keeps only some of the rotary pairs of the model's
+    table cos/sin (B, T, R), over several positions: columns, sign are the key heads' part of the layer's
+    `rotary_layout` (its last H_kv r entries); each query head turns with its key head's angles, which are gathered
+    once for the group (B, H_kv, T, r) and broadcast over its query heads."""
     b, h, t, r = q.shape
     h_kv = k.shape[1]
     cos_k = cos.index_select(-1, columns).unflatten(-1, (h_kv, r)).transpose(1, 2)  # (B, H_kv, T, r)
     sin_k = (sin.index_select(-1, columns) * sign).unflatten(-1, (h_kv, r)).transpose(1, 2)
-    q = q.reshape(b, h_kv, h // h_kv, t, r)  # the query heads of a group share their key head's angles
+    q = q.reshape(b, h_kv, h // h_kv, t, r)
     q = q * cos_k[:, :, None] + q.roll(r // 2, -1) * sin_k[:, :, None]
     return q.reshape(b, h, t, r), k * cos_k + k.roll(r // 2, -1) * sin_k
+
+
+def rotary_layout(pairs: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rotary embedding of a layer as three vectors over its flat projections [q | k] (..., (H + H_kv) r), for
+    key heads that keep the frequency pairs pairs (H_kv, r/2) of the model's table (pairs[h] = 0 .. r/2 - 1 for a
+    layer that keeps them all, in order). Coordinates j and j + r/2 of key head h turn with the angle of pair
+    pairs[h, j], and each query head with its key head's pairs:
+
+    - columns: the column of the model's cos/sin table (B, T, R) that gives each coordinate its angle;
+    - swap: the coordinate it turns with (j <-> j + r/2 within its head);
+    - sign: -1 on the first half of each head, +1 on the second (int8: it never promotes the dtype).
+
+    `apply_rotary` turns x into x cos + rotate_half(x) sin, head by head, with these at a decoding step: two gathers of
+    the table, one of x, no reshapes, the same few operators for every layer whatever it keeps (over many positions,
+    gathers along the last dimension are slow on CPUs: `apply_rotary_pair_subset` and `apply_rotary_pos_emb` there)."""
+    h_kv, half = pairs.shape
+    key_columns = torch.cat((pairs, pairs), dim=-1)  # (H_kv, r)
+    columns = torch.cat((key_columns.repeat_interleave(num_heads // h_kv, 0).reshape(-1), key_columns.reshape(-1)))
+    heads, r = num_heads + h_kv, 2 * half
+    within = torch.arange(r, device=pairs.device).roll(half)
+    swap = (within + r * torch.arange(heads, device=pairs.device)[:, None]).reshape(-1)
+    sign = torch.ones(heads, 2, half, dtype=torch.int8, device=pairs.device)
+    sign[:, 0] = -1
+    return columns, swap, sign.reshape(-1)
+
+
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout) -> torch.Tensor:
+    """The rotary embedding of the flat projections qk = [q | k] (B, T, (H + H_kv) r) at the angles of the model's
+    table cos/sin (B, T, R), for the `rotary_layout` of the layer (meant for few positions T)."""
+    columns, swap, sign = layout
+    return qk * cos.index_select(-1, columns) + qk.index_select(-1, swap) * (sin.index_select(-1, columns) * sign)
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -300,22 +320,22 @@ class RelationalAttention(nn.Module):
                 out[f"{key}_bias"] = module.bias
         return out
 
-    def keeps_rotary_subset(self) -> bool:
-        """True when this layer's key heads keep a subset (or another order) of the model's rotary frequency pairs;
-        False when every head keeps all of them in order (the plain rotary embedding, fewer operations). Recomputed
-        only when `rope_pair_index` changes."""
+    def rotary_layout(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """(`rotary_layout` of this layer's rotary pairs on `device`, whether they are all the model's pairs in order),
+        from `rope_pair_index` (all pairs in order when the layer has none); kept until the pairs are edited or
+        replaced."""
         pairs = getattr(self, "rope_pair_index", None)
-        if pairs is None:
-            return False
-        key = (pairs.data_ptr(), pairs._version, pairs.device, tuple(pairs.shape))
-        if self.__dict__.get("_pairs_key") != key:
-            full = 2 * pairs.shape[1] == self.config.qk_rank
-            plain = full and bool((pairs == torch.arange(pairs.shape[1], device=pairs.device)).all())
-            self.__dict__["_pairs_key"], self.__dict__["_pairs_subset"] = key, not plain
-            self.__dict__["_pair_layout"] = None if plain else rotary_pair_layout(pairs)
-        return self.__dict__["_pairs_subset"]
+        key = (device,) if pairs is None else (device, pairs.data_ptr(), pairs._version)
+        cached = self.__dict__.get("_rotary_layout")
+        if cached is None or cached[0] != key:
+            ordered = torch.arange(self.qk_rank // 2).expand(self.num_kv_heads, -1)
+            plain = pairs is None or (2 * pairs.shape[1] == self.config.qk_rank and bool((pairs.cpu() == ordered).all()))
+            layout = rotary_layout((ordered if pairs is None else pairs).to(device), self.num_heads)
+            cached = (key, (layout, plain))
+            self.__dict__["_rotary_layout"] = cached
+        return cached[1]
 
-    def kernel_width(self) -> int | None:
+    def kernel_width(self, implementation: str | None = None) -> int | None:
         """The common head width the fused attention kernels get, or None when q/k and v are passed as they are.
 
         The fused kernels (SDPA's flash and memory-efficient paths, flash-attention) need one head width for q, k and
@@ -324,8 +344,11 @@ class RelationalAttention(nn.Module):
         q.k unchanged (the scaling is r^-1/2, passed explicitly), zero columns appended to v give zero output
         columns, cut off again: the result is the same attention. Eager attention takes any widths, and so does
         `grouped_decode_attention`, which SDPA's decoding steps of such a layer take instead (one query position:
-        no padding, no repeated keys)."""
-        if self.qk_rank == self.head_dim or self.config._attn_implementation in (None, "eager"):
+        no padding, no repeated keys). `implementation`: the configured attention implementation, when the caller
+        has read it."""
+        if self.qk_rank == self.head_dim:
+            return None
+        if (implementation or self.config._attn_implementation) in (None, "eager"):
             return None
         return max(self.qk_rank, self.head_dim)
 
@@ -339,29 +362,34 @@ class RelationalAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]  # (B, T)
-        query = self.q_proj(hidden_states).view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H, T, r)
-        key = self.k_proj(hidden_states).view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H_kv, T, r)
-        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_h)
+        query, key = self.q_proj(hidden_states), self.k_proj(hidden_states)  # (B, T, H r), (B, T, H_kv r)
         if self.rope:
             cos, sin = position_embeddings
-            if self.keeps_rotary_subset():
-                layout = self.__dict__.get("_pair_layout")
-                query, key = apply_rotary_pair_subset(query, key, cos, sin, self.rope_pair_index, layout)
-            else:
+            layout, plain = self.rotary_layout(cos.device)
+        if self.rope and input_shape[-1] == 1:  # a decoding step: one flat rotation of [q | k], the fewest operators
+            qk = apply_rotary(torch.cat((query, key), dim=-1), cos, sin, layout)
+            query, key = qk.split((query.shape[-1], key.shape[-1]), dim=-1)
+        query = query.view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H, T, r)
+        key = key.view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H_kv, T, r)
+        if self.rope and input_shape[-1] > 1:
+            if plain:
                 query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            else:
+                n = key.shape[1] * self.qk_rank  # the key heads' part of the layout
+                query, key = apply_rotary_pair_subset(query, key, cos, sin, layout[0][-n:], layout[2][-n:])
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_h)
         own_value = value
         if cache is not None:  # keys and values at their own widths: a thin-key cache stays thin
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        width = self.kernel_width()
+        implementation = self.config._attn_implementation
+        width = self.kernel_width(implementation)
         dropout = self.attention_dropout if self.training else 0.0
-        if width is not None and query.shape[2] == 1 and not dropout and self.config._attn_implementation == "sdpa":
+        if width is not None and query.shape[2] == 1 and not dropout and implementation == "sdpa":
             attn_output, attn_weights = grouped_decode_attention(query, key, value, attention_mask, self.scaling), None
         else:
             if width is not None:  # one head width for the fused kernels, padded for this call only
                 query, key, value = (pad_head_width(x, width) for x in (query, key, value))
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             attn_output, attn_weights = attention_interface(
                 self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
             )  # (B, T, H, d_h)
