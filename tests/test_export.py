@@ -242,7 +242,7 @@ def test_free_gauge_keeps_the_function_and_stores_the_pivots_again():
 
 def test_cli_export_to_the_free_gauge_loads_back_with_the_same_function(tmp_path):
     """`relational-hf export SRC OUT --to free` writes a relational checkpoint that AutoModelForCausalLM loads in the
-    free gauge with the source's logits, and its report."""
+    free gauge with the source's logits, with the plugin and, without it, with trust_remote_code."""
     from transformers import AutoModelForCausalLM
 
     model = _compressed_shapes()
@@ -252,4 +252,23 @@ def test_cli_export_to_the_free_gauge_loads_back_with_the_same_function(tmp_path
     assert json.loads((out / "export_report.json").read_text())["target"] == "free"
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert loaded.config.gauge == "free"
-    assert _max_diff(model, loaded, _ids()) < 1e-5
+    ids = _ids()
+    assert _max_diff(model, loaded, ids) < 1e-5
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    code = f"""
+from transformers import AutoModelForCausalLM
+try:
+    import relational_hf
+    raise SystemExit("the plugin is importable")
+except ImportError:
+    pass
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+want = torch.load({str(tmp_path / "expected.pt")!r})
+with torch.no_grad():
+    print("DIFF", (model(want["ids"]).logits - want["logits"]).abs().max().item(), model.config.gauge)
+"""
+    result = run_without_plugin(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("DIFF")).split()
+    assert float(line[1]) < 1e-5 and line[2] == "free"

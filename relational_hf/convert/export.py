@@ -81,7 +81,9 @@ class ExportReport:
             f"{self.exported_parameters:,} ({stored_again} stored again"
             + (f", {self.padding_zeros:,} zeros of padding" if self.padding_zeros else "")
             + ")",
-            f"- head width {self.head_dim} (QK rank {self.qk_rank}, value width {self.value_head_dim})",
+            f"- head width {self.head_dim} (QK rank {self.qk_rank}, value width {self.value_head_dim})"
+            if self.target == "llama"
+            else "- every per-layer width, thin key and rotary pair kept; every map a full Linear",
             f"- max |logit difference| on random tokens (fp32, length {self.verified_sequence_length}): "
             f"{self.max_logit_difference:.3g}",
         ]
