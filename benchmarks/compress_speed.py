@@ -24,8 +24,9 @@ Reported per case: the median over `--rounds` rounds of tokens/s by wall clock, 
 threads; on a machine that other jobs share, CPU time is the steadier of the two), and the best round (the least
 disturbed; `speedup_best`), with the load average beside them. The figure of merit is compressed / dense.
 `--gauge free` times the compressed model exported to the free gauge (`relational_hf.convert.to_free_gauge`: every
-map a plain Linear holding its full weight, the pivot entries stored again). `--keep-assembled` times a third model, the compressed one keeping its assembled gauge-fixed weights between calls
-(`keep_assembled`: `generate()` then assembles nothing after its first call), in the same alternated rounds.
+map a plain Linear holding its full weight, the pivot entries stored again). `--keep-assembled` times a third model,
+the compressed one keeping its assembled gauge-fixed weights between calls (`keep_assembled`: `generate()` then
+assembles nothing after its first call), in the same alternated rounds.
 
     python benchmarks/compress_speed.py                  # every level (compressions are cached in --workdir)
     python benchmarks/compress_speed.py --quick          # 2 layers, 1 level, short inputs: a minute or two
