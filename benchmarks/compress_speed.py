@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         help="time models of the widths that benchmarks/compress.py's relational cells chose (no compression run)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.keep_assembled and args.gauge == "free":
+        parser.error("--keep-assembled times a pivot-gauge model keeping its assembled weights: the free gauge has none")
     if args.tag and not args.tag.replace("_", "").replace("-", "").isalnum():
         parser.error(f"--tag must be letters, digits, '_' or '-', got {args.tag!r}")
     name = "compress_speed" + ("_curve" if args.widths_from else "") + ("_gpu" if args.gpu else "")

@@ -64,3 +64,10 @@ def test_both_models_are_timed_from_newly_allocated_memory_with_ties_kept(speed)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         assert t.data_ptr() != before[name][0] and torch.equal(t, before[name][1]), name
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_keeping_assembled_weights_in_the_free_gauge_is_refused(speed, capsys):
+    """The free gauge has no gauge-fixed weight to keep: the two options together are refused in one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        speed.main(["--gauge", "free", "--keep-assembled"])
+    assert exit_info.value.code == 2 and "--keep-assembled" in capsys.readouterr().err
