@@ -59,6 +59,32 @@ def _max_diff(a: nn.Module, b: nn.Module, ids: torch.Tensor) -> float:
     return float((a(ids).logits - b(ids).logits).abs().max())
 
 
+def _logits_without_plugin(model, out, tmp_path, trust_remote_code: bool = False, check: str = ""):
+    """Load `out` with AutoModelForCausalLM in a process where the plugin cannot be imported, run `check` there, and
+    return (the finished process, max |logit difference| to `model` on `_ids()`, the loaded config's gauge or None)."""
+    ids = _ids()
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    code = f"""
+from transformers import AutoModelForCausalLM
+try:
+    import relational_hf
+    raise SystemExit("the plugin is importable")
+except ImportError:
+    pass
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code={trust_remote_code}).eval()
+{check}
+want = torch.load({str(tmp_path / "expected.pt")!r})
+with torch.no_grad():
+    diff = (model(want["ids"]).logits - want["logits"]).abs().max().item()
+print("DIFF", diff, getattr(model.config, "gauge", None))
+"""
+    result = run_without_plugin(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("DIFF")).split()
+    return result, float(line[1]), line[2]
+
+
 @pytest.mark.parametrize(("tie", "bias"), [(True, False), (False, True)])
 def test_llama_relational_llama_round_trip_keeps_logits_and_greedy_text(tie, bias):
     llama = _llama(tie, bias)
@@ -142,28 +168,13 @@ def test_cli_export_loads_with_no_plugin_and_no_remote_code(tmp_path):
     assert main(["export", str(src), str(out), "--to", "llama"]) == 0
     assert not list(out.glob("*.py")) and "auto_map" not in json.loads((out / "config.json").read_text())
     assert json.loads((out / "export_report.json").read_text())["max_logit_difference"] <= 1e-4
-    ids = _ids()
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
-    code = f"""
-from transformers import AutoModelForCausalLM, AutoTokenizer
-try:
-    import relational_hf
-    raise SystemExit("the plugin is importable")
-except ImportError:
-    pass
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
-assert type(model).__name__ == "LlamaForCausalLM", type(model)
-want = torch.load({str(tmp_path / "expected.pt")!r})
-with torch.no_grad():
-    diff = (model(want["ids"]).logits - want["logits"]).abs().max().item()
-tok = AutoTokenizer.from_pretrained({str(out)!r})
-print("DIFF", diff, "TOKENS", tok("ab")["input_ids"])
-"""
-    result = run_without_plugin(code, tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("DIFF"))
-    assert float(line.split()[1]) < 1e-5
+    result, diff, _ = _logits_without_plugin(
+        model, out, tmp_path,
+        check=f"""assert type(model).__name__ == "LlamaForCausalLM", type(model)
+from transformers import AutoTokenizer
+print("TOKENS", AutoTokenizer.from_pretrained({str(out)!r})("ab")["input_ids"])""",
+    )  # fmt: skip
+    assert diff < 1e-5
     assert "custom code" not in result.stderr
 
 
@@ -252,23 +263,6 @@ def test_cli_export_to_the_free_gauge_loads_back_with_the_same_function(tmp_path
     assert json.loads((out / "export_report.json").read_text())["target"] == "free"
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert loaded.config.gauge == "free"
-    ids = _ids()
-    assert _max_diff(model, loaded, ids) < 1e-5
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
-    code = f"""
-from transformers import AutoModelForCausalLM
-try:
-    import relational_hf
-    raise SystemExit("the plugin is importable")
-except ImportError:
-    pass
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
-want = torch.load({str(tmp_path / "expected.pt")!r})
-with torch.no_grad():
-    print("DIFF", (model(want["ids"]).logits - want["logits"]).abs().max().item(), model.config.gauge)
-"""
-    result = run_without_plugin(code, tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("DIFF")).split()
-    assert float(line[1]) < 1e-5 and line[2] == "free"
+    assert _max_diff(model, loaded, _ids()) < 1e-5
+    _, diff, gauge = _logits_without_plugin(model, out, tmp_path, trust_remote_code=True)
+    assert diff < 1e-5 and gauge == "free"
