@@ -23,8 +23,10 @@ more slowly and by a varying amount), on:
 Reported per case: the median over `--rounds` rounds of tokens/s by wall clock, and by the process's CPU time (all
 threads; on a machine that other jobs share, CPU time is the steadier of the two), and the best round (the least
 disturbed; `speedup_best`), with the load average beside them. The figure of merit is compressed / dense.
-`--gauge free` times the compressed model exported to the free gauge (`relational_hf.convert.to_free_gauge`: every
-map a plain Linear holding its full weight, the pivot entries stored again). `--keep-assembled` times a third model,
+`--gauge` is the gauge of the compressed model timed: free (the default, what `relational-hf compress` writes: every
+map a plain Linear holding its full weight) or pivot (the gauge-fixed form, which assembles its full weights from its
+free entries); level 0, the exact conversion, is put in the same gauge (`relational_hf.convert.to_free_gauge`), and
+`--widths-from` cells are built in it whatever gauge their widths were planned in. `--keep-assembled` times a third model,
 the compressed one keeping its assembled gauge-fixed weights between calls (`keep_assembled`: `generate()` then
 assembles nothing after its first call), in the same alternated rounds.
 
@@ -35,7 +37,7 @@ assembles nothing after its first call), in the same alternated rounds.
     python benchmarks/compress_speed.py --widths-from results/compress_curve.json --levels 0.1 0.2 0.3 0.4 0.5
 
 `--widths-from JSON`: the per-layer widths that the quality benchmark's relational cells chose (their reports keep
-them), built as relational models of exactly those shapes with freshly initialised weights instead of compressing
+them), or those of one `relational-hf compress` run (its `compression_report.json`, at its `--remove`), built as relational models of exactly those shapes with freshly initialised weights instead of compressing
 again: on dense kernels the time depends on the shapes only, not on the values.
 
 Writes results/compress_speed.json and compress_speed.png (`_curve`, `_gpu`, `_quick` suffixes), atomically.
@@ -75,6 +77,17 @@ def in_own_memory(model):
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
     return model
+
+
+def planned_widths(payload) -> dict[float, dict[str, list[int]]]:
+    """{share removed: widths} of `benchmarks/compress.py`'s relational cells, or of one `relational-hf compress`
+    report (its `remove` and `widths`: the command's own model); empty for anything else."""
+    if isinstance(payload, dict) and isinstance(payload.get("cells"), dict):
+        cells = payload["cells"].values()
+        return {c["target"]: c["details"]["widths"] for c in cells if c["method"] == "relational" and c["status"] == "ok"}
+    if isinstance(payload, dict) and isinstance(payload.get("widths"), dict) and "remove" in payload:
+        return {float(payload["remove"]): payload["widths"]}
+    return {}
 
 
 def clocked(fn) -> tuple[float, float]:
@@ -208,18 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the compressed model keeping its assembled weights between calls (keep_assembled)",
     )  # fmt: skip
     parser.add_argument(
-        "--gauge", choices=("pivot", "free"), default="pivot",
-        help="free: time the compressed model exported to the free gauge (to_free_gauge: full maps, nothing assembled)",
+        "--gauge", choices=("free", "pivot"), default="free",
+        help="gauge of the compressed model: free (the default of `relational-hf compress`: full maps, nothing "
+        "assembled) or pivot (the gauge-fixed form)",
     )  # fmt: skip
     parser.add_argument("--tag", default="", help="appended to the results' file name")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
         "--widths-from", type=Path, default=None, metavar="JSON",
-        help="time models of the widths that benchmarks/compress.py's relational cells chose (no compression run)",
+        help="time models of the widths that benchmarks/compress.py's relational cells chose, or of one compress "
+        "report (no compression run)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.keep_assembled and args.gauge == "free":
-        parser.error("--keep-assembled times a pivot-gauge model keeping its assembled weights: the free gauge has none")
+        parser.error("--keep-assembled times a pivot-gauge model keeping its assembled weights: give --gauge pivot")
     if args.tag and not args.tag.replace("_", "").replace("-", "").isalnum():
         parser.error(f"--tag must be letters, digits, '_' or '-', got {args.tag!r}")
     name = "compress_speed" + ("_curve" if args.widths_from else "") + ("_gpu" if args.gpu else "")
@@ -281,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     planned = {}
     if args.widths_from is not None:
-        cells = json.loads(args.widths_from.read_text())["cells"].values()
-        planned = {c["target"]: c["details"]["widths"] for c in cells if c["method"] == "relational" and c["status"] == "ok"}
+        planned = planned_widths(json.loads(args.widths_from.read_text()))
+        if not planned:
+            parser.error(f"--widths-from {args.widths_from}: neither a compress benchmark result nor a compress report")
         missing = [lv for lv in levels if lv and lv not in planned]
         if missing:
             parser.error(f"--widths-from {args.widths_from} has no relational cell at level(s) {missing}")
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             from relational_hf.compress.lowrank import compressed_config
             from relational_hf.modeling import RelationalForCausalLM
 
-            config = compressed_config(to_relational(source.float()).config, planned[level])
+            config = compressed_config(to_relational(source.float()).config, planned[level], args.gauge)
             compressed = RelationalForCausalLM(config).eval()
             dense = source.to(device=device, dtype=dtype)
             info = {"stored_parameters": stored_parameters(compressed)["total"], "widths": planned[level]}
@@ -301,14 +317,17 @@ def main(argv: list[str] | None = None) -> int:
             dense = source.to(device=device, dtype=dtype)  # to_relational reads fp32 on the CPU
             info = {"stored_parameters": stored_parameters(compressed)["total"], "widths": None}
         else:
-            compressed, report = compressed_model(source.float().cpu(), tokenizer, calibration, level, args.workdir)
+            compressed, report = compressed_model(
+                source.float().cpu(), tokenizer, calibration, level, args.workdir, {"gauge": args.gauge}
+            )
             dense = source.to(device=device, dtype=dtype)
             info = {"stored_parameters": report["parameters_after"], "widths": report.get("widths")}
-        if args.gauge == "free":
+        if args.gauge == "free" and compressed.config.gauge != "free":  # the exact conversion writes the pivot gauge
             from relational_hf.convert import to_free_gauge
 
             compressed = to_free_gauge(compressed.float())
             info["stored_parameters"] = stored_parameters(compressed)["total"]
+        assert compressed.config.gauge == args.gauge, (compressed.config.gauge, args.gauge)
         compressed = compressed.to(device=device, dtype=dtype).eval()
         compressed.set_attn_implementation(args.attn)
         dense.set_attn_implementation(args.attn)

@@ -59,13 +59,15 @@ def compressed_model(
 ):
     """The relational compression of `model` at `remove` with the `compress_model` options `options` (reloaded from
     `workdir` when it was saved there with the same calibration windows and options); returns (model, report)."""
+    from relational_hf.compress.options import LowRankOptions
     from relational_hf.jobs import compress_model
     from relational_hf.modeling import RelationalForCausalLM
 
     options = dict(options or {})
     suffix = "".join(f"-{key}{value}" for key, value in sorted(options.items()))
     folder = None if workdir is None else workdir / f"relational-{remove:g}{suffix}"
-    signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)} | options
+    signature = {"remove": remove, "calibration": calibration.sum().item(), "shape": list(calibration.shape)}
+    signature |= {"gauge": LowRankOptions.gauge} | options  # a model cached before the free gauge was the default: not reused
     if folder is not None and (folder / "signature.json").is_file():
         if json.loads((folder / "signature.json").read_text()) == signature:
             logger.info("reusing the compressed model in %s", folder)

@@ -328,6 +328,41 @@ def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
     return {"settings": settings, "results": results, "control": control}
 
 
+#: The cases of a `benchmarks/compress_speed.py` result, as the card names them.
+SPEED_CASES = {
+    "prefill": "prefill 1 x 512 tokens",
+    "prefill_batched": "prefill 4 x 128 tokens",
+    "decode": "greedy decoding",
+    "prefill_last": "prefill as generate() runs it",
+}
+
+
+def _speed_inputs(path: Path, report: dict, gauge: str) -> dict[str, Any]:
+    """The speed of the card's model from a `benchmarks/compress_speed.py` result that timed models of exactly its
+    widths (`--widths-from` its compress report) in its gauge: one settings row (speed-ups over the dense source,
+    the dense model's tokens/s, the protocol) and the figures for the card's JSON. SystemExit when the file timed
+    other widths, another gauge or no level at the report's share."""
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        level = payload["levels"][f"{float(report['remove']):g}"]
+        speedup, dense = level["speedup"], level["dense"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--speed {path}: not a compress_speed result at the report's share ({err})") from None
+    if level.get("widths") != report.get("widths"):
+        raise SystemExit(f"--speed {path}: timed other widths than the report's (run it with --widths-from the report)")
+    if payload.get("gauge") != gauge:
+        raise SystemExit(f"--speed {path}: timed the {payload.get('gauge')} gauge, the checkpoint is in the {gauge} gauge")
+    cases = ", ".join(f"{label} x{speedup[case]:.2f}" for case, label in SPEED_CASES.items() if case in speedup)
+    row = (
+        f"against the dense source on {payload.get('device', 'cpu')} with {payload.get('threads')} thread(s), "
+        f"{payload.get('dtype')}, {payload.get('attn')} attention, median of alternated rounds: {cases} (dense: "
+        f"{dense['decode']['tokens_per_s']:.1f} tokens/s decoding, {dense['prefill']['tokens_per_s']:.0f} prefill); "
+        f"from {path.name}"
+    )
+    figures = {"file": path.name, "threads": payload.get("threads"), "speedup": speedup}
+    return {"settings": {"speed": row}, "speed": figures}
+
+
 def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     """The card of a compressed SmolLM2 checkpoint from its compress report (no re-measurement)."""
     from relational_hf.hub import build_model_card
@@ -346,6 +381,11 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         control = _control_inputs(Path(args.control), report)
         settings.update(control["settings"])
         results += control["results"]
+    speed = None
+    if args.speed:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        speed = _speed_inputs(Path(args.speed), report, config.get("gauge", "pivot"))
+        settings.update(speed["settings"])
     if args.note:
         settings["note"] = args.note
     card_command = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
@@ -364,6 +404,8 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
     if control is not None:
         numbers["control"] = control["control"]
+    if speed is not None:
+        numbers["speed"] = speed["speed"]
     path = _write_card(card, Path(args.card_dir), COMPRESSED_NAME, numbers, folder if args.write_readme else None)
     print(f"{COMPRESSED_NAME}: card {path} from {report_path}")
     return numbers
@@ -387,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--control", default=None, help="benchmarks/results/heal_cli.json: the dense control shown beside the healed figures"
     )
+    comp.add_argument(
+        "--speed", default=None,
+        help="benchmarks/results/compress_speed_*.json that timed DIR's widths (--widths-from its report): the speed shown",
+    )  # fmt: skip
     comp.add_argument(
         "--compress-command", default=None, help="the `relational-hf compress` command that wrote DIR, shown in the card"
     )

@@ -66,8 +66,26 @@ def test_both_models_are_timed_from_newly_allocated_memory_with_ties_kept(speed)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_keeping_assembled_weights_in_the_free_gauge_is_refused(speed, capsys):
-    """The free gauge has no gauge-fixed weight to keep: the two options together are refused in one line."""
+@pytest.mark.parametrize("gauge", [["--gauge", "free"], []])
+def test_keeping_assembled_weights_in_the_free_gauge_is_refused(speed, capsys, gauge):
+    """The free gauge (the default) has no gauge-fixed weight to keep: --keep-assembled without --gauge pivot is
+    refused in one line that names the way out."""
     with pytest.raises(SystemExit) as exit_info:
-        speed.main(["--gauge", "free", "--keep-assembled"])
-    assert exit_info.value.code == 2 and "--keep-assembled" in capsys.readouterr().err
+        speed.main([*gauge, "--keep-assembled"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--keep-assembled" in err and "--gauge pivot" in err
+
+
+def test_widths_come_from_a_benchmark_result_or_a_compress_report(speed):
+    """`--widths-from` reads the relational cells of a compress benchmark result (ok cells only, other methods left
+    out) or the share and widths of one `relational-hf compress` report; anything else gives nothing (then refused)."""
+    w1, w2 = {"qk": [8], "vo": [8], "mlp": [64]}, {"qk": [6], "vo": [4], "mlp": [32]}
+    cells = {
+        "a": {"method": "relational", "target": 0.25, "status": "ok", "details": {"widths": w1}},
+        "b": {"method": "relational", "target": 0.5, "status": "failed", "details": {"widths": w2}},
+        "c": {"method": "slice", "target": 0.1, "status": "ok", "details": {"widths": w2}},
+    }
+    assert speed.planned_widths({"cells": cells}) == {0.25: w1}
+    assert speed.planned_widths({"remove": 0.3, "widths": w2, "parameters_after": 1}) == {0.3: w2}
+    for other in ({"levels": {}}, [], {"remove": 0.3}, {"widths": w2}):
+        assert speed.planned_widths(other) == {}

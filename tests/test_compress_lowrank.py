@@ -90,15 +90,25 @@ def test_full_rank_truncations_preserve_the_function():
     torch.testing.assert_close(rel(ids).logits, before, atol=1e-4, rtol=1e-4)
 
 
-def test_no_truncation_budget_is_exact():
-    """compress_relational with a budget equal to the model's size (no refit) returns the same function."""
+@pytest.mark.parametrize("gauge", ["free", "pivot"])
+def test_no_truncation_budget_is_exact(gauge):
+    """compress_relational with a budget equal to the model's size in the gauge it writes (no refit) returns the same
+    function in that gauge; one parameter less makes it truncate (the budget is counted in that gauge)."""
+    from relational_hf.convert import to_free_gauge
+    from relational_hf.modeling.modeling_gauge import GaugeFixedLinear
+
     rel = to_relational(_llama())
     ids = torch.randint(0, 64, (4, 16))
-    new, result = compress_relational(
-        rel, ids, _stored(rel), LowRankOptions(correction="none", plan_windows=2), progress=False
-    )
+    size = _stored(to_free_gauge(rel) if gauge == "free" else rel)
+    opts = LowRankOptions(correction="none", plan_windows=2, gauge=gauge)
+    new, result = compress_relational(rel, ids, size, opts, progress=False)
     assert result.widths == {"qk": [8, 8], "vo": [8, 8], "mlp": [96, 96]}
+    assert new.config.gauge == gauge and _stored(new) == size
+    fixed = any(isinstance(m, GaugeFixedLinear) for m in new.modules())
+    assert fixed == (gauge == "pivot")
     torch.testing.assert_close(new(ids).logits, rel(ids).logits, atol=1e-4, rtol=1e-4)
+    _, smaller = compress_relational(rel, ids, size - 1, opts, progress=False)
+    assert smaller.widths != result.widths and smaller.planned_parameters <= size - 1
 
 
 def test_vo_truncation_beats_plain_svd_in_the_activation_norm():
@@ -421,7 +431,7 @@ def test_dense_correction_frees_the_dense_layer_and_keeps_the_result():
     outputs, layers = [], []
     for release in (False, True):
         model = copy.deepcopy(rel)
-        new = _new_model(model, {k: [w] for k, w in widths.items()})
+        new = _new_model(model, {k: [w] for k, w in widths.items()}, "pivot")
         h = model.model.embed_tokens(ids).detach()
         layer = model.model.layers[0]
         out, out_dense = compress_layer(

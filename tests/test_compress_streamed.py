@@ -19,6 +19,7 @@ from relational_hf.convert import to_relational
 from relational_hf.convert.streaming import LlamaCheckpointLayers
 from relational_hf.jobs import compress_checkpoint, compress_model
 from relational_hf.lm.metrics import perplexity
+from relational_hf.params import stored_parameters
 
 
 def _llama(tied: bool = True, layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
@@ -43,28 +44,29 @@ OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
 
 
 @pytest.mark.parametrize(
-    ("tied", "sensitivity", "correction", "mlp_order", "refit"),
+    ("tied", "sensitivity", "correction", "mlp_order", "refit", "gauge"),
     [
-        (True, "fisher", "local", "score", {}),
-        (False, "fisher", "dense", "score", {}),
-        (True, "token", "local", "score", {}),
-        (False, "relative", "none", "score", {}),
-        (True, "fisher", "local", "greedy", {}),
-        (True, "fisher", "dense", "score", {"refit_holdout": 2}),
-        (False, "fisher", "dense", "score", {"refit_blend": 0.5}),
-        (True, "fisher", "dense", "score", {"refine_epochs": 4, "refine_lr": 1e-3}),
+        (True, "fisher", "local", "score", {}, "free"),
+        (False, "fisher", "dense", "score", {}, "free"),
+        (True, "fisher", "dense", "score", {}, "pivot"),
+        (True, "token", "local", "score", {}, "free"),
+        (False, "relative", "none", "score", {}, "pivot"),
+        (True, "fisher", "local", "greedy", {}, "free"),
+        (True, "fisher", "dense", "score", {"refit_holdout": 2}, "free"),
+        (False, "fisher", "dense", "score", {"refit_blend": 0.5}, "pivot"),
+        (True, "fisher", "dense", "score", {"refine_epochs": 4, "refine_lr": 1e-3}, "free"),
     ],
 )
-def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, refit):
+def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, refit, gauge):
     """From a Llama checkpoint on disk, the layer-streamed compression chooses the same widths as the in-memory
-    `compress_model` and its saved model computes the same logits (float tolerance); the stored count and the
-    calibration perplexities of its report agree too, and so do the refits chosen on held-back windows and the
-    epochs the refinement kept."""
+    `compress_model` and its saved model computes the same logits (float tolerance) in the gauge asked for; the stored
+    count and the calibration perplexities of its report agree too, and so do the refits chosen on held-back windows
+    and the epochs the refinement kept."""
     model = _llama(tied)
     src = tmp_path / "src"
     model.save_pretrained(src)
     ids = _ids()
-    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction, mlp_order=mlp_order, **refit)
+    options = dict(OPTIONS, sensitivity=sensitivity, correction=correction, mlp_order=mlp_order, gauge=gauge, **refit)
     ref, ref_report = compress_model(model, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
     out = tmp_path / "out"
     report = compress_checkpoint(src, out, remove=0.25, calibration=ids, progress=False, eval_windows=4, **options)
@@ -79,6 +81,8 @@ def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_
         assert report[key] == pytest.approx(ref_report[key], rel=1e-4)
     assert json.loads((out / "compression_report.json").read_text())["widths"] == report["widths"]
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.config.gauge == ref.config.gauge == gauge
+    assert stored_parameters(loaded)["total"] == report["parameters_after"]
     probe = _ids(3, 20, seed=7)
     with torch.no_grad():
         expected, got = ref(probe).logits, loaded(probe).logits
@@ -230,9 +234,38 @@ def test_cli_streams_a_safetensors_folder_like_the_in_memory_path(tmp_path, caps
     assert (tmp_path / "s" / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_cli_gauge_is_the_gauge_written_and_counted(tmp_path, capsys, mode):
+    """The command writes the free gauge by default and the gauge-fixed form with --gauge pivot, on both paths; each
+    meets --remove counted in the gauge it wrote (as stored on disk), and both compute what their report's widths
+    and their own weights say (the free-gauge checkpoint equals the pivot one exported to the free gauge when their
+    widths agree, and is never larger than the budget)."""
+    from relational_hf.commands.main import main
+    from relational_hf.modeling.modeling_gauge import GaugeFixedLinear
+
+    src, text = _cli_source(tmp_path)
+    common = ["--remove", "0.2", "--calibration", str(text), "--window", "32", "--calibration-windows", "4", mode]
+    reports, models = {}, {}
+    for gauge, extra in (("free", []), ("pivot", ["--gauge", "pivot"])):
+        out = tmp_path / gauge
+        assert main(["compress", str(src), str(out), *common, *extra]) == 0, capsys.readouterr().err
+        reports[gauge] = json.loads((out / "compression_report.json").read_text())
+        models[gauge] = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert models[gauge].config.gauge == gauge == reports[gauge]["options"]["gauge"]
+        assert any(isinstance(m, GaugeFixedLinear) for m in models[gauge].modules()) == (gauge == "pivot")
+        stored = stored_parameters(models[gauge])["total"]
+        assert stored == reports[gauge]["parameters_after"] <= reports[gauge]["parameters_budget"]
+        assert reports[gauge]["parameters_budget"] == int(0.8 * reports[gauge]["parameters_before"])
+    if reports["free"]["widths"] == reports["pivot"]["widths"]:
+        probe = _ids(2, 16, seed=3)
+        with torch.no_grad():
+            torch.testing.assert_close(models["free"](probe).logits, models["pivot"](probe).logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (["--method", "slice", "--gauge", "free"], "--gauge applies to --method relational"),
         (["--stream", "--heal-steps", "2"], "--heal-steps needs the whole model"),
         (["--stream", "--method", "slice"], "--method slice needs the whole model"),
         (["--no-stream", "--dtype", "bfloat16"], "--dtype and --max-shard-size apply"),

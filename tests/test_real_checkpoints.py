@@ -283,3 +283,45 @@ def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
     (tmp_path / "heal_cli.json").write_text("{}")
     with pytest.raises(SystemExit, match="control"):
         module.main([*argv, "--control", str(tmp_path / "heal_cli.json")])
+
+
+def test_compressed_card_shows_the_speed_of_its_own_widths_and_gauge(tmp_path):
+    """`--speed` puts the speed-ups of a compress_speed result in the card, only when that result timed the report's
+    widths at the report's share in the checkpoint's gauge; any other result is refused with the reason."""
+    import importlib.util
+
+    from huggingface_hub import ModelCard
+
+    from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
+
+    folder = tmp_path / "compressed"
+    config = RelationalConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, gauge="free")  # fmt: skip
+    RelationalForCausalLM(config).save_pretrained(folder)
+    widths = {"qk": [8], "vo": [8], "mlp": [32]}
+    (folder / "compression_report.json").write_text(json.dumps({"method": "relational", "remove": 0.25, "widths": widths}))
+    speedup = {"prefill": 1.234, "prefill_batched": 1.29, "decode": 1.217, "prefill_bare": 1.2, "prefill_last": 1.3}
+    dense = {"prefill": {"tokens_per_s": 480.0}, "decode": {"tokens_per_s": 17.7}}
+    level = {"widths": widths, "speedup": speedup, "dense": dense}
+    payload = {"device": "cpu", "threads": 1, "dtype": "float32", "attn": "sdpa", "gauge": "free", "levels": {"0.25": level}}
+    root = Path(__file__).resolve().parents[1] / "model_cards" / "build_reference.py"
+    spec = importlib.util.spec_from_file_location("build_reference", root)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    speed = tmp_path / "speed.json"
+    argv = ["smollm2-compressed", "--from", str(folder), "--card-dir", str(tmp_path / "cards"), "--speed", str(speed)]
+    speed.write_text(json.dumps(payload))
+    assert module.main(argv) == 0
+    card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
+    assert "greedy decoding x1.22" in card.text and "prefill 1 x 512 tokens x1.23" in card.text
+    assert "17.7 tokens/s" in card.text and "speed.json" in card.text
+    numbers = json.loads((tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.json").read_text())
+    assert numbers["speed"]["speedup"] == speedup
+    for change, reason in (
+        ({"gauge": "pivot"}, "pivot gauge"),
+        ({"levels": {"0.25": level | {"widths": {**widths, "mlp": [16]}}}}, "other widths"),
+        ({"levels": {"0.5": level}}, "share"),
+    ):
+        speed.write_text(json.dumps(payload | change))
+        with pytest.raises(SystemExit, match=reason):
+            module.main(argv)

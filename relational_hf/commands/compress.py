@@ -1,7 +1,8 @@
 """Compress a causal LM in relational coordinates and save it.
 
     relational-hf compress SRC OUT --remove 0.25 [--calibration FILE] [--eval FILE] [--heal-steps N]
-                                               [--stream | --no-stream] [--dtype D] [--max-shard-size S]
+                                               [--gauge free|pivot] [--stream | --no-stream] [--dtype D]
+                                               [--max-shard-size S]
 
 SRC is a local checkpoint folder, a Hub id or a GGUF file of a Llama-family causal LM (or a relational checkpoint).
 A local safetensors folder or GGUF file is compressed one decoder layer in memory at a time
@@ -10,7 +11,9 @@ dequantised one at a time, the result written shard by shard, stored in SRC's dt
 quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
 unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
 The calibration text (--calibration, default: the project's built-in corpus) is cut into --calibration-windows
-windows of --window tokens. OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
+windows of --window tokens. The result is a relational checkpoint in the free gauge (every map a plain weight, what
+inference reads fastest), or with --gauge pivot in the gauge-fixed form; --remove is counted in the gauge written.
+OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
 written beside it and moved into place when complete (`relational_hf.outputs`).
 
 --heal-steps N repairs the compressed model with N LoRA steps. By default (--heal-loss kd) it distils from SRC: KL to
@@ -127,6 +130,12 @@ class CompressOptions:
     )
     refine_lr: OpenFraction | None = option(None, "learning rate of --refine-epochs (default: 3e-4)", metavar="LR")
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
+    gauge: Literal["free", "pivot"] | None = option(
+        None,
+        "gauge of the compressed model, in which --remove is counted: free (default: every map a plain weight, what "
+        "inference reads fastest; on SmolLM2 at 25%%, 1.22x the dense model's decoding speed on one CPU thread against "
+        "1.18x) or pivot (the gauge-fixed relational form, which does not store the pivot entries)",
+    )
 
 
 @dataclass
@@ -217,6 +226,8 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--refine-lr sets the learning rate of --refine-epochs N (N >= 1)")
     if args.refine_epochs and args.calibration_windows < 2:
         raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
+    if args.gauge is not None and args.method != "relational":
+        raise UsageError("--gauge applies to --method relational (the slice method writes the pivot gauge)")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
     args.stream = args.stream_chosen()
@@ -293,7 +304,7 @@ def _run(args: CompressArguments, lock) -> int:
     options = (
         {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
          "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
-         "refine_epochs": args.refine_epochs}
+         "refine_epochs": args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {})}
         if args.method == "relational"
         else {}
     )
@@ -355,7 +366,8 @@ def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, eval
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
         mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
-        refine_epochs=args.refine_epochs, **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
+        refine_epochs=args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
+        **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
         report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
     )
     summary = (

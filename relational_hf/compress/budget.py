@@ -4,6 +4,7 @@ grids of candidate widths, and the check that a budget can be met at all."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from ..modeling import RelationalConfig
@@ -30,6 +31,16 @@ def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> in
     if kind == "mlp":
         return 3 * d * width - (width if pivot else 0)
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
+
+
+def in_gauge(config: RelationalConfig, gauge: str | None) -> RelationalConfig:
+    """`config` with `gauge` (a copy when it changes; None: as it is): the counts above follow `config.gauge`, so the
+    budget of a compression is counted in the gauge it writes."""
+    if gauge is None or gauge == config.gauge:
+        return config
+    config = copy.deepcopy(config)
+    config.gauge = gauge
+    return config
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,6 +131,7 @@ __all__ = [
     "WidthOption",
     "check_budget",
     "fixed_parameters",
+    "in_gauge",
     "layer_kind_parameters",
     "plan_widths",
     "width_grid",

@@ -21,6 +21,8 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
   (relative to its energy) at a grid of widths; a Lagrangian choice then minimises the summed (optionally
   loss-sensitivity weighted) error at the requested stored size (`plan_widths`). A second pass compresses layer by
   layer, collecting the calibration activations through the already-compressed layers.
+- Gauge: the compressed model is written in `LowRankOptions.gauge` ("free" by default: plain maps holding their full
+  weights, what inference reads fastest; "pivot": the gauge-fixed form), and the budget is counted in it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,16 @@ from transformers.initialization import no_init_weights
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
 from ..shards import release as release_layer
-from .budget import KINDS, WidthOption, check_budget, fixed_parameters, layer_kind_parameters, plan_widths, width_grid
+from .budget import (
+    KINDS,
+    WidthOption,
+    check_budget,
+    fixed_parameters,
+    in_gauge,
+    layer_kind_parameters,
+    plan_widths,
+    width_grid,
+)
 from .options import SENSITIVITIES, LowRankOptions, LowRankResult, _check  # noqa: F401  (public here too)
 from .refine import refine_mlp
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
@@ -108,8 +119,8 @@ def _batches(n: int, size: int):
 
 
 @torch.no_grad()
-def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]]) -> RelationalForCausalLM:
-    config = compressed_config(model.config, widths)
+def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]], gauge: str) -> RelationalForCausalLM:
+    config = compressed_config(model.config, widths, gauge)
     with no_init_weights():
         new = type(model)(config)
     if config.tie_word_embeddings and new.lm_head.weight is not new.model.embed_tokens.weight:
@@ -291,9 +302,14 @@ def plan(
     config: RelationalConfig, curves: ErrorCurves, budget: int, fixed: int, result: LowRankResult
 ) -> dict[str, list[int]]:
     """The widths {"qk", "vo", "mlp"} -> per layer that minimise the measured error with at most `budget` stored
-    parameters, `fixed` of them outside the truncated maps (embedding, head, norms); recorded in `result`."""
+    parameters, `fixed` of them outside the truncated maps (embedding, head, norms), each width's parameters counted
+    in `config.gauge` (the gauge the compression writes); recorded in `result`."""
     n_layers = config.num_hidden_layers
-    choice = plan_widths(curves.options, budget - fixed)
+    options = {
+        (li, kind): [WidthOption(o.width, layer_kind_parameters(config, kind, o.width), o.error) for o in candidates]
+        for (li, kind), candidates in curves.options.items()
+    }
+    choice = plan_widths(options, budget - fixed)
     widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
     result.widths = widths
     result.planned_parameters = fixed + sum(o.parameters for o in choice.values())
@@ -301,9 +317,9 @@ def plan(
     return widths
 
 
-def compressed_config(config: RelationalConfig, widths: dict[str, list[int]]) -> RelationalConfig:
-    """`config` with the per-layer widths of a plan."""
-    config = copy.deepcopy(config)
+def compressed_config(config: RelationalConfig, widths: dict[str, list[int]], gauge: str | None = None) -> RelationalConfig:
+    """`config` with the per-layer widths of a plan (and `gauge`; None: `config`'s)."""
+    config = copy.deepcopy(in_gauge(config, gauge))
     config.layer_qk_ranks = list(widths["qk"])
     config.layer_value_ranks = list(widths["vo"])
     config.layer_intermediate_sizes = list(widths["mlp"])
@@ -492,7 +508,8 @@ def compress_relational(
     model (`measure_error_curves`; or takes `curves` measured before with the same options) and plans the widths
     (`plan_widths`); pass 2 walks the layers once with all N windows, feeding each layer the output of the
     already-compressed ones (`compress_layer`; memory: the hidden states of the calibration set, twice with
-    correction='dense', plus one layer). `compress.streamed` does the same one layer in memory at a time.
+    correction='dense', plus one layer). `compress.streamed` does the same one layer in memory at a time. The new
+    model is in the gauge `options.gauge` (the budget counted in it), whatever the gauge of `model`.
     Returns (new model, LowRankResult)."""
     opts = options or LowRankOptions()
     _check(model.config, calibration, opts)
@@ -501,19 +518,19 @@ def compress_relational(
     n_layers = len(model.model.layers)
     count = count or (lambda m: sum(p.numel() for p in m.parameters()))
     result = LowRankResult(budget=budget)
-    fixed = fixed_parameters(config, count(model))
-    check_budget(config, budget, fixed, opts)
+    fixed = fixed_parameters(config, count(model))  # outside the truncated maps: the same in either gauge
+    check_budget(in_gauge(config, opts.gauge), budget, fixed, opts)
     t0 = time.perf_counter()
     curves = curves if curves is not None else measure_error_curves(model, calibration, opts, progress=progress)
     use_metric = opts.sensitivity == "fisher" and opts.fisher_metric and curves.metrics is not None
     metrics = curves.metrics if use_metric else [None] * n_layers
-    widths = plan(config, curves, budget, fixed, result)
+    widths = plan(in_gauge(config, opts.gauge), curves, budget, fixed, result)
     result.plan_seconds = time.perf_counter() - t0
 
     # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------
     t1 = time.perf_counter()
     positions = _positions(config, calibration.shape[1])
-    new = _new_model(model, widths)
+    new = _new_model(model, widths, opts.gauge)
     n = calibration.shape[0]
     h = torch.cat([model.model.embed_tokens(calibration[s]) for s in _batches(n, opts.batch_size)])
     h_dense = h.clone() if opts.correction == "dense" else None

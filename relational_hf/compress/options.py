@@ -12,6 +12,7 @@ from .budget import KINDS
 from .refine import DEFAULT_REFINE_LR, RefineOptions, check_refine
 
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
+GAUGES = ("free", "pivot")
 DEFAULT_REFIT_BLEND = 0.5  # the blend most layers chose on held-back windows (refit_holdout), on both splits
 
 
@@ -59,6 +60,11 @@ class LowRankOptions:
     refine_epochs: int = 0
     refine_lr: float = DEFAULT_REFINE_LR
     refine_holdout: int | None = None
+    # the gauge of the compressed model, in which the budget is counted: "free" (every map a plain Linear holding the
+    # full weight it computes with: inference reads the weights as stored) or "pivot" (the gauge-fixed relational
+    # form: the pivot entries are not stored, so the same budget keeps a little more width, but a call assembles the
+    # full weights from the free entries: slower on a CPU, `benchmarks/compress_speed.py`)
+    gauge: str = "free"
 
     def refine_options(self, windows: int) -> RefineOptions:
         """The `refine.RefineOptions` of a compression on `windows` calibration windows."""
@@ -96,6 +102,8 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
     """ValueError in one line for options, a model or calibration ids the compression cannot take (both paths)."""
     if opts.sensitivity not in SENSITIVITIES:
         raise ValueError(f"`sensitivity` must be one of {', '.join(SENSITIVITIES)}, got {opts.sensitivity!r}")
+    if opts.gauge not in GAUGES:
+        raise ValueError(f"`gauge` must be one of {', '.join(GAUGES)}, got {opts.gauge!r}")
     if opts.mlp_order not in ("score", "greedy"):
         raise ValueError(f"`mlp_order` must be 'score' or 'greedy', got {opts.mlp_order!r}")
     if opts.correction not in ("dense", "local", "none"):

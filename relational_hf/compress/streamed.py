@@ -39,7 +39,7 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRMSNorm
 from ..params import stored_parameters
 from ..shards import ShardWriter, open_checkpoint, trim_heap
-from .budget import KINDS, WidthOption, check_budget, fixed_parameters
+from .budget import KINDS, WidthOption, check_budget, fixed_parameters, in_gauge
 from .lowrank import ErrorCurves, _batches, _positions, compress_layer, compressed_config, layer_error_curves, plan
 from .options import LowRankOptions, LowRankResult
 from .options import _check as check_options
@@ -261,7 +261,7 @@ def compress_streamed(
     with torch.device("meta"):
         dense_meta = RelationalForCausalLM(config)
     fixed = fixed_parameters(config, stored_parameters(dense_meta)["total"])
-    check_budget(config, budget, fixed, opts)
+    check_budget(in_gauge(config, opts.gauge), budget, fixed, opts)
     t0 = time.perf_counter()
     curves, dense_last = measure_error_curves_streamed(
         source, calibration, opts, device=device, progress=progress, seconds=seconds
@@ -270,8 +270,8 @@ def compress_streamed(
     head = source.head(device)
     ppl_before = _perplexity(head, dense_last[: probe.shape[0]], probe, opts.batch_size)
     del dense_last, head
-    widths = plan(config, curves, budget, fixed, result)
-    new_config = compressed_config(config, widths)
+    widths = plan(in_gauge(config, opts.gauge), curves, budget, fixed, result)
+    new_config = compressed_config(config, widths, opts.gauge)
     result.plan_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
