@@ -249,6 +249,7 @@ def test_cli_gauge_is_the_gauge_written_and_counted(tmp_path, capsys, mode):
     for gauge, extra in (("free", []), ("pivot", ["--gauge", "pivot"])):
         out = tmp_path / gauge
         assert main(["compress", str(src), str(out), *common, *extra]) == 0, capsys.readouterr().err
+        assert f"fewer, {gauge} gauge)" in capsys.readouterr().out
         reports[gauge] = json.loads((out / "compression_report.json").read_text())
         models[gauge] = AutoModelForCausalLM.from_pretrained(out).eval()
         assert models[gauge].config.gauge == gauge == reports[gauge]["options"]["gauge"]

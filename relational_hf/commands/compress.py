@@ -346,7 +346,7 @@ def _run(args: CompressArguments, lock) -> int:
     out = write_new_output(args.out, write, command="compress", kind=args.method, lock=lock)
     summary = (
         f"compressed {args.src} with {args.method}: {report['parameters_before']:,} -> {report['parameters_after']:,} "
-        f"stored parameters ({report['removed_share']:.1%} fewer); calibration perplexity "
+        f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
     )
     if evaluation is not None:
@@ -355,6 +355,11 @@ def _run(args: CompressArguments, lock) -> int:
         summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
     print(summary + f"\nsaved to {args.out} (report: {Path(out) / REPORT_NAME})")
     return 0
+
+
+def _gauge_note(report: dict) -> str:
+    gauge = (report.get("options") or {}).get("gauge")
+    return f", {gauge} gauge" if gauge else ""
 
 
 def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, evaluation: torch.Tensor | None) -> int:
@@ -372,7 +377,7 @@ def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, eval
     )
     summary = (
         f"compressed {args.src} one layer at a time: {report['parameters_before']:,} -> {report['parameters_after']:,} "
-        f"stored parameters ({report['removed_share']:.1%} fewer); calibration perplexity "
+        f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}; peak memory "
         f"{report['peak_rss_mib']:,.0f} MiB"
     )
