@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from relational_hf.compress.lowrank import LowRankOptions, _positions
 from relational_hf.compress.sensitivity import fisher_directions, head_label_gradients, layer_fisher_step
 from relational_hf.compress.streamed import RelationalCheckpointLayers, streamed_perplexity
-from relational_hf.convert import to_relational
+from relational_hf.convert import to_free_gauge, to_relational
 from relational_hf.convert.streaming import LlamaCheckpointLayers
 from relational_hf.jobs import compress_checkpoint, compress_model
 from relational_hf.lm.metrics import perplexity
@@ -257,10 +257,14 @@ def test_cli_gauge_is_the_gauge_written_and_counted(tmp_path, capsys, mode):
         stored = stored_parameters(models[gauge])["total"]
         assert stored == reports[gauge]["parameters_after"] <= reports[gauge]["parameters_budget"]
         assert reports[gauge]["parameters_budget"] == int(0.8 * reports[gauge]["parameters_before"])
-    if reports["free"]["widths"] == reports["pivot"]["widths"]:
-        probe = _ids(2, 16, seed=3)
-        with torch.no_grad():
-            torch.testing.assert_close(models["free"](probe).logits, models["pivot"](probe).logits, atol=1e-4, rtol=1e-4)
+    assert reports["free"]["widths"] == reports["pivot"]["widths"]  # this budget: the same widths in both gauges
+    probe = _ids(2, 16, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(models["free"](probe).logits, models["pivot"](probe).logits, atol=1e-4, rtol=1e-4)
+    # the free gauge holds the pivot gauge's representative (well-scaled factors), not the truncation's raw factors
+    exported = to_free_gauge(models["pivot"]).state_dict()
+    for key, t in models["free"].state_dict().items():
+        torch.testing.assert_close(t, exported[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize(

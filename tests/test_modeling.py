@@ -3,6 +3,7 @@ parameter counts, gauge equivalence, value-space parallel removal and input vali
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -221,6 +222,44 @@ def test_pivot_and_free_gauges_represent_the_same_function(variant):
         dst.self_attn.set_full_weights(src.self_attn.full_weights())
         dst.mlp.set_full_weights(src.mlp.full_weights())
     torch.testing.assert_close(back(ids).logits, free(ids).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_free_gauge_with_fix_gauge_stores_the_pivot_representative(variant):
+    """`set_full_weights(w, fix_gauge=True)` in the free gauge stores the full weights a pivot-gauge module computes
+    with for the same w (the orbit's pivot representative), so the function is unchanged while factors given badly
+    scaled against each other (a random element of each gauge group applied) come out as well scaled as the pivot
+    gauge's; without it the free gauge stores w as given."""
+    torch.manual_seed(0)
+    pivot = trained(RelationalForCausalLM(tiny_config(**VARIANTS[variant])))
+    free = RelationalForCausalLM(tiny_config(**VARIANTS[variant], gauge="free")).eval()
+    free.load_state_dict(
+        {k: v for k, v in pivot.state_dict().items() if "self_attn" not in k and "mlp" not in k}, strict=False
+    )
+    ids = torch.randint(3, VOCAB, (2, 10))
+    for src, dst in zip(pivot.model.layers, free.model.layers):
+        w, m = src.self_attn.full_weights(), src.mlp.full_weights()
+        attn, c = dst.self_attn, pivot.config
+        # badly scaled factors of the same function: V x 1e-3 and O x 1e3 per head; up x 1e2 and down x 1e-2
+        v = {k: t.detach().clone() for k, t in w.items()}
+        if not c.value_parallel_removal:
+            v["v"] = v["v"] * 1e-3
+            v["o"] = v["o"] * 1e3
+            if "v_bias" in v:
+                v["v_bias"] = v["v_bias"] * 1e-3
+        u = {"gate": m["gate"], "up": m["up"] * 1e2, "down": m["down"] * 1e-2}
+        dst.self_attn.set_full_weights(v)
+        assert torch.equal(attn.full_weights()["o"], v["o"])  # as given
+        dst.self_attn.set_full_weights(v, fix_gauge=True)
+        dst.mlp.set_full_weights(u, fix_gauge=True)
+        ref = copy.deepcopy(src)  # a pivot-gauge layer given the well-scaled w: its pivots chosen anew from w
+        ref.self_attn.set_full_weights(w)
+        ref.mlp.set_full_weights(m)
+        for key, t in ref.self_attn.full_weights().items():
+            torch.testing.assert_close(attn.full_weights()[key], t, rtol=1e-4, atol=1e-5)
+        for key, t in ref.mlp.full_weights().items():
+            torch.testing.assert_close(dst.mlp.full_weights()[key], t, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(free(ids).logits, pivot(ids).logits, rtol=0, atol=1e-4)
 
 
 def test_pivot_entries_are_exact_and_stored_factors_are_bounded():

@@ -428,7 +428,7 @@ def compress_layer(
         )
         if bv is not None:
             w["v_bias"] = bv
-    target.self_attn.set_full_weights(w)
+    target.self_attn.set_full_weights(w, fix_gauge=True)  # a free-gauge target: well-scaled factors
     if getattr(target.self_attn, "rope_pair_index", None) is not None:
         target.self_attn.rope_pair_index.copy_(pairs)
     # MLP: statistics at the compressed attention's output
@@ -484,7 +484,7 @@ def compress_layer(
         dense_mlp, m = m, {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
         if opts.refine_epochs:
             m = _refine(mlp, dense_mlp, m, norm, h_mid, dense_out, opts, record)
-    target.mlp.set_full_weights(m)
+    target.mlp.set_full_weights(m, fix_gauge=True)
     for s in _batches(n, opts.batch_size):
         h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
     return h, dense_out

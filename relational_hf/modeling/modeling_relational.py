@@ -288,24 +288,29 @@ class RelationalAttention(nn.Module):
         return (self.q_proj, self.k_proj), (self.o_proj, self.v_proj)
 
     @torch.no_grad()
-    def set_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def set_full_weights(self, weights: dict[str, torch.Tensor], *, fix_gauge: bool = False) -> None:
         """Load full (Linear-layout) q/k/v/o weights and optional biases, moving them to this module's gauge.
 
         Keys: q, k, v, o and optionally q_bias, k_bias, v_bias, o_bias. The function (all G_QK, G_VO, the rotary
-        scores) is unchanged; in the pivot gauge only the free entries are stored."""
+        scores) is unchanged; in the pivot gauge only the free entries are stored. `fix_gauge`: in the free gauge
+        too, store the pivot gauge's representative of the orbit (the full weights a pivot-gauge module computes
+        with) rather than the weights as given, whose factors may be scaled arbitrarily against each other."""
         q, k, v, o = weights["q"], weights["k"], weights["v"], weights["o"]
         bq, bk, bv = weights.get("q_bias"), weights.get("k_bias"), weights.get("v_bias")
         scale = self.config.pivot_scale
-        if isinstance(self.k_proj, GaugeFixedLinear):
+        free = fix_gauge and self.config.gauge == "free"
+        if isinstance(self.k_proj, GaugeFixedLinear) or free:
             q, k, bq, bk, idx, val = qk_to_pivot_gauge(
                 q, k, bq, bk, num_kv_heads=self.num_kv_heads, rank=self.qk_rank, rope=self.rope, scale=scale
             )
-            self.k_proj.set_layout(idx, val)
-        if isinstance(self.v_proj, GaugeFixedLinear):
+            if isinstance(self.k_proj, GaugeFixedLinear):
+                self.k_proj.set_layout(idx, val)
+        if isinstance(self.v_proj, GaugeFixedLinear) or (free and not self.config.value_parallel_removal):
             v, o, bv, idx, val = vo_to_pivot_gauge(
                 v, o, bv, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=scale
             )
-            self.v_proj.set_layout(idx, val)
+            if isinstance(self.v_proj, GaugeFixedLinear):
+                self.v_proj.set_layout(idx, val)
         for module, w, b in ((self.q_proj, q, bq), (self.k_proj, k, bk), (self.v_proj, v, bv)):
             write_full_weight(module, w, b)
         write_full_weight(self.o_proj, o, weights.get("o_bias"))
@@ -419,12 +424,14 @@ class RelationalMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     @torch.no_grad()
-    def set_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load full gate/up/down weights (Linear layout), moving the scales to this module's gauge."""
+    def set_full_weights(self, weights: dict[str, torch.Tensor], *, fix_gauge: bool = False) -> None:
+        """Load full gate/up/down weights (Linear layout), moving the scales to this module's gauge (`fix_gauge`: in
+        the free gauge too, as the attention's)."""
         up, down = weights["up"], weights["down"]
-        if isinstance(self.up_proj, GaugeFixedLinear):
+        if isinstance(self.up_proj, GaugeFixedLinear) or (fix_gauge and self.config.gauge == "free"):
             up, down, idx, val = mlp_to_pivot_gauge(up, down, scale=self.config.pivot_scale)
-            self.up_proj.set_layout(idx, val)
+            if isinstance(self.up_proj, GaugeFixedLinear):
+                self.up_proj.set_layout(idx, val)
         for module, w in ((self.gate_proj, weights["gate"]), (self.up_proj, up), (self.down_proj, down)):
             write_full_weight(module, w)
 
