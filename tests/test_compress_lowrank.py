@@ -167,6 +167,7 @@ def test_compress_model_rejects_bad_arguments():
         (dict(remove=0.2, nonsense=1), "nonsense"),
         (dict(remove=0.2, heal_steps=-1), "heal_steps"),
         (dict(remove=0.2, mlp_order="random"), "mlp_order"),
+        (dict(remove=0.2, gauge="canonical"), "gauge"),
     ):
         with pytest.raises(ValueError, match=word):
             compress_model(llama, **({"calibration": ids, "progress": False} | kwargs))
@@ -179,6 +180,8 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys):
     assert "--remove" in capsys.readouterr().err
     assert main(["compress", "src", str(tmp_path / "o"), "--remove", "0.2", "--heal-steps", "-3"]) == 2
     assert "--heal-steps" in capsys.readouterr().err
+    assert main(["compress", "src", str(tmp_path / "o"), "--remove", "0.2", "--gauge", "canonical"]) == 2
+    assert "--gauge" in capsys.readouterr().err
     assert main(["compress", "src", str(tmp_path / "o"), "--remove", "0.2", "--calibration", str(tmp_path / "no.txt")]) == 2
     assert "--calibration" in capsys.readouterr().err
     full = tmp_path / "full"

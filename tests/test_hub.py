@@ -268,6 +268,7 @@ def test_model_card_of_a_relational_checkpoint(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({"embed": torch.zeros(10, 4), "norm": torch.zeros(3)}, tmp_path / "model.safetensors")
+    save_file({"ids": torch.zeros(16, 16, dtype=torch.long)}, tmp_path / "heal_text.safetensors")  # not weights
     card = _card(tmp_path, schedule="cosine | warmup")
     for row in (
         "| QK rank | 4 |",
@@ -285,11 +286,22 @@ def test_model_card_of_a_relational_checkpoint(tmp_path):
     assert 'from_pretrained("test-user/tiny-llama", trust_remote_code=True)' in card.text
     assert card.data.to_dict()["model-index"][0]["results"][0]["metrics"][0]["value"] == 31.5
 
+    assert "gauge-fixed, invariant parameters" in card.text and "in the free gauge" not in card.text
+
     del config["auto_map"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     text = build_model_card(tmp_path, REPO).text
     assert "import relational_hf" in text and "has no `auto_map`" in text
     assert "trust_remote_code=True)" not in text
+    # a sharded checkpoint: the files its index names, whatever else lies beside them
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {"embed": "model-00001-of-00001.safetensors", "norm": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "| Stored parameters | 43 |" in build_model_card(tmp_path, REPO).text
+    # a free-gauge checkpoint is not described as storing gauge-fixed parameters
+    (tmp_path / "config.json").write_text(json.dumps(config | {"gauge": "free"}))
+    text = build_model_card(tmp_path, REPO).text
+    assert "in the free gauge" in text and "gauge-fixed, invariant parameters" not in text and "| Gauge | free |" in text
 
 
 def test_model_card_rejects_incomplete_eval_results(llama_checkpoint):

@@ -133,8 +133,9 @@ class CompressOptions:
     gauge: Literal["free", "pivot"] | None = option(
         None,
         "gauge of the compressed model, in which --remove is counted: free (default: every map a plain weight, what "
-        "inference reads fastest; on SmolLM2 at 25%%, 1.22x the dense model's decoding speed on one CPU thread against "
-        "1.18x) or pivot (the gauge-fixed relational form, which does not store the pivot entries)",
+        "inference reads fastest; on SmolLM2 at 25%%, 1.23x the dense model's decoding speed on one CPU thread against "
+        "1.18x, for 1.0%% more held-out perplexity) or pivot (the gauge-fixed relational form, which does not store the "
+        "pivot entries, so the same size keeps a little more width)",
     )
 
 

@@ -66,14 +66,27 @@ def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The model's safetensors files: those its shard index names, else `model.safetensors`, else every
+    `*.safetensors` file of the folder (other safetensors files beside the model, such as the teacher text a healed
+    compression keeps, are not weights)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        return sorted(folder / name for name in names)
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def stored_parameters(checkpoint_dir: str | Path) -> int | None:
-    """Number of parameter values stored in the checkpoint's `*.safetensors` files (tied weights count once; the
-    gauge-layout buffers of pivot-gauge layers are not parameters and are left out).
+    """Number of parameter values stored in the checkpoint's weight files (`_weight_files`; tied weights count once;
+    the gauge-layout buffers of pivot-gauge layers are not parameters and are left out).
 
     Reads only the safetensors headers (`safetensors.safe_open`: names and shapes, no tensor is loaded).
     None when the directory holds no safetensors file.
     """
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    files = _weight_files(Path(checkpoint_dir))
     total = 0
     for path in files:
         with safe_open(path, framework="pt") as handle:
@@ -160,6 +173,7 @@ def build_model_card(
         model_title=model_title,
         model_type=model_type,
         is_relational=model_type == RELATIONAL_MODEL_TYPE,
+        gauge=config.get("gauge", "pivot"),
         has_remote_code="auto_map" in config,
         has_tokenizer=any((checkpoint_dir / name).is_file() for name in TOKENIZER_FILES),
         architecture=_architecture_rows(config, stored_parameters(checkpoint_dir)),
