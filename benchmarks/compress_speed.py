@@ -37,7 +37,8 @@ assembles nothing after its first call), in the same alternated rounds.
     python benchmarks/compress_speed.py --widths-from results/compress_curve.json --levels 0.1 0.2 0.3 0.4 0.5
 
 `--widths-from JSON`: the per-layer widths that the quality benchmark's relational cells chose (their reports keep
-them), or those of one `relational-hf compress` run (its `compression_report.json`, at its `--remove`), built as relational models of exactly those shapes with freshly initialised weights instead of compressing
+them), or those of one `relational-hf compress` run (its `compression_report.json`, at its `--remove`), built as
+relational models of exactly those shapes with freshly initialised weights instead of compressing
 again: on dense kernels the time depends on the shapes only, not on the values.
 
 Writes results/compress_speed.json and compress_speed.png (`_curve`, `_gpu`, `_quick` suffixes), atomically.
@@ -303,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"--widths-from {args.widths_from} has no relational cell at level(s) {missing}")
         payload["protocol"]["compression"] = f"models of the widths chosen in {args.widths_from.name}, fresh weights"
+    relational_config = to_relational(source.float()).config if planned else None  # the widths' base, converted once
     for level in levels:
         if level in planned:
             from relational_hf.compress.lowrank import compressed_config
             from relational_hf.modeling import RelationalForCausalLM
 
-            config = compressed_config(to_relational(source.float()).config, planned[level], args.gauge)
+            config = compressed_config(relational_config, planned[level], args.gauge)
             compressed = RelationalForCausalLM(config).eval()
             dense = source.to(device=device, dtype=dtype)
             info = {"stored_parameters": stored_parameters(compressed)["total"], "widths": planned[level]}

@@ -519,12 +519,13 @@ def compress_relational(
     count = count or (lambda m: sum(p.numel() for p in m.parameters()))
     result = LowRankResult(budget=budget)
     fixed = fixed_parameters(config, count(model))  # outside the truncated maps: the same in either gauge
-    check_budget(in_gauge(config, opts.gauge), budget, fixed, opts)
+    written = in_gauge(config, opts.gauge)  # the budget is counted in the gauge the compression writes
+    check_budget(written, budget, fixed, opts)
     t0 = time.perf_counter()
     curves = curves if curves is not None else measure_error_curves(model, calibration, opts, progress=progress)
     use_metric = opts.sensitivity == "fisher" and opts.fisher_metric and curves.metrics is not None
     metrics = curves.metrics if use_metric else [None] * n_layers
-    widths = plan(in_gauge(config, opts.gauge), curves, budget, fixed, result)
+    widths = plan(written, curves, budget, fixed, result)
     result.plan_seconds = time.perf_counter() - t0
 
     # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------

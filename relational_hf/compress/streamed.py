@@ -261,7 +261,8 @@ def compress_streamed(
     with torch.device("meta"):
         dense_meta = RelationalForCausalLM(config)
     fixed = fixed_parameters(config, stored_parameters(dense_meta)["total"])
-    check_budget(in_gauge(config, opts.gauge), budget, fixed, opts)
+    written = in_gauge(config, opts.gauge)  # the budget is counted in the gauge the compression writes
+    check_budget(written, budget, fixed, opts)
     t0 = time.perf_counter()
     curves, dense_last = measure_error_curves_streamed(
         source, calibration, opts, device=device, progress=progress, seconds=seconds
@@ -270,8 +271,8 @@ def compress_streamed(
     head = source.head(device)
     ppl_before = _perplexity(head, dense_last[: probe.shape[0]], probe, opts.batch_size)
     del dense_last, head
-    widths = plan(in_gauge(config, opts.gauge), curves, budget, fixed, result)
-    new_config = compressed_config(config, widths, opts.gauge)
+    widths = plan(written, curves, budget, fixed, result)
+    new_config = compressed_config(written, widths)
     result.plan_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
