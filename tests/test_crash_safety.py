@@ -461,3 +461,40 @@ def test_new_only_outputs_refuse_a_non_empty_folder_and_leave_nothing_on_failure
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "foreign", "new"]
     with OutputLock(tmp_path / "locked"), pytest.raises(UsageError, match="in use by another relational-hf run"):
         outputs.write_new_output(tmp_path / "locked", model.save_pretrained, command="convert", kind="relational")
+
+
+def test_an_unfinished_first_write_is_removed_by_the_next_recovery(tmp_path):
+    """A first write killed where nothing can clean up (SIGKILL) leaves its staging folder and no OUT: the next command
+    into OUT removes it (nothing of the user's lives there), and a finished staging folder is still recovered."""
+    out = tmp_path / "run"
+    staging = tmp_path / f".run.{folders.TAG}-staging-0123456789ab"
+    staging.mkdir()
+    (staging / "model-00001-of-00002.safetensors").write_bytes(b"partial shard")
+    (tmp_path / "mine.txt").write_text("my notes")
+    recover_output_dir(out)
+    assert not out.exists() and not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_sigterm_during_a_command_removes_its_staging_folder(tmp_path):
+    """SIGTERM while a command writes into its staging folder unwinds like Ctrl-C: exit 143, one line, no OUT and no
+    staging folder left beside it."""
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from relational_hf.commands import main as cli
+from relational_hf import outputs
+
+def write(folder):
+    (folder / "part").write_text("half")
+    os.kill(os.getpid(), signal.SIGTERM)
+    (folder / "rest").write_text("never")
+
+cli.command_module("export").run = lambda args: outputs.write_new_output({str(tmp_path / "out")!r}, write,
+                                                                      command="export", kind="llama") and 0
+sys.exit(cli.main(["export", "src", {str(tmp_path / "out")!r}]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr
+    assert "terminated" in done.stderr
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name or p.name == "out"] == []

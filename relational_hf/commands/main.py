@@ -11,10 +11,13 @@ and exit status 2; ``--debug`` shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from types import ModuleType
 
@@ -143,20 +146,43 @@ def one_line(err: BaseException) -> str:
     return "; ".join(lines) or type(err).__name__
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command: unwinds like Ctrl-C, so a half-written output's staging folder is removed."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """While a command runs (in the main thread), SIGTERM raises `Terminated` instead of ending the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _execute(name: str, namespace: argparse.Namespace, debug: bool) -> int:
-    """Build the command's checked options from `namespace` and run it; user errors in one line (exit 2)."""
+    """Build the command's checked options from `namespace` and run it; user errors in one line (exit 2); Ctrl-C
+    (exit 130) and SIGTERM (exit 143) unwind, so that the outputs' staging folders are removed."""
     module = command_module(name)
     set_cpu_threads()
     try:
-        code = module.run(module.Arguments.from_namespace(namespace))
+        with _terminate_as_interrupt():
+            code = module.run(module.Arguments.from_namespace(namespace))
     except REPORTED_ERRORS as err:
         if debug:
             raise
         print(f"relational-hf {name}: error: {one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"relational-hf {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"relational-hf {name}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
     return code if isinstance(code, int) else 0
 
 

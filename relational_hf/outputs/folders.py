@@ -542,7 +542,9 @@ def recover_output_dir(output_dir: str | os.PathLike) -> None:
             logger.warning("recovering %s from the previous output left by an interrupted save", out)
             os.rename(olds[0], out)
             olds.remove(olds[0])
-    if not out.exists():
+    if not out.exists():  # no output was ever complete: the stagings are unfinished copies of a first write
+        for folder in stagings:
+            shutil.rmtree(folder, ignore_errors=True)
         return
     token = read_marker(out).get("token")
     for folder in stagings:
