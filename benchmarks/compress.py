@@ -37,7 +37,12 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
 - relational-pivot: the default written in the pivot gauge (`gauge="pivot"`, the budget counted in it: the pivot
   entries are not stored, so the same size keeps a little more width); every other relational variant writes the
   free gauge, the default since the speed measurements (`compress_speed.py`): the cells measured before it are
-  pivot-gauge cells (their report's options have no `gauge`).
+  pivot-gauge cells (their report's options have no `gauge`);
+- relational-zero-prior: the default with the refit's ridge pulling W_down towards zero (`refit_prior="zero"`), the
+  default before the ridge pulled it towards the kept units' own W_down columns; the cells measured before that
+  change have no `refit_prior` in their report's options and are zero-prior cells.
+- relational-greedy-refine: the default with both options that fit the calibration text harder, forward selection of
+  the SwiGLU units and 4 epochs of refinement (`mlp_order="greedy"`, `refine_epochs=4`).
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -94,6 +99,8 @@ METHODS = (
     "relational-refine",
     "relational-refine8",
     "relational-pivot",
+    "relational-zero-prior",
+    "relational-greedy-refine",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -108,6 +115,8 @@ PROJECT_OPTIONS = {
     "relational-refine": {"refine_epochs": 4},
     "relational-refine8": {"refine_epochs": 8},
     "relational-pivot": {"gauge": "pivot"},
+    "relational-zero-prior": {"refit_prior": "zero"},
+    "relational-greedy-refine": {"mlp_order": "greedy", "refine_epochs": 4},
 }
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")

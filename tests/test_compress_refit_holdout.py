@@ -102,7 +102,7 @@ def test_holdout_only_chooses_the_refit_which_then_fits_every_window(monkeypatch
     plain = {"refit_blend": 1.0} if correction == "dense" else {}  # the target itself, as the pinned choice below
     reference, ref_result = _compress(rel, ids, correction=correction, mlp_order=mlp_order, **plain)
     real = lowrank.choose_refit
-    monkeypatch.setattr(lowrank, "choose_refit", lambda fit, held: real(fit, held, ridges=(1e-2,), blends=(1.0,)))
+    monkeypatch.setattr(lowrank, "choose_refit", lambda fit, held, **kw: real(fit, held, ridges=(1e-2,), blends=(1.0,), **kw))
     pinned, result = _compress(rel, ids, correction=correction, mlp_order=mlp_order, refit_holdout=3)
     assert [r["ridge"] for r in result.refits] == [1e-2, 1e-2] and not ref_result.refits
     for a, b in zip(reference.state_dict().values(), pinned.state_dict().values(), strict=True):

@@ -465,13 +465,14 @@ def compress_layer(
             order = mlp_unit_scores(m["down"], diag, metric["mlp"]).argsort(descending=True)
         keep = torch.sort(order[:f_new]).values
         down, ridge, blend = m["down"][:, keep], opts.ridge, 1.0
+        prior = down.double() if opts.refit_prior == "dense" else None  # the kept units' own W_down columns
         if opts.correction != "none":  # kept units' statistics only, the full ones freed first; Z^T Y_local = G W^T
             local = gram[keep] @ m["down"].double().T if held is not None and opts.correction == "dense" else None
             gram, cross = compact_gram(gram, keep), cross[keep]
             if held is not None:  # the ridge and the targets' blend chosen on the held-back windows, then fit on all
                 z_h, zw_h = held[0][:, keep].double(), held[1][:, keep].double()
                 back = (zw_h.T @ z_h, zw_h.T @ held[2].double(), held[3])
-                choice = choose_refit((gram, cross, local), back)
+                choice = choose_refit((gram, cross, local), back, prior=prior)
                 ridge, blend = choice["ridge"], choice["blend"]
                 (record if record is not None else {}).update(choice)
                 gram, cross = gram.add_(back[0]), cross + back[1]
@@ -479,7 +480,7 @@ def compress_layer(
                     local = local + zw_h.T @ F.linear(held[0], m["down"].float()).double()
                     cross = blend * cross + (1 - blend) * local
                 del held, back, z_h, zw_h, local
-            down = mlp_refit(gram, cross, None, ridge).to(down.dtype)
+            down = mlp_refit(gram, cross, None, ridge, prior=prior).to(down.dtype)
         del gram, cross
         dense_mlp, m = m, {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
         if opts.refine_epochs:

@@ -183,6 +183,11 @@ def mlp_unit_scores(down: torch.Tensor, gram_diag: torch.Tensor, metric: torch.T
     return gram_diag.double().clamp_min(0).sqrt() * norms
 
 
+def ridge_shift(diag: torch.Tensor, ridge: float) -> float:
+    """The refits' ridge in absolute terms: `ridge` (relative) x the mean diagonal of the Gram (`diag`)."""
+    return ridge * float(diag.double().mean().clamp_min(1e-12))
+
+
 @torch.no_grad()
 def greedy_unit_order(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
     """SwiGLU units in the order of forward selection for the refit: each next unit is the one whose addition
@@ -197,7 +202,7 @@ def greedy_unit_order(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 1e
     if gram.shape != (f, f) or cross.dim() != 2 or cross.shape[0] != f:
         raise ValueError(f"gram must be (d_ff, d_ff) and cross (d_ff, d), got {tuple(gram.shape)}, {tuple(cross.shape)}")
     diag = torch.diagonal(gram).double()
-    shift = ridge * float(diag.mean().clamp_min(1e-12))
+    shift = ridge_shift(diag, ridge)
     residual = diag + shift  # Gram diagonal not yet explained by the chosen units' factor columns
     c = cross.double().clone()  # cross term of the part of each unit orthogonal to the chosen ones
     factor = torch.zeros(f, f, dtype=torch.float64, device=gram.device)  # pivoted Cholesky columns, in pick order
@@ -222,14 +227,22 @@ def greedy_unit_order(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 1e
 
 @torch.no_grad()
 def mlp_refit(
-    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor | None, ridge: float = 1e-4
+    gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor | None, ridge: float = 1e-4,
+    prior: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W||^2,
-    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d). keep None: gram and cross are those
-    of the kept units already, and gram (float64) is overwritten (no second k x k matrix)."""
+    """Least-squares W_down (d, k) for the kept units: argmin ||Z_S W^T - Y||^2 + ridge tr(G_SS) / k ||W - W_0||^2,
+    from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d); W_0 = `prior` (d, k), e.g. the kept
+    units' own W_down columns, or zero (None: the plain ridge). keep None: gram and cross are those of the kept units
+    already, and gram (float64) is overwritten (no second k x k matrix)."""
+    shift = ridge_shift(torch.diagonal(gram) if keep is None else torch.diagonal(gram)[keep], ridge)  # before the
+    # factorisation overwrites the Gram
     chol = ordered_cholesky(gram, keep, ridge)  # the regularised G_SS is positive definite: one factor, in place
-    c = cross if keep is None else cross[keep]
-    return torch.cholesky_solve(c.double(), chol).T  # (d, k)
+    c = (cross if keep is None else cross[keep]).double()
+    if prior is not None:
+        if prior.shape != (c.shape[1], c.shape[0]):
+            raise ValueError(f"prior must be (d, k) = {(c.shape[1], c.shape[0])}, got {tuple(prior.shape)}")
+        c = c + shift * prior.double().T
+    return torch.cholesky_solve(c, chol).T  # (d, k)
 
 
 REFIT_RIDGES: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
@@ -240,6 +253,7 @@ REFIT_BLENDS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 def choose_refit(
     fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], held: tuple[torch.Tensor, torch.Tensor, float], *,
     ridges: tuple[float, ...] = REFIT_RIDGES, blends: tuple[float, ...] = REFIT_BLENDS,
+    prior: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The refit of W_down (`mlp_refit`) that predicts held-back windows best: its ridge, and its blend of two targets.
 
@@ -248,7 +262,8 @@ def choose_refit(
     cross term of Y and the energy ||Y||^2 on the held-back windows. For every ridge (relative, as in `mlp_refit`) and
     blend b, W fits b Y + (1 - b) Y_local on the fitting windows, and its error on the held-back ones,
     ||Z_h W^T - Y_h||^2 = tr(W G_h W^T) - 2 tr(W C_h) + E_h, comes from their statistics alone (one Cholesky factor
-    per ridge). Returns {"ridge", "blend", "held_error"} of the smallest error, relative to E_h."""
+    per ridge). prior (d, k): the refits' ridge pulls towards it, as in `mlp_refit`. Returns {"ridge", "blend",
+    "held_error"} of the smallest error, relative to E_h."""
     gram, cross, local = fit
     g_h, c_h, energy = held
     k = gram.shape[0]
@@ -259,8 +274,9 @@ def choose_refit(
     best = {"ridge": ridges[0], "blend": blends[0], "held_error": math.inf}
     for ridge in ridges:
         chol = ordered_cholesky(gram, torch.arange(k, device=gram.device), ridge)
+        pull = 0.0 if prior is None else ridge_shift(torch.diagonal(gram), ridge) * prior.double().T
         for b in blends:
-            c = cross.double() if b == 1.0 else b * cross.double() + (1 - b) * local.double()
+            c = (cross.double() if b == 1.0 else b * cross.double() + (1 - b) * local.double()) + pull
             w = torch.cholesky_solve(c, chol)  # (k, d): W^T
             err = float(((g_h.double() @ w) * w).sum() - 2 * (w * c_h.double()).sum() + energy)
             if err < best["held_error"]:
@@ -292,7 +308,7 @@ def _regularised(gram: torch.Tensor, index: torch.Tensor, ridge: float) -> torch
     """G[index, index] (float64, a new matrix: one copy of the d_ff x d_ff Gram at most) + ridge x its mean diagonal
     on the diagonal: the regularised Gram of the refit and the error curves."""
     g = gram[index[:, None], index[None, :]].double()
-    g.diagonal().add_(ridge * float(torch.diagonal(g).mean().clamp_min(1e-12)))
+    g.diagonal().add_(ridge_shift(torch.diagonal(g), ridge))
     return g
 
 
@@ -302,7 +318,7 @@ def ordered_cholesky(gram: torch.Tensor, order: torch.Tensor | None, ridge: floa
     (float64) is already in that order and is regularised and factored in place (no second d_ff x d_ff matrix)."""
     if order is None:
         g = gram
-        g.diagonal().add_(ridge * float(torch.diagonal(g).mean().clamp_min(1e-12)))
+        g.diagonal().add_(ridge_shift(torch.diagonal(g), ridge))
     else:
         g = _regularised(gram, order, ridge)
     info = torch.empty((), dtype=torch.int32, device=g.device)
