@@ -465,8 +465,8 @@ def compress_layer(
             order = mlp_unit_scores(m["down"], diag, metric["mlp"]).argsort(descending=True)
         keep = torch.sort(order[:f_new]).values
         down, ridge, blend = m["down"][:, keep], opts.ridge, 1.0
-        prior = down.double() if opts.refit_prior == "dense" else None  # the kept units' own W_down columns
         if opts.correction != "none":  # kept units' statistics only, the full ones freed first; Z^T Y_local = G W^T
+            prior = down.double() if opts.refit_prior == "dense" else None  # the kept units' own W_down columns
             local = gram[keep] @ m["down"].double().T if held is not None and opts.correction == "dense" else None
             gram, cross = compact_gram(gram, keep), cross[keep]
             if held is not None:  # the ridge and the targets' blend chosen on the held-back windows, then fit on all

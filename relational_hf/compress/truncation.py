@@ -234,8 +234,8 @@ def mlp_refit(
     from the Gram G = Z^T Z (d_ff x d_ff) and the cross term Z^T Y (d_ff x d); W_0 = `prior` (d, k), e.g. the kept
     units' own W_down columns, or zero (None: the plain ridge). keep None: gram and cross are those of the kept units
     already, and gram (float64) is overwritten (no second k x k matrix)."""
-    shift = ridge_shift(torch.diagonal(gram) if keep is None else torch.diagonal(gram)[keep], ridge)  # before the
-    # factorisation overwrites the Gram
+    diag = torch.diagonal(gram) if keep is None else torch.diagonal(gram)[keep]
+    shift = 0.0 if prior is None else ridge_shift(diag, ridge)  # before the factorisation overwrites the Gram
     chol = ordered_cholesky(gram, keep, ridge)  # the regularised G_SS is positive definite: one factor, in place
     c = (cross if keep is None else cross[keep]).double()
     if prior is not None:
