@@ -266,3 +266,27 @@ def test_cli_export_to_the_free_gauge_loads_back_with_the_same_function(tmp_path
     assert _max_diff(model, loaded, _ids()) < 1e-5
     _, diff, gauge = _logits_without_plugin(model, out, tmp_path, trust_remote_code=True)
     assert diff < 1e-5 and gauge == "free"
+
+
+@pytest.mark.parametrize("gauge", ["pivot", "free"])
+def test_a_compressed_model_exports_exactly_as_a_padded_llama(tmp_path, gauge):
+    """Per-layer QK and value widths, a key head with its own rotary pairs (not the first ones, not in order) and
+    per-layer SwiGLU widths: each layer lands in Llama's uniform head width at the pairs of the frequencies it turns at,
+    padded with zeros that the report counts; the plain checkpoint gives the same logits and greedy text without the
+    plugin."""
+    model = _compressed_shapes()
+    if gauge == "free":
+        model = to_free_gauge(model)
+    llama, report = to_llama(model, return_report=True)
+    assert llama.config.head_dim == 12 and llama.config.intermediate_size == 80
+    assert report.exported_parameters - report.padding_zeros < report.source_parameters + 3 * 4 * 12 * 48
+    assert any("per-layer widths" in note for note in report.notes)
+    ids = _ids()
+    assert _max_diff(model, llama, ids) < 1e-5
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(model.generate(ids[:, :6], **kwargs), llama.generate(ids[:, :6], **kwargs))
+    src, out = tmp_path / "src", tmp_path / "plain"
+    model.save_pretrained(src)
+    assert main(["export", str(src), str(out)]) == 0
+    _, diff, gauge_loaded = _logits_without_plugin(model, out, tmp_path)
+    assert diff < 1e-5 and gauge_loaded == "None"  # a plain Llama config: no gauge field

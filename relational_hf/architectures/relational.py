@@ -24,7 +24,10 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
         return self.config.qk_rank if self.config.position_encoding == "rope" else 0
 
     def attention_slots(self, layer: LayerRoles) -> AttentionSlots:
+        # a compressed model's widths differ from layer to layer (config.layer_qk_ranks, layer_value_ranks): each
+        # layer's own module holds them
         attn, c = layer.attention, self.config
+        qk_dim, head_dim = attn.qk_rank, attn.head_dim
         return AttentionSlots(
             q=_slot(attn.q_proj),
             k=_slot(attn.k_proj),
@@ -36,9 +39,9 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
             o_bias=_bias(attn.o_proj),
             num_heads=c.num_attention_heads,
             num_kv_heads=c.num_key_value_heads,
-            qk_dim=c.qk_rank,
-            head_dim=c.head_dim,
-            rotary_dim=self.rotary_dim(),
+            qk_dim=qk_dim,
+            head_dim=head_dim,
+            rotary_dim=qk_dim if c.position_encoding == "rope" else 0,
             qk_gauge_fixed=isinstance(attn.k_proj, GaugeFixedLinear),
             vo_gauge_fixed=isinstance(attn.v_proj, GaugeFixedLinear),
             value_parallel_removal=c.value_parallel_removal,

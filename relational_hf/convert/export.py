@@ -12,6 +12,11 @@ A relational model whose shapes fit a standard Llama is written back as `LlamaFo
   goes to Llama pair k = j D/r (same frequency), every other query/key coordinate is zero, and W_Q is multiplied by
   sqrt(D/r) to turn Llama's 1/sqrt(D) score scale into the relational 1/sqrt(r). Value coordinates beyond d_h are
   zero in W_V and never read by W_O. The frequencies are checked numerically (any `rope_type`), not assumed;
+- a compressed model (per-layer QK and value widths, each key head with its own subset of rotary pairs, per-layer
+  SwiGLU widths) is embedded layer by layer the same way: pair j of key head h goes to the Llama pair of the model
+  frequency it turns at (`rope_pair_index`), W_Q scaled by sqrt(D/r_l), SwiGLU units padded with zero units up to
+  the widest layer. Exact, but the plain checkpoint stores the zeros (about the dense size): it is for loading
+  without the plugin, not for the compressed size;
 - a sliced model (global principal rotation, smaller d) is a smaller standard Llama as it stands.
 
 Refused, with the reason: value-space parallel removal (a nonlinear per-head edit no Llama layer computes), models
@@ -127,14 +132,6 @@ def llama_head_dim(qk_rank: int, head_dim: int) -> int:
     return qk_rank * math.ceil(head_dim / qk_rank)
 
 
-def _qk_coordinates(rank: int, width: int) -> torch.Tensor:
-    """Llama coordinates (of a head of width D = `width`) receiving relational coordinates 0..r-1: pair (j, j + r/2)
-    goes to (j m, j m + D/2), m = D/r."""
-    m = width // rank
-    j = torch.arange(rank // 2)
-    return torch.cat([j * m, j * m + width // 2])
-
-
 def llama_config_for(model: RelationalForCausalLM) -> LlamaConfig:
     """The LlamaConfig that holds `model` exactly (see the module docstring)."""
     c = model.config
@@ -184,12 +181,25 @@ def _check_rotary(model: RelationalForCausalLM, llama: LlamaForCausalLM) -> None
 
 @torch.no_grad()
 def _pad_heads(w: torch.Tensor, heads: int, width: int, coords: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Rows of a per-head (heads * e, ...) tensor placed at `coords` inside heads of `width` (zeros elsewhere)."""
-    e = coords.numel()
+    """Rows of a per-head (heads * e, ...) tensor placed at `coords` inside heads of `width` (zeros elsewhere);
+    coords (e,) for every head alike or (heads, e), one row of places per head."""
+    coords = coords.to(w.device).expand(heads, -1)
+    e = coords.shape[1]
     src = w.double().reshape(heads, e, *w.shape[1:]) * scale
     out = torch.zeros(heads, width, *w.shape[1:], dtype=torch.float64, device=w.device)
-    out[:, coords] = src
+    out[torch.arange(heads, device=w.device)[:, None], coords] = src
     return out.reshape(heads * width, *w.shape[1:])
+
+
+def _layer_qk_coordinates(attn: nn.Module, model_rank: int, width: int) -> torch.Tensor:
+    """(H_kv, r_l) Llama coordinates of one layer's QK coordinates, per key head: relational pair j of key head h turns
+    at the model's frequency pair p = rope_pair_index[h, j] (p = j without that buffer); the Llama head of width D
+    holds pair p at coordinates (p m, p m + D/2), m = D / qk_rank, which rotate at that pair's frequency."""
+    pairs = getattr(attn, "rope_pair_index", None)
+    if pairs is None:
+        pairs = torch.arange(attn.qk_rank // 2).expand(attn.num_kv_heads, -1)
+    pairs = pairs.long().cpu() * (width // model_rank)
+    return torch.cat([pairs, pairs + width // 2], dim=-1)
 
 
 @torch.no_grad()
@@ -215,21 +225,25 @@ def to_llama(
     _check_rotary(source, llama)
     width, rank, dh = config.head_dim, c.qk_rank, c.head_dim
     h, h_kv = c.num_attention_heads, c.num_key_value_heads
-    qk = _qk_coordinates(rank, width)
-    vo = torch.arange(dh)
-    q_scale = math.sqrt(width / rank)
     zeros_added = 0
     for src_layer, dst_layer in zip(source.model.layers, llama.model.layers, strict=True):
+        # each layer's own widths (a compressed model's differ from layer to layer, and its key heads keep their own
+        # rotary pairs): the layer's QK scaling r_l^-1/2 becomes Llama's D^-1/2 through W_Q
+        rank_l, dh_l = src_layer.self_attn.qk_rank, src_layer.self_attn.head_dim
+        k_coords = _layer_qk_coordinates(src_layer.self_attn, rank, width)
+        qk = k_coords.repeat_interleave(h // h_kv, dim=0)
+        vo = torch.arange(dh_l)
+        q_scale = math.sqrt(width / rank_l)
         w = src_layer.self_attn.full_weights()
         attn = dst_layer.self_attn
         attn.q_proj.weight.copy_(_pad_heads(w["q"], h, width, qk, q_scale))
-        attn.k_proj.weight.copy_(_pad_heads(w["k"], h_kv, width, qk))
+        attn.k_proj.weight.copy_(_pad_heads(w["k"], h_kv, width, k_coords))
         attn.v_proj.weight.copy_(_pad_heads(w["v"], h_kv, width, vo))
         o = w["o"].double().T  # (H d_h, d): rows per head, like the readers
         attn.o_proj.weight.copy_(_pad_heads(o, h, width, vo).T)
         for key, name, heads, coords, scale in (
             ("q_bias", "q_proj", h, qk, q_scale),
-            ("k_bias", "k_proj", h_kv, qk, 1.0),
+            ("k_bias", "k_proj", h_kv, k_coords, 1.0),
             ("v_bias", "v_proj", h_kv, vo, 1.0),
         ):
             bias = getattr(attn, name).bias
@@ -253,7 +267,7 @@ def to_llama(
         dst_layer.input_layernorm.weight.fill_(1.0)
         dst_layer.post_attention_layernorm.weight.fill_(1.0)
         zeros_added += (config.intermediate_size - f) * 3 * c.hidden_size
-    zeros_added += c.num_hidden_layers * c.hidden_size * ((h + h_kv) * (width - rank) + (h_kv + h) * (width - dh))
+        zeros_added += c.hidden_size * ((h + h_kv) * (width - rank_l) + (h_kv + h) * (width - dh_l))
     llama.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
     gain = source.model.norm.weight
     llama.model.norm.weight.copy_(gain if gain is not None else torch.ones_like(llama.model.norm.weight))
@@ -286,6 +300,11 @@ def to_llama(
         report.notes.append(
             f"QK rank {rank} < head width {width}: query/key heads padded with zeros (RoPE pairs kept), W_Q "
             f"scaled by sqrt({width}/{rank})"
+        )
+    if any(getattr(c, f) is not None for f in ("layer_qk_ranks", "layer_value_ranks", "layer_intermediate_sizes")):
+        report.notes.append(
+            f"per-layer widths (a compressed model): every layer padded with zeros to Llama's uniform widths (head "
+            f"{width}, d_ff {config.intermediate_size}); the plain checkpoint stores {zeros_added:,} zeros more"
         )
     if rounding is not None:
         report.notes.append(f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}")
