@@ -178,3 +178,16 @@ def test_push_script_measures_perplexity_into_the_published_card(hub_server, che
     assert card.data.eval_results[0].metric_type == "perplexity"
     assert card.data.eval_results[0].metric_value == pytest.approx(measured, abs=1e-3)
     assert hub_server.commit_count("me/tiny-relational") == 2
+
+
+@pytest.mark.parametrize(("before", "after"), [(60.0, 50.0), (50.0, 60.0)])
+def test_finetune_summary_gives_the_loss_change_with_its_sign(before, after):
+    """The summary's nats/token figure is the change of the mean loss, log(after / before): negative when the
+    perplexity fell, positive when it rose."""
+    import math
+
+    from relational_hf.commands.finetune import FinetuneResult, format_finetune_result
+
+    result = FinetuneResult("out", "full", 10, 10, before, after, steps=2, seconds=1.0)
+    text = format_finetune_result(result)
+    assert f"{before:.3f} -> {after:.3f} (loss {math.log(after / before):+.3f} nats/token)" in text

@@ -288,11 +288,11 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
 
     set_seed(args.seed)
     started = time.monotonic()
-    train_text, val_text, source = args.load("finetune")
+    train_text, val_text, corpus = args.load("finetune")
     tokenizer = _load_tokenizer(args)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
-    check_blocks(train_ids, args.block_size, f"the training text ({source})", extra=1)
-    check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {source})")
+    check_blocks(train_ids, args.block_size, f"the training text ({corpus})", extra=1)
+    check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {corpus})")
     source = resolve_model_source(args.model, args.gguf_file)
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)  # no weights yet
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
@@ -303,7 +303,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
         )
     model = load_model_from(source, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     check_weights_for_projection(model, args.projection)
-    logger.info("corpus: %s; %d train / %d validation tokens", source, train_ids.numel(), val_ids.numel())
+    logger.info("corpus: %s; %d train / %d validation tokens", corpus, train_ids.numel(), val_ids.numel())
     val_blocks = lm_blocks(val_ids, args.block_size)[: args.eval_blocks]
     ppl_before = perplexity(model, val_blocks, progress=True)
 
@@ -376,13 +376,13 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
 def format_finetune_result(result: FinetuneResult) -> str:
     """The short human summary of a fine-tuning run."""
     share = 100.0 * result.trainable_parameters / max(1, result.parameters)
-    gain = math.log(result.perplexity_before / result.perplexity_after)
+    change = math.log(result.perplexity_after / result.perplexity_before)  # of the mean loss: negative is better
     steps = f"{result.steps:,}" + (f" of {result.max_steps:,}" if result.max_steps else "")
     lines = [
         f"method: {result.method}; {steps} steps in {result.seconds:.0f} s",
         f"parameters: {result.parameters:,} total, {result.trainable_parameters:,} trainable ({share:.2f}%)",
         f"validation perplexity: {result.perplexity_before:.3f} -> {result.perplexity_after:.3f} "
-        f"({gain:+.3f} nats/token)",
+        f"(loss {change:+.3f} nats/token)",
         f"saved to {result.output_dir}" + (" (LoRA adapter)" if result.method == "lora" else ""),
     ]
     if result.merged_dir:
