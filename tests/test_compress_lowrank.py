@@ -430,7 +430,7 @@ def test_dense_correction_frees_the_dense_layer_and_keeps_the_result():
     rel = to_relational(_llama(1))
     ids = torch.randint(0, 64, (4, 16))
     widths = {"qk": 6, "vo": 6, "mlp": 64}
-    opts = LowRankOptions(correction="dense")
+    opts = LowRankOptions(correction="dense").resolved(rel.config, ids)
     outputs, layers = [], []
     for release in (False, True):
         model = copy.deepcopy(rel)

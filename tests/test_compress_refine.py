@@ -125,7 +125,8 @@ def test_compression_with_refinement_keeps_the_widths_and_improves_every_layer_o
     ("extra", "needle"),
     [
         (["--refine-epochs", "-1"], "--refine-epochs"),
-        (["--refine-lr", "1e-3"], "--refine-lr sets"),
+        (["--refine-epochs", "0", "--refine-lr", "1e-3"], "--refine-lr sets"),
+        (["--refine-lr", "1e-3", "--method", "slice"], "--refine-lr sets"),
         (["--refine-epochs", "2", "--refine-lr", "0"], "--refine-lr"),
         (["--refine-epochs", "2", "--calibration-windows", "1"], "--calibration-windows >= 2"),
         (["--refine-epochs", "2", "--method", "slice", "--slice-fraction", "0.1"], "--method relational"),

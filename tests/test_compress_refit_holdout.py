@@ -87,7 +87,9 @@ def _llama() -> LlamaForCausalLM:
 
 def _compress(rel, ids, **options):
     budget = sum(p.numel() for p in rel.parameters()) - 40 * 3 * 48 * 2
-    opts = LowRankOptions(sensitivity="uniform", plan_windows=4, **options)
+    # the unit order and the refinement pinned (the automatic choices would refine the refit, and forward selection
+    # picks units by the target, which the blend changes)
+    opts = LowRankOptions(**{"sensitivity": "uniform", "plan_windows": 4, "refine_epochs": 0, "mlp_order": "score", **options})
     return compress_relational(copy.deepcopy(rel), ids, budget, opts, progress=False)
 
 

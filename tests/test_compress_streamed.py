@@ -40,7 +40,7 @@ def _ids(n: int = 6, t: int = 24, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 64, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
+OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2, refine_epochs=0)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,7 @@ OPTIONS = dict(mlp_step=16, plan_windows=4, batch_size=2)
         (True, "fisher", "dense", "score", {"refit_holdout": 2}, "free"),
         (False, "fisher", "dense", "score", {"refit_blend": 0.5}, "pivot"),
         (True, "fisher", "dense", "score", {"refine_epochs": 4, "refine_lr": 1e-3}, "free"),
+        (True, "fisher", "dense", "auto", {"refine_epochs": None}, "free"),  # the automatic choices: greedy, refined
     ],
 )
 def test_streamed_equals_in_memory(tmp_path, tied, sensitivity, correction, mlp_order, refit, gauge):

@@ -156,6 +156,14 @@ class ErrorCurves:
 
 
 @torch.no_grad()
+def _require_resolved(opts: LowRankOptions) -> None:
+    if opts.automatic():
+        raise ValueError(
+            f"options {', '.join(opts.automatic())} are left to the automatic choice: pass "
+            "`options.resolved(config, calibration)` to the per-layer functions"
+        )
+
+
 def layer_error_curves(
     config: RelationalConfig, layer: nn.Module, h: torch.Tensor, opts: LowRankOptions, positions: tuple, *,
     directions: dict[str, torch.Tensor] | None = None, metric: dict[str, torch.Tensor | None] | None = None,
@@ -168,6 +176,7 @@ def layer_error_curves(
     same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths.
     release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
     its memory is not held twice)."""
+    _require_resolved(opts)
     cos, sin = positions[0], positions[1]
     rope = config.position_encoding == "rope"
     fisher = opts.sensitivity == "fisher"
@@ -274,6 +283,7 @@ def measure_error_curves(
     several budgets (`curves=`)."""
     opts = options or LowRankOptions()
     _check(model.config, calibration, opts)
+    opts = opts.resolved(model.config, calibration)
     model = model.eval()
     config: RelationalConfig = model.config
     layers = model.model.layers
@@ -384,6 +394,7 @@ def compress_layer(
     release: the dense layer's parameters are dropped once its full weights are assembled and, with
     correction="dense", once it has carried h_dense one layer on (the caller is done with it). record: a dict that
     receives the refit chosen on held-back windows (`LowRankOptions.refit_holdout`)."""
+    _require_resolved(opts)
     cos, sin, mask, pos = positions
     rope = cos is not None
     metric = metric or {"attn": None, "mlp": None}
@@ -514,6 +525,7 @@ def compress_relational(
     Returns (new model, LowRankResult)."""
     opts = options or LowRankOptions()
     _check(model.config, calibration, opts)
+    opts = opts.resolved(model.config, calibration)  # the automatic choices, for this model and calibration
     config: RelationalConfig = model.config
     model = model.eval()
     n_layers = len(model.model.layers)

@@ -174,6 +174,7 @@ def measure_error_curves_streamed(
     curves and the dense model's last hidden states on the planning windows. `seconds` receives per layer
     {"measure": s} (and "fisher" with sensitivity "fisher")."""
     config = source.config
+    opts = opts.resolved(config, calibration)
     n_layers = config.num_hidden_layers
     plan_ids = calibration[: opts.plan_windows]
     positions = _positions(config, plan_ids.shape[1], device=device)
@@ -253,6 +254,7 @@ def compress_streamed(
     if isinstance(opts.kinds, str):
         opts.kinds = tuple(k for k in opts.kinds.split(",") if k)
     _check(source, calibration, opts)
+    opts = opts.resolved(source.config, calibration)  # the automatic choices, for this model and calibration
     config = source.config
     n_layers = config.num_hidden_layers
     dtype = dtype or source.storage_dtype

@@ -167,7 +167,7 @@ def compress_model(
         report["compress_seconds"] = round(result.compress_seconds, 2)
         if result.refits:
             report["refits"] = result.refits
-        report["options"] = opts.as_report()
+        report["options"] = opts.as_report(rel.config, calibration)
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
@@ -291,7 +291,7 @@ def compress_checkpoint(
             plan_seconds=round(result.plan_seconds, 2),
             compress_seconds=round(result.compress_seconds, 2),
             **({"refits": result.refits} if result.refits else {}),
-            options=opts.as_report(),
+            options=opts.as_report(source.config, calibration),
             **streamed,
         )
         report["removed_share"] = 1.0 - report["parameters_after"] / source.stored_parameters
