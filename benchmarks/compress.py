@@ -42,7 +42,11 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
   default before the ridge pulled it towards the kept units' own W_down columns; the cells measured before that
   change have no `refit_prior` in their report's options and are zero-prior cells.
 - relational-greedy-refine: the default with both options that fit the calibration text harder, forward selection of
-  the SwiGLU units and 4 epochs of refinement (`mlp_order="greedy"`, `refine_epochs=4`).
+  the SwiGLU units and 4 epochs of refinement (`mlp_order="greedy"`, `refine_epochs=4`); since the automatic choices
+  (`mlp_order="auto"`, `refine_epochs=None`, the defaults) the relational method itself takes both on SmolLM2;
+- relational-score: the relational method with the automatic choices pinned to the cheap settings, each unit's own
+  score and no refinement (`mlp_order="score"`, `refine_epochs=0`): the default before the automatic choices, and
+  what `auto` gives models too wide for them.
 
 `--split reverse` is the robustness protocol: calibration on the first windows of the LAST 90% of the documents,
 evaluation on the first windows of the FIRST 10% (so a method chosen on the default split is checked on text it was
@@ -101,6 +105,7 @@ METHODS = (
     "relational-pivot",
     "relational-zero-prior",
     "relational-greedy-refine",
+    "relational-score",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -117,6 +122,7 @@ PROJECT_OPTIONS = {
     "relational-pivot": {"gauge": "pivot"},
     "relational-zero-prior": {"refit_prior": "zero"},
     "relational-greedy-refine": {"mlp_order": "greedy", "refine_epochs": 4},
+    "relational-score": {"mlp_order": "score", "refine_epochs": 0},
 }
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")

@@ -103,8 +103,8 @@ class CompressOptions:
         "auto",
         "order in which SwiGLU units are kept: each unit's own score, or forward selection for the refit (one more "
         "d_ff x d_ff matrix and O(d_ff^3) work a layer); auto: greedy for models of at most 4,096 SwiGLU units a "
-        "layer, score above (with --refine-epochs auto on SmolLM2 at 25%%: held-out perplexity 50.9 instead of 53.3, "
-        "28.0 instead of 28.7 on the reverse split, for 710 s of compression instead of 308 s on 2 cores)",
+        "layer, score above (with the automatic --refine-epochs, on SmolLM2 at 25%%: held-out perplexity 50.9 instead of "
+        "53.3, 28.0 instead of 28.7 on the reverse split, for 710 s of compression instead of 308 s on 2 cores)",
     )
     refit_holdout: NonNegativeInt = option(
         0,
