@@ -7,7 +7,8 @@ generic chat prompts, half from a random vocabulary token, seed `--text-seed`); 
 on 16 further rows of such text (another seed) at every evaluation. "lm" trains on the language-model loss on random
 blocks of the first 90% of the WikiText-2 documents (adaptation to the evaluation's domain as well as repair).
 `--kd-text calibration` keeps the KL to the source as the loss but reads random blocks of the first 90% of the WikiText-2
-documents instead of the source's samples (text of the evaluation's kind, never its windows); `--refit-holdout N`
+documents instead of the source's samples (text of the evaluation's kind, never its windows); `--kd-text mixed` reads
+the source's samples and the calibration windows half and half, as `relational-hf compress --heal-steps` does; `--refit-holdout N`
 compresses with each layer's refit chosen on N held-back calibration windows. Every figure has its control:
 `--dense-control` runs the same healing on the uncompressed model.
 
@@ -150,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         help="kd: distillation from the source on its own text (default); lm: LM loss on WikiText-2",
     )  # fmt: skip
     parser.add_argument(
-        "--kd-text", choices=("source", "calibration"), default="source",
-        help="kd only: the source's own samples (default) or random blocks of the first 90%% of the WikiText-2 "
-        "documents, the calibration side (the loss is still the KL to the source)",
+        "--kd-text", choices=("source", "calibration", "mixed"), default="source",
+        help="kd only: the source's own samples (default), random blocks of the first 90%% of the WikiText-2 "
+        "documents, the calibration side (the loss is still the KL to the source), or the source's samples and the "
+        "calibration windows half and half (`compress.distill.healing_stream`, what `compress --heal-steps` does)",
     )  # fmt: skip
     parser.add_argument(
         "--refit-holdout", type=int, default=0, help="the compression's --refit-holdout (0: off, the default)"
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.refit_holdout:
             protocol["refit_holdout"] = f"each layer's refit chosen on the last {args.refit_holdout} calibration windows"
     held_out_text = None
-    on_source_text = args.loss == "kd" and args.kd_text == "source"
+    on_source_text = args.loss == "kd" and args.kd_text in ("source", "mixed")
     if args.loss == "kd":
         samples, length = args.text_samples or (32 if args.quick else 256), args.text_length or (64 if args.quick else 256)
         held_out_text, _ = cached_teacher_text(
@@ -264,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             f"from a random vocabulary token), {heal_ids.numel():,} tokens, read as one stream in random blocks of "
             f"{block}; generated in {text_settings['seconds']} s"
         )
+        if args.kd_text == "mixed":
+            from relational_hf.compress.distill import DEFAULT_CALIBRATION_SHARE, healing_stream
+
+            heal_ids, mix = healing_stream(heal_ids, calibration, DEFAULT_CALIBRATION_SHARE)
+            text_settings = text_settings | mix
+            protocol["healing_text"] += (
+                f"; mixed with the calibration windows, {DEFAULT_CALIBRATION_SHARE:.0%} of the stream's tokens "
+                "(relational_hf.compress.distill.healing_stream, as compress --heal-steps does)"
+            )
     else:
         heal_ids = text_windows(corpus("wikitext-2"), tokenizer, window=block, n=10**7, split="first")
         protocol["healing_text"] = (
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": "cosine, warm-up steps // 10", "optimizer": "AdamW (Trainer default)",
     }  # fmt: skip
     if on_source_text:
-        healing["text"] = {k: text_settings[k] for k in ("samples", "length", "seed", "chat_share", "source")}
+        keys = ("samples", "length", "seed", "chat_share", "source", "calibration_share")
+        healing["text"] = {k: text_settings[k] for k in keys if k in text_settings}
     elif args.loss == "kd":
         healing["text"] = "the calibration side of WikiText-2"
     else:

@@ -5,10 +5,11 @@
 SRC is SmolLM2-135M-Instruct (`python -m relational_hf.pretrained`), FILE the first 90% of the WikiText-2 validation
 documents and HELD_OUT the last 10% (`relational_hf.lm.data.document_split`, whole documents on each side), written
 into --workdir as text files. The command runs as its own process with the CLI's defaults (distillation from SRC on
-text SRC samples itself, cached in OUT as heal_text.safetensors; 20 held-out windows of 512 tokens); its wall time
+text SRC samples itself, cached in OUT as heal_text.safetensors, and on the calibration windows, half of the blocks
+from each; 20 held-out windows of 512 tokens); its wall time
 and peak RSS are recorded (target: under 45 minutes on 2 cores, --eval's two evaluations included). Then the
 control: SRC, converted exactly to the relational form, healed with `relational_hf.training.heal.heal` with the
-settings the command's report records, on the same cached teacher text, and measured on the same held-out windows
+settings the command's report records, on the same cached teacher text and calibration windows, and measured on the same held-out windows
 before and after. The healing must repair the compressed model (target: within x1.10 of the dense model) while leaving
 the dense model within 2% of itself.
 
@@ -79,13 +80,15 @@ def _run_command(
     }
 
 
-def _control(src: Path, out: Path, held_out: Path, report: dict, heal_text: Path | None = None) -> dict:
+def _control(
+    src: Path, out: Path, held_out: Path, report: dict, calibration: Path, heal_text: Path | None = None
+) -> dict:
     """The dense model through the same healing, on the same text (the cached teacher text, or `heal_text` tokenised
-    as the command does), measured on the same windows."""
+    as the command does, with the share of calibration windows the report records), measured on the same windows."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relational_hf.compress.distill import load_teacher_text
+    from relational_hf.compress.distill import healing_stream, load_teacher_text
     from relational_hf.compress.eval import text_windows
     from relational_hf.convert import to_relational
     from relational_hf.lm.metrics import perplexity
@@ -97,18 +100,23 @@ def _control(src: Path, out: Path, held_out: Path, report: dict, heal_text: Path
     teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     dense = to_relational(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
     before = perplexity(dense, evaluation, progress=True)
-    if heal_text is None:
-        ids, _ = load_teacher_text(out / "heal_text.safetensors")
-    else:
-        ids = text_windows(heal_text, tokenizer, window=window, n=1_000_000)
     settings = report["heal"]
+    share = (settings.get("text") or {}).get("calibration_share", 0.0)
+    if heal_text is not None:
+        ids = text_windows(heal_text, tokenizer, window=window, n=1_000_000)
+    else:
+        ids = load_teacher_text(out / "heal_text.safetensors")[0] if share < 1.0 else None
+    if share:
+        windows = text_windows(calibration, tokenizer, window=window, n=report["calibration_windows"][0])
+        ids, _ = healing_stream(ids, windows, share)
     healed, heal_report = heal(
         dense, ids, steps=settings["steps"], loss=settings["loss"], teacher=teacher, heal_lr=settings["learning_rate"],
         heal_rank=settings["lora_rank"], heal_batch_size=settings["batch_size"], heal_block_size=settings["block_size"],
     )  # fmt: skip
     return {
         "what": "SRC converted exactly to the relational form, healed with the command's settings and "
-        + ("teacher text" if heal_text is None else "--heal-text FILE"),
+        + ("teacher text" if heal_text is None else "--heal-text FILE")
+        + (f", {share:.0%} of it calibration windows" if share else ""),
         "perplexity_before": before,
         "perplexity_after": perplexity(healed, evaluation, progress=True),
         "heal": heal_report,
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"--control-from {args.control_from}: {error}")
     else:
-        control = _control(src, out, held_out, report, calibration if args.heal_on_calibration else None)
+        control = _control(src, out, held_out, report, calibration, calibration if args.heal_on_calibration else None)
     keys = ("parameters_before", "parameters_after", "removed_share", "eval_windows", "eval_perplexity_before",
             "eval_perplexity_after", "eval_perplexity_compressed", "heal", "widths")  # fmt: skip
     payload = {

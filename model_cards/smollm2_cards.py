@@ -286,9 +286,15 @@ def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str,
 
 #: What the card says of the texts of a `compress` report's perplexities (`--control` cards).
 TEXTS_NOTE = (
-    "calibration_perplexity_*: on the calibration text (seen by the compression; the healing's language-model loss "
-    "saw it too when --heal-loss lm); eval_perplexity_*: on the --eval text, held out from compression and healing"
+    "calibration_perplexity_*: on the calibration text (seen by the compression, and by the healing: its distillation "
+    "draws blocks from the calibration windows by default, --heal-loss lm trains on them); eval_perplexity_*: on the "
+    "--eval text, held out from compression and healing"
 )
+
+
+def _calibration_share(text) -> float:
+    """The share of calibration windows in a healing text's settings (0 when it has none: before the mix existed)."""
+    return float(text.get("calibration_share", 0.0)) if isinstance(text, dict) else 0.0
 
 
 def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
@@ -305,6 +311,9 @@ def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
     keys = ("loss", "steps", "learning_rate", "lora_rank", "batch_size", "block_size")
     ours, theirs = report.get("heal") or {}, control.get("heal") or {}
     differ = [k for k in keys if ours.get(k) != theirs.get(k)]
+    commanded = ((payload.get("command_report") or {}).get("heal") or {}).get("text")
+    if _calibration_share(ours.get("text")) != _calibration_share(commanded if commanded is not None else {}):
+        differ.append("text.calibration_share")  # the control healed on another mix of texts
     if differ:
         raise SystemExit(f"--control {path}: healed with other settings than the report's ({', '.join(differ)})")
     results = [
@@ -321,7 +330,9 @@ def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
     settings = {
         "texts": TEXTS_NOTE,
         "control": (
-            f"the source converted exactly, healed the same way on the same teacher text: held-out perplexity "
+            "the source converted exactly, healed the same way on the same text"
+            + (" (teacher text and calibration windows)" if "calibration windows" in str(control.get("what")) else "")
+            + ": held-out perplexity "
             f"{before:.2f} -> {after:.2f} ({after / before - 1:+.1%}); from {path.name}"
         ),
     }

@@ -42,6 +42,7 @@ def test_same_inputs_reuse_the_earlier_control_and_say_so(heal_cli, report):
         (lambda r: r["heal"].update(steps=100), "heal"),
         (lambda r: r["heal"]["text"].update(source="0123456789abcdef"), "text"),
         (lambda r: r["heal"]["text"].update(samples=512), "text"),
+        (lambda r: r["heal"]["text"].update(calibration_share=0.5), "text"),  # the calibration windows mixed in
         (lambda r: r.update(eval_windows=[12, 512]), "eval_windows"),
         (lambda r: r.update(eval_perplexity_before=r["eval_perplexity_before"] * 1.01), "dense perplexity"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from relational_hf.commands.main import main
 from relational_hf.compress.distill import (
     TEACHER_TEXT_NAME,
     generate_teacher_text,
+    healing_stream,
     load_teacher_text,
     model_fingerprint,
     save_teacher_text,
@@ -283,6 +285,10 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
         (["--heal-steps", "1", "--heal-text", "{plain}"], ["--heal-text", "not a teacher-text file"]),
         (["--heal-steps", "1", "--heal-text", "{foreign}"], ["--heal-text", "another model"]),
         (["--heal-steps", "1", "--heal-loss", "ce"], ["--heal-loss", "invalid choice"]),
+        (["--heal-calibration-share", "0.5"], ["--heal-calibration-share", "--heal-steps"]),
+        (["--heal-steps", "1", "--heal-calibration-share", "1.5"], ["--heal-calibration-share", "1"]),
+        (["--heal-steps", "1", "--heal-loss", "lm", "--heal-calibration-share", "0.5"], ["--heal-calibration-share", "lm"]),
+        (["--heal-steps", "1", "--heal-calibration-share", "1", "--heal-samples", "4"], ["--heal-samples", "share 1"]),
     ],
 )
 def test_cli_refuses_heal_options_that_do_not_apply(tmp_path, capsys, no_training, flags, words):
@@ -297,3 +303,69 @@ def test_cli_refuses_heal_options_that_do_not_apply(tmp_path, capsys, no_trainin
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("n_text", "n_calib", "share"), [(96, 64, 0.5), (30, 200, 0.5), (50, 7, 0.25), (11, 40, 0.8)])
+def test_healing_stream_holds_each_side_in_its_share_and_drops_nothing(n_text, n_calib, share):
+    """The stream holds the calibration tokens in the asked share (to a token), every token of both sides at least
+    once, and only theirs; share 0 and 1 give each side alone."""
+    text = torch.randint(0, 100, (n_text,))
+    calib = torch.randint(100, 200, (n_calib,)).view(1, -1)
+    ids, settings = healing_stream(text, calib, share)
+    assert ids.dim() == 2 and ids.shape[0] == 1
+    from_calib = int((ids >= 100).sum())
+    assert abs(from_calib - share * ids.numel()) <= 1
+    assert ids.numel() >= n_text + n_calib
+    assert torch.equal(ids[ids < 100][:n_text], text) and torch.equal(ids[ids >= 100][:n_calib], calib.view(-1))
+    assert settings == {"calibration_share": share, "text_tokens": n_text, "calibration_tokens": n_calib}
+    assert torch.equal(healing_stream(text, calib, 0.0)[0].view(-1), text)
+    assert torch.equal(healing_stream(None, calib, 1.0)[0].view(-1), calib.view(-1))
+
+
+@pytest.mark.parametrize(
+    ("text", "share", "words"),
+    [("ids", 1.5, "[0, 1]"), ("ids", -0.1, "[0, 1]"), ("ids", True, "[0, 1]"), (None, 0.5, "source's text"),
+     ("floats", 0.5, "LongTensor")],
+)  # fmt: skip
+def test_healing_stream_refuses_bad_input(text, share, words):
+    """A share outside [0, 1], a missing text below share 1, and ids that are not token ids are clear errors."""
+    given = {"ids": torch.arange(10), "floats": torch.rand(10), None: None}[text]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        healing_stream(given, torch.arange(8).view(1, -1), share)
+
+
+def test_compress_model_refuses_a_calibration_share_with_the_lm_loss():
+    """heal_calibration_share mixes text for distillation; with heal_loss="lm" it is refused before any work."""
+    with pytest.raises(ValueError, match="heal_loss='kd'"):
+        compress_model(
+            _llama(), remove=0.1, calibration=torch.randint(0, 64, (2, 16)), heal_steps=1, heal_loss="lm",
+            heal_calibration_share=0.5,
+        )  # fmt: skip
+
+
+def test_cli_distils_on_the_calibration_windows_in_the_share_asked(tmp_path, capsys):
+    """By default half of the distillation's blocks come from the calibration windows, the report says so with each
+    side's tokens, and the mix reaches the training (weights differ from the text alone); share 1 generates no text
+    and writes none; a text file given to heal on is used alone unless a share is asked."""
+    src, text = _source(tmp_path)
+    gen = ["--heal-samples", "4", "--heal-length", "24"]
+    runs = {
+        "mixed": ["--heal-steps", "2", *gen],
+        "alone": ["--heal-steps", "2", *gen, "--heal-calibration-share", "0"],
+        "calib": ["--heal-steps", "2", "--heal-calibration-share", "1"],
+        "file": ["--heal-steps", "2", "--heal-text", str(text)],
+        "file_mixed": ["--heal-steps", "2", "--heal-text", str(text), "--heal-calibration-share", "0.25"],
+    }
+    reports = {}
+    for name, flags in runs.items():
+        assert _compress(src, tmp_path / name, text, *flags) == 0, capsys.readouterr().err
+        reports[name] = json.loads((tmp_path / name / "compression_report.json").read_text())["heal"]["text"]
+    assert reports["mixed"]["calibration_share"] == 0.5 and reports["mixed"]["seed"] == 0
+    assert reports["mixed"]["text_tokens"] == 4 * 24 and reports["mixed"]["calibration_tokens"] == 4 * 32
+    assert reports["alone"]["calibration_share"] == 0.0
+    assert reports["calib"]["calibration_share"] == 1.0 and reports["calib"]["text_tokens"] == 0
+    assert not (tmp_path / "calib" / TEACHER_TEXT_NAME).exists()
+    assert reports["file"]["calibration_share"] == 0.0 and reports["file"]["file"] == "cal.txt"
+    assert reports["file_mixed"]["calibration_share"] == 0.25
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("mixed", "alone"))
+    assert any(not torch.allclose(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

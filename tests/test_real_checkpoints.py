@@ -275,6 +275,15 @@ def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
     values = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert values["control_dense_eval_perplexity"] == 10.0 and values["control_dense_healed_eval_perplexity"] == 10.1
     assert values["eval_perplexity_after"] == 15.5 and "+1.0%" in card.text and "held out" in card.text
+    # a control healed on another mix of the texts than the report's is refused, naming the share
+    report["heal"]["text"] = {"calibration_share": 0.5}
+    (folder / "compress_report.json").write_text(json.dumps(report))
+    (tmp_path / "heal_cli.json").write_text(json.dumps({"control": control}))
+    with pytest.raises(SystemExit, match="calibration_share"):
+        module.main([*argv, "--control", str(tmp_path / "heal_cli.json")])
+    mixed = {"control": control, "command_report": {"heal": {"text": {"calibration_share": 0.5}}}}
+    (tmp_path / "heal_cli.json").write_text(json.dumps(mixed))
+    assert module.main([*argv, "--control", str(tmp_path / "heal_cli.json")]) == 0
     # a control healed otherwise, or a file without one, is refused
     control["heal"]["steps"] = 3
     (tmp_path / "heal_cli.json").write_text(json.dumps({"control": control}))

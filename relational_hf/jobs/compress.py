@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..compress.budget import KINDS
-from ..compress.distill import TEXT_OPTIONS, teacher_text
+from ..compress.distill import DEFAULT_CALIBRATION_SHARE, TEXT_OPTIONS, healing_stream, teacher_text
 from ..compress.lowrank import compress_relational
 from ..compress.options import LowRankOptions
 from ..compress.slicing import slice_relational
@@ -108,11 +108,13 @@ def compress_model(
     docstring). heal_steps > 0: a LoRA recovery fine-tune of that many steps, merged back (`training.heal.heal`).
     heal_loss "kd" (default): distillation from `model` itself (KL to its next-token distributions) on `heal_data`,
     by default text `model` samples itself (`compress.distill.teacher_text`: heal_samples rows of heal_length tokens,
-    seeded by heal_seed, chat prompts when `tokenizer` has a template). heal_loss "lm": the language-model loss on
+    seeded by heal_seed, chat prompts when `tokenizer` has a template), mixed with the calibration windows
+    (`compress.distill.healing_stream`: a share heal_calibration_share of the blocks, default
+    `DEFAULT_CALIBRATION_SHARE` = 0.5; 0 for that text alone, 1 for the windows alone). heal_loss "lm": the language-model loss on
     `heal_data` (default: the calibration windows, which a long run overfits). Options for "relational": the fields
     of `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
     heal options: heal_lr, heal_rank, heal_batch_size, heal_block_size, heal_seed, heal_samples, heal_length,
-    heal_chat_share; curves: the error curves of `lowrank.measure_error_curves` measured before on the same
+    heal_chat_share, heal_calibration_share; curves: the error curves of `lowrank.measure_error_curves` measured before on the same
     relational model, calibration and options (one measurement for several budgets). Returns (compressed
     RelationalForCausalLM, report) with
     report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
@@ -139,6 +141,12 @@ def compress_model(
     if text_keys and (heal_loss != "kd" or heal_data is not None):
         names = ", ".join(sorted("heal_" + k for k in text_keys))
         raise ValueError(f"{names} shape the text the source generates, used only with heal_loss='kd' and no heal_data")
+    share = heal_keys.pop("heal_calibration_share", None)
+    if share is not None and heal_loss != "kd":
+        raise ValueError("heal_calibration_share mixes the calibration windows into distillation: heal_loss='kd' only")
+    share = DEFAULT_CALIBRATION_SHARE if share is None else share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"`heal_calibration_share` must be a number in [0, 1], got {share!r}")
     if method == "slice":
         out, info = _slice_to_budget(rel, calibration, budget)
         report["slice"] = info
@@ -174,9 +182,12 @@ def compress_model(
         if evaluation is not None:
             report["eval_perplexity_compressed"] = perplexity(out, evaluation)
         text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
-        if heal_loss == "kd" and heal_data is None:
+        if heal_loss == "kd" and heal_data is None and share < 1.0:
             seed = heal_keys.get("heal_seed", 0)
             heal_data, text_settings = teacher_text(model, tokenizer, seed=seed, progress=progress, **text_keys)
+        if heal_loss == "kd":
+            heal_data, mix = healing_stream(heal_data, calibration, share)
+            text_settings = (text_settings if isinstance(text_settings, dict) else {"text": text_settings}) | mix
         data = calibration if heal_data is None else heal_data
         teacher = model.eval() if heal_loss == "kd" else None
         out, heal_report = heal(
