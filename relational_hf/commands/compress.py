@@ -223,9 +223,10 @@ def check(args: CompressArguments) -> None:
             raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
     share = args.heal_calibration_share
     if share is not None and args.heal_loss == "lm":
-        raise UsageError("--heal-calibration-share mixes the calibration windows into distillation: not with --heal-loss lm")
+        raise UsageError("--heal-calibration-share mixes calibration windows into distillation: not with --heal-loss lm")
     if generation and share == 1.0:
-        raise UsageError(f"--{generation[0].replace('_', '-')} sets the text SRC generates; --heal-calibration-share 1 uses none")
+        flag = generation[0].replace("_", "-")
+        raise UsageError(f"--{flag} sets the text SRC generates; --heal-calibration-share 1 uses none")
     if generation and (args.heal_loss == "lm" or args.heal_text is not None):
         reason = "--heal-text gives the text" if args.heal_text is not None else "--heal-loss lm generates none"
         raise UsageError(f"--{generation[0].replace('_', '-')} sets the text SRC generates for --heal-loss kd; {reason}")

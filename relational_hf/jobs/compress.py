@@ -110,14 +110,13 @@ def compress_model(
     by default text `model` samples itself (`compress.distill.teacher_text`: heal_samples rows of heal_length tokens,
     seeded by heal_seed, chat prompts when `tokenizer` has a template), mixed with the calibration windows
     (`compress.distill.healing_stream`: a share heal_calibration_share of the blocks, default
-    `DEFAULT_CALIBRATION_SHARE` = 0.5; 0 for that text alone, 1 for the windows alone). heal_loss "lm": the language-model loss on
-    `heal_data` (default: the calibration windows, which a long run overfits). Options for "relational": the fields
-    of `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a global-rotation slice first);
-    heal options: heal_lr, heal_rank, heal_batch_size, heal_block_size, heal_seed, heal_samples, heal_length,
-    heal_chat_share, heal_calibration_share; curves: the error curves of `lowrank.measure_error_curves` measured before on the same
-    relational model, calibration and options (one measurement for several budgets). Returns (compressed
-    RelationalForCausalLM, report) with
-    report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
+    `DEFAULT_CALIBRATION_SHARE` = 0.5; 0 for that text alone, 1 for the windows alone). heal_loss "lm": the
+    language-model loss on `heal_data` (default: the calibration windows, which a long run overfits). Options for
+    "relational": the fields of `LowRankOptions` (e.g. correction="dense", mlp_step=64) and slice_fraction (a
+    global-rotation slice first); heal options: heal_lr, heal_rank, heal_batch_size, heal_block_size, heal_seed,
+    heal_samples, heal_length, heal_chat_share, heal_calibration_share; curves: the error curves of
+    `lowrank.measure_error_curves` measured before on the same relational model, calibration and options (one
+    measurement for several budgets). Returns (compressed RelationalForCausalLM, report) with report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
     calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib;
     with `evaluation` windows (N, T) and healing, eval_perplexity_compressed: their perplexity after compression and
     before healing (what the healing starts from).
