@@ -222,6 +222,16 @@ def teacher_text(
 DEFAULT_CALIBRATION_SHARE = 0.5
 
 
+def calibration_share(share: float | None, name: str = "the calibration share") -> float:
+    """`share` checked to be a number in [0, 1] (ValueError naming `name` otherwise); None gives
+    `DEFAULT_CALIBRATION_SHARE`."""
+    if share is None:
+        return DEFAULT_CALIBRATION_SHARE
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {share!r}")
+    return float(share)
+
+
 def healing_stream(
     text: torch.Tensor | None, calibration: torch.Tensor, share: float
 ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -231,8 +241,9 @@ def healing_stream(
     block drawn at random comes from the calibration windows with probability `share`. share 0: `text` alone;
     share 1: the calibration windows alone (`text` may then be None). Returns (ids, settings) with the share and
     each side's own token count."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-        raise ValueError(f"the calibration share must be a number in [0, 1], got {share!r}")
+    if share is None:
+        raise ValueError("the calibration share must be a number in [0, 1], got None")
+    share = calibration_share(share)
     for name, ids in (("text", text), ("calibration", calibration)):
         if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.numel() < 2):
             raise ValueError(f"`{name}` must be token ids (a LongTensor of at least 2 tokens)")
@@ -302,6 +313,7 @@ __all__ = [
     "TEACHER_TEXT_NAME",
     "TEXT_DEFAULTS",
     "TEXT_OPTIONS",
+    "calibration_share",
     "generate_teacher_text",
     "healing_stream",
     "load_teacher_text",

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..compress.budget import KINDS
-from ..compress.distill import DEFAULT_CALIBRATION_SHARE, TEXT_OPTIONS, healing_stream, teacher_text
+from ..compress.distill import TEXT_OPTIONS, calibration_share, healing_stream, teacher_text
 from ..compress.lowrank import compress_relational
 from ..compress.options import LowRankOptions
 from ..compress.slicing import slice_relational
@@ -143,9 +143,7 @@ def compress_model(
     share = heal_keys.pop("heal_calibration_share", None)
     if share is not None and heal_loss != "kd":
         raise ValueError("heal_calibration_share mixes the calibration windows into distillation: heal_loss='kd' only")
-    share = DEFAULT_CALIBRATION_SHARE if share is None else share
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-        raise ValueError(f"`heal_calibration_share` must be a number in [0, 1], got {share!r}")
+    share = calibration_share(share, "`heal_calibration_share`")
     if method == "slice":
         out, info = _slice_to_budget(rel, calibration, budget)
         report["slice"] = info
