@@ -19,6 +19,7 @@ the dense model within 2% of itself.
     python benchmarks/heal_cli.py --workdir DIR --control-from heal_cli_calibration64   # reuse an earlier control
     python benchmarks/heal_cli.py --workdir DIR --correction local --tag local   # the command with --correction local
     python benchmarks/heal_cli.py --workdir DIR --heal-on-calibration --tag calibration_text   # --heal-text FILE
+    python benchmarks/heal_cli.py --workdir DIR --heal-batch-size 6 --tag batch6   # the command with --heal-batch-size 6
 
 The control depends on SRC, the healing settings, the healing text and the evaluation windows alone, not on the
 compressed model, so --control-from NAME takes it from results/NAME.json when these and the dense perplexity match
@@ -61,6 +62,7 @@ def _run_command(
     windows: int | None = None,
     heal_text: Path | None = None,
     correction: str | None = None,
+    heal_batch_size: int | None = None,
 ) -> dict:
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
@@ -68,6 +70,7 @@ def _run_command(
     extra += [] if windows is None else ["--calibration-windows", str(windows)]
     extra += [] if heal_text is None else ["--heal-text", str(heal_text)]
     extra += [] if correction is None else ["--correction", correction]
+    extra += [] if heal_batch_size is None else ["--heal-batch-size", str(heal_batch_size)]
     start = time.perf_counter()
     subprocess.run(command + extra, check=True)
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remove", type=float, default=0.25)
     parser.add_argument("--heal-lr", type=float, default=None, help="--heal-lr for the command (default: its own)")
     parser.add_argument("--calibration-windows", type=int, default=None, help="for the command (default: its own)")
+    parser.add_argument("--heal-batch-size", type=int, default=None, help="for the command (default: its own)")
     parser.add_argument(
         "--correction", choices=("dense", "local", "none"), default=None, help="for the command (default: its own)"
     )
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.heal_lr is not None and not 0.0 < args.heal_lr < 1.0:
         parser.error("--heal-lr must be in (0, 1)")
+    if args.heal_batch_size is not None and args.heal_batch_size < 1:
+        parser.error("--heal-batch-size must be >= 1")
     name = "heal_cli" + (f"_{args.tag}" if args.tag else "")
     json_path = RESULTS / f"{name}.json"
     if args.plot_only:
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{out} exists: pass --reuse to measure the control on it, or another --workdir")
         run = _run_command(
             src, out, calibration, held_out, args.steps, args.remove, args.heal_lr, args.calibration_windows,
-            calibration if args.heal_on_calibration else None, args.correction,
+            calibration if args.heal_on_calibration else None, args.correction, args.heal_batch_size,
         )  # fmt: skip
         timing.write_text(json.dumps(run, indent=2))
     if not timing.is_file() or not (out / "compression_report.json").is_file():

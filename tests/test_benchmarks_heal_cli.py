@@ -71,17 +71,20 @@ def test_command_line_refuses_a_missing_result_in_one_line_before_anything_loads
     assert sorted(p.name for p in tmp_path.iterdir()) == ["command.json", "compressed"]  # nothing written
 
 
-@pytest.mark.parametrize("correction", [None, "local"])
-def test_command_options_reach_the_command_and_its_recorded_line(heal_cli, monkeypatch, tmp_path, correction):
-    """--correction (like --heal-lr) is passed to `relational-hf compress` and shown in the line the result records;
-    without it the command runs with its own default and the line says nothing about it."""
+@pytest.mark.parametrize(("option", "value", "flag"), [("correction", "local", "--correction local"),
+                                                       ("heal_batch_size", 6, "--heal-batch-size 6")])
+@pytest.mark.parametrize("given", [False, True])
+def test_command_options_reach_the_command_and_its_recorded_line(heal_cli, monkeypatch, tmp_path, option, value, flag,
+                                                                 given):
+    """--correction and --heal-batch-size (like --heal-lr) are passed to `relational-hf compress` and shown in the line
+    the result records; without them the command runs with its own defaults and the line says nothing about them."""
     seen = []
     monkeypatch.setattr(heal_cli.subprocess, "run", lambda command, check: seen.append(command))
     run = heal_cli._run_command(
         tmp_path / "src", tmp_path / "out", tmp_path / "cal.txt", tmp_path / "held.txt", 200, 0.25, None,
-        correction=correction,
+        **({option: value} if given else {}),
     )  # fmt: skip
     assert len(seen) == 1
-    passed = "--correction local" in " ".join(seen[0])
-    assert passed == (correction == "local") and ("--correction local" in run["line"]) == passed
+    passed = flag in " ".join(seen[0])
+    assert passed == given and (flag in run["line"]) == passed
     assert str(tmp_path) not in run["line"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -157,6 +158,17 @@ def test_distilling_a_model_from_itself_leaves_it_unchanged():
     assert perplexity(kd, held_out) == pytest.approx(perplexity(source, held_out), rel=1e-2)
 
 
+def test_healing_does_not_pass_on_peft_s_deprecation_notices():
+    """PEFT reads a property that Transformers v5 renamed; the FutureWarning it raises is PEFT's business, and a user
+    healing a model sees none of it."""
+    source = tiny_model("llama", seed=0, num_key_value_heads=2, vocab_size=48).eval()
+    text = generate_teacher_text(source, None, samples=4, length=24, seed=0, progress=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        heal(to_relational(source), text, steps=1, loss="kd", teacher=source, heal_block_size=16, progress=False)
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
+
+
 def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
     """A compressed model distilled from its source on the source's own text comes closer to the source on other
     text the source wrote (another seed), keeping its compressed shapes and stored size."""
@@ -253,7 +265,8 @@ def test_cli_caches_the_generated_text_and_reuses_it(tmp_path, capsys):
 def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_the_optimiser(tmp_path, capsys):
     """Without --heal-lr, distillation and the language-model loss train at their own defaults
     (`DEFAULT_HEAL_LR`, distillation's the smaller: the measured rate that leaves a model with nothing to repair
-    where it is), written in the report; with --heal-lr the given rate is used and the healed weights differ."""
+    where it is), written in the report; with --heal-lr the given rate is used and the healed weights differ; with
+    --heal-batch-size the steps take that many blocks (the report says so) and heal to other weights."""
     assert DEFAULT_HEAL_LR["kd"] < DEFAULT_HEAL_LR["lm"]
     src, text = _source(tmp_path)
     heal_flags = ["--heal-steps", "2", "--heal-samples", "4", "--heal-length", "24"]
@@ -261,6 +274,7 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
         "kd": heal_flags,
         "lm": ["--heal-steps", "2", "--heal-loss", "lm"],
         "kd_lr": [*heal_flags, "--heal-lr", "0.05"],
+        "kd_batch": [*heal_flags, "--heal-batch-size", "3"],
     }
     reports = {}
     for name, flags in runs.items():
@@ -269,8 +283,11 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
     assert reports["kd"]["learning_rate"] == DEFAULT_HEAL_LR["kd"]
     assert reports["lm"]["learning_rate"] == DEFAULT_HEAL_LR["lm"]
     assert reports["kd_lr"]["learning_rate"] == 0.05
-    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("kd", "kd_lr"))
-    assert any(not torch.allclose(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert reports["kd"]["batch_size"] == 2 and reports["kd_batch"]["batch_size"] == 3
+    kd = AutoModelForCausalLM.from_pretrained(tmp_path / "kd").state_dict()
+    for other in ("kd_lr", "kd_batch"):
+        b = AutoModelForCausalLM.from_pretrained(tmp_path / other).state_dict()
+        assert any(not torch.allclose(kd[k], b[k]) for k in kd), other
 
 
 @pytest.mark.parametrize(
@@ -278,6 +295,8 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
     [
         (["--heal-loss", "lm"], ["--heal-loss", "--heal-steps"]),
         (["--heal-lr", "0.001"], ["--heal-lr", "--heal-steps"]),
+        (["--heal-batch-size", "4"], ["--heal-batch-size", "--heal-steps"]),
+        (["--heal-steps", "1", "--heal-batch-size", "0"], ["--heal-batch-size", ">= 1"]),
         (["--heal-steps", "1", "--heal-lr", "1.5"], ["--heal-lr", "(0, 1)"]),
         (["--heal-samples", "4"], ["--heal-samples", "--heal-steps"]),
         (["--heal-steps", "1", "--heal-loss", "lm", "--heal-length", "8"], ["--heal-length", "lm"]),

@@ -22,7 +22,8 @@ SRC's next-token distributions on text SRC samples itself (--heal-samples rows o
 and on the calibration windows: --heal-calibration-share of the blocks (default 0.5) come from them.
 --heal-text FILE.txt distils on that text instead; --heal-loss lm trains on the language-model loss (on --heal-text,
 default: the calibration windows), which also adapts the model to that text. --heal-lr sets the LoRA learning rate
-(default 3e-4 for kd, 1e-3 for lm: `training.heal.DEFAULT_HEAL_LR`).
+(default 3e-4 for kd, 1e-3 for lm: `training.heal.DEFAULT_HEAL_LR`), --heal-batch-size the blocks of 256 tokens a
+step takes (default 2; the healing's time grows with it).
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class CompressOptions:
     )
     heal_lr: OpenFraction | None = option(
         None, "learning rate of the LoRA repair (default: 3e-4 for kd, 1e-3 for lm)", metavar="LR"
+    )
+    heal_batch_size: PositiveInt | None = option(
+        None,
+        "blocks of 256 tokens per repair step (default: 2); a step costs about this many times one block's time",
+        metavar="N",
     )
     heal_samples: PositiveInt | None = option(None, "kd: rows of text SRC generates (default: 256)")
     heal_length: Length | None = option(None, "kd: tokens per generated row (default: 256)")
@@ -217,7 +223,7 @@ def check(args: CompressArguments) -> None:
             check_text_file(args.heal_text, "--heal-text")
     generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
     if not args.heal_steps:
-        given = [f for f in ("heal_loss", "heal_text", "heal_lr", "heal_calibration_share", *generation)]
+        given = ["heal_loss", "heal_text", "heal_lr", "heal_batch_size", "heal_calibration_share", *generation]
         given = [f for f in given if getattr(args, f) is not None]
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
@@ -341,6 +347,8 @@ def _run(args: CompressArguments, lock) -> int:
     )
     if args.heal_lr is not None:
         options["heal_lr"] = args.heal_lr
+    if args.heal_batch_size is not None:
+        options["heal_batch_size"] = args.heal_batch_size
     if args.refine_lr is not None:
         options["refine_lr"] = args.refine_lr
     if share is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import warnings
 
 import torch
 from peft import get_peft_model
@@ -91,7 +92,9 @@ def heal(
     targets = [t for t in RELATIONAL_LORA_TARGETS if t in present]
     config = relational_lora_config(target_modules=targets, r=heal_rank, lora_alpha=2 * heal_rank, lora_dropout=0.0)
     model.train()
-    with torch.random.fork_rng(devices=[]):  # the adapters' initialisation depends on heal_seed alone
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # initialisation depends on heal_seed alone
+        # PEFT asks Transformers v5 for a renamed property; the notice is for PEFT, not for the user healing a model
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(heal_seed)
         peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
