@@ -177,7 +177,12 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_ylabel("held-out WikiText-2 perplexity")
     lr = r["heal"]["learning_rate"]
     text = "the calibration text" if "healing: the calibration text" in payload["texts"] else "text SRC samples itself"
-    ax.set_title(f"{payload['steps']} distillation steps (learning rate {lr:g}) on {text}, {payload['remove']:.0%} removed")
+    share = (r["heal"].get("text") or {}).get("calibration_share") if isinstance(r["heal"].get("text"), dict) else None
+    if share == 1.0:
+        text = "the calibration windows"
+    elif share:
+        text += f" ({share:.0%} calibration windows)"
+    ax.set_title(f"{payload['steps']} distillation steps (lr {lr:g}) on {text}, {payload['remove']:.0%} removed", fontsize=10)
     ax.legend()
     bx.bar(["command"], [payload["command_run"]["wall_seconds"] / 60], color="tab:purple")
     bx.axhline(TARGET_SECONDS / 60, color="red", linestyle="--", label="target 45 min")
