@@ -177,7 +177,8 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_ylabel("held-out WikiText-2 perplexity")
     lr = r["heal"]["learning_rate"]
     text = "the calibration text" if "healing: the calibration text" in payload["texts"] else "text SRC samples itself"
-    share = (r["heal"].get("text") or {}).get("calibration_share") if isinstance(r["heal"].get("text"), dict) else None
+    settings = r["heal"].get("text")  # a dict since the reports record the text's settings
+    share = settings.get("calibration_share") if isinstance(settings, dict) else None
     if share == 1.0:
         text = "the calibration windows"
     elif share:
