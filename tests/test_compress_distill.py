@@ -27,7 +27,7 @@ from relational_hf.compress.distill import (
 from relational_hf.convert import to_relational
 from relational_hf.jobs import compress_model
 from relational_hf.lm.metrics import next_token_kl, perplexity, teacher_kl
-from relational_hf.training.heal import DEFAULT_HEAL_LR, heal
+from relational_hf.training.heal import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_LR, heal
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}<assistant>"
 
@@ -266,8 +266,14 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
     """Without --heal-lr, distillation and the language-model loss train at their own defaults
     (`DEFAULT_HEAL_LR`, distillation's the smaller: the measured rate that leaves a model with nothing to repair
     where it is), written in the report; with --heal-lr the given rate is used and the healed weights differ; with
-    --heal-batch-size the steps take that many blocks (the report says so) and heal to other weights."""
+    --heal-batch-size the steps take that many blocks (the report says so) and heal to other weights. The help quotes
+    the defaults the run uses."""
     assert DEFAULT_HEAL_LR["kd"] < DEFAULT_HEAL_LR["lm"]
+    from relational_hf.commands.compress import CompressOptions
+
+    fields = CompressOptions.__dataclass_fields__
+    assert f"default: {DEFAULT_HEAL_BATCH_SIZE})" in fields["heal_batch_size"].metadata["help"]
+    assert f"{DEFAULT_HEAL_LR['kd']:g} for kd" in fields["heal_lr"].metadata["help"]
     src, text = _source(tmp_path)
     heal_flags = ["--heal-steps", "2", "--heal-samples", "4", "--heal-length", "24"]
     runs = {
@@ -283,7 +289,7 @@ def test_each_loss_heals_at_its_own_default_learning_rate_and_heal_lr_reaches_th
     assert reports["kd"]["learning_rate"] == DEFAULT_HEAL_LR["kd"]
     assert reports["lm"]["learning_rate"] == DEFAULT_HEAL_LR["lm"]
     assert reports["kd_lr"]["learning_rate"] == 0.05
-    assert reports["kd"]["batch_size"] == 2 and reports["kd_batch"]["batch_size"] == 3
+    assert reports["kd"]["batch_size"] == DEFAULT_HEAL_BATCH_SIZE != 3 and reports["kd_batch"]["batch_size"] == 3
     kd = AutoModelForCausalLM.from_pretrained(tmp_path / "kd").state_dict()
     for other in ("kd_lr", "kd_batch"):
         b = AutoModelForCausalLM.from_pretrained(tmp_path / other).state_dict()

@@ -22,8 +22,8 @@ SRC's next-token distributions on text SRC samples itself (--heal-samples rows o
 and on the calibration windows: --heal-calibration-share of the blocks (default 0.5) come from them.
 --heal-text FILE.txt distils on that text instead; --heal-loss lm trains on the language-model loss (on --heal-text,
 default: the calibration windows), which also adapts the model to that text. --heal-lr sets the LoRA learning rate
-(default 3e-4 for kd, 1e-3 for lm: `training.heal.DEFAULT_HEAL_LR`), --heal-batch-size the blocks of 256 tokens a
-step takes (default 2; the healing's time grows with it).
+and --heal-batch-size the blocks a step takes (the healing's time grows with it); their defaults, which --help
+quotes, are `training.heal_settings`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 
 from ..errors import UsageError
+from ..training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR
 from .checks import check_model_argument, check_text_file
 from .options import (
     CommandArguments,
@@ -97,11 +98,14 @@ class CompressOptions:
         metavar="SHARE",
     )
     heal_lr: OpenFraction | None = option(
-        None, "learning rate of the LoRA repair (default: 3e-4 for kd, 1e-3 for lm)", metavar="LR"
+        None,
+        f"learning rate of the LoRA repair (default: {DEFAULT_HEAL_LR['kd']:g} for kd, {DEFAULT_HEAL_LR['lm']:g} for lm)",
+        metavar="LR",
     )
     heal_batch_size: PositiveInt | None = option(
         None,
-        "blocks of 256 tokens per repair step (default: 2); a step costs about this many times one block's time",
+        f"blocks of {DEFAULT_HEAL_BLOCK_SIZE} tokens per repair step (default: {DEFAULT_HEAL_BATCH_SIZE}); a step costs "
+        "about this many times one block's time",
         metavar="N",
     )
     heal_samples: PositiveInt | None = option(None, "kd: rows of text SRC generates (default: 256)")

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lm.sampling import sample_categorical
 from ..modeling.modeling_relational import weight_cache
+
+#: How `generate_teacher_text` draws a token (`lm.sampling.sample_categorical`); recorded in the text's settings, so a
+#: text drawn otherwise (before, `torch.multinomial`) is not taken for the same text.
+SAMPLER = "inverse-cdf"
 
 #: File name of the cached teacher text in a `compress` output folder.
 TEACHER_TEXT_NAME = "heal_text.safetensors"
@@ -158,7 +163,7 @@ def generate_teacher_text(
                         cache=cache, use_cache=True,
                     ).logits[:, -1].float().cpu()  # fmt: skip
                     probs = torch.softmax(logits, dim=-1)
-                    token = torch.multinomial(probs, 1, generator=generator)
+                    token = sample_categorical(probs, generator).unsqueeze(-1)
                     out[:, step] = token[:, 0]
                     step_ids = token
                     mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
@@ -206,6 +211,7 @@ def teacher_text(
         "chat_share": chat_share,
         "batch_size": batch_size,
         "temperature": 1.0,
+        "sampler": SAMPLER,
         "chat_template": any(len(p) < length for p in _chat_prompts(tokenizer)),  # prompts that fit in a row
         "source": model_fingerprint(model),
         "tokens": int(ids.numel()),

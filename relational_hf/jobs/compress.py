@@ -35,7 +35,8 @@ from ..convert.relational import to_relational
 from ..lm.metrics import perplexity
 from ..modeling import RelationalForCausalLM
 from ..params import relational_parameter_count, stored_parameters
-from ..training.heal import HEAL_LOSSES, heal
+from ..training.heal import heal
+from ..training.heal_settings import HEAL_LOSSES
 
 logger = logging.getLogger(__name__)
 

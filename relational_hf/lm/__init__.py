@@ -3,6 +3,7 @@
 - `data`: the built-in corpus, text and WikiText document splits, tokenizers, token blocks and block datasets;
 - `metrics`: token NLL and perplexity of a causal LM, the next-token KL between two of them, the device to feed a
   model its inputs on (`model_device`).
+- `sampling`: drawing tokens from a next-token distribution (`sample_categorical`, one uniform number a row);
 - `offload`: Accelerate's big-model loading with disk offload, device-map summaries and peak memory.
 
 The package sits below `compress`, `directional`, `convert`, `hub` and `training` and imports none of them (no Trainer,
@@ -25,6 +26,7 @@ from .data import (
     wikitext_documents,
 )
 from .metrics import next_token_kl, perplexity, teacher_kl, token_nll
+from .sampling import sample_categorical
 
 __all__ = [
     "BlockDataset",
@@ -38,6 +40,7 @@ __all__ = [
     "load_texts",
     "next_token_kl",
     "perplexity",
+    "sample_categorical",
     "split_text",
     "teacher_kl",
     "token_nll",

@@ -28,19 +28,11 @@ from torch import nn
 from ..lm.data import RandomBlockDataset
 from .arguments import RelationalTrainingArguments
 from .distillation import DistillationTrainer
+from .heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR, HEAL_LOSSES
 from .peft_support import RELATIONAL_LORA_TARGETS, merge_and_unload, relational_lora_config
 from .trainer import RelationalTrainer
 
 logger = logging.getLogger(__name__)
-
-#: Healing losses: distillation from the source ("kd") or the language-model loss on a text ("lm").
-HEAL_LOSSES: tuple[str, ...] = ("kd", "lm")
-
-#: Default learning rate of each loss. Through the command line on SmolLM2 at 25%, 200 distillation steps at 1e-3 moved
-#: the dense control +4.3% and did not repair (`benchmarks/results/heal_cli_lr1e-3.json`); at 3e-4 the control moved
-#: +0.5% and the compressed model went from x1.73 to x1.60 of dense (`heal_cli_calibration64.json`;
-#: `heal_kd_lr3e-4.json` for the benchmark's protocol). The language-model loss keeps its measured 1e-3.
-DEFAULT_HEAL_LR: dict[str, float] = {"kd": 3e-4, "lm": 1e-3}
 
 
 def heal(
@@ -52,8 +44,8 @@ def heal(
     teacher: nn.Module | None = None,
     heal_lr: float | None = None,
     heal_rank: int = 16,
-    heal_batch_size: int = 2,
-    heal_block_size: int = 256,
+    heal_batch_size: int = DEFAULT_HEAL_BATCH_SIZE,
+    heal_block_size: int = DEFAULT_HEAL_BLOCK_SIZE,
     heal_seed: int = 0,
     progress: bool = True,
     callbacks: list | None = None,
@@ -63,9 +55,8 @@ def heal(
     batches of `heal_batch_size` random blocks of `heal_block_size` tokens of the ids (N, T), read as one stream),
     merged back. `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
     distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
-    by `benchmarks/heal.py` on SmolLM2, with 2 blocks a step (the benchmark's runs took 4) so that the command line's
-    200 steps of SmolLM2-135M fit, with the compression, in 45 minutes on 2 CPU cores (`benchmarks/heal_cli.py`). `callbacks`: extra
-    `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
+    by `benchmarks/heal.py` on SmolLM2, with `DEFAULT_HEAL_BATCH_SIZE` blocks a step (`training.heal_settings`).
+    `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
     computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -138,4 +129,4 @@ def heal(
     return merged, report
 
 
-__all__ = ["DEFAULT_HEAL_LR", "HEAL_LOSSES", "heal"]
+__all__ = ["DEFAULT_HEAL_BATCH_SIZE", "DEFAULT_HEAL_BLOCK_SIZE", "DEFAULT_HEAL_LR", "HEAL_LOSSES", "heal"]
