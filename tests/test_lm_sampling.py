@@ -26,7 +26,7 @@ def test_draws_follow_the_distribution_of_each_row():
 
 def test_zero_entries_are_never_drawn_and_shapes_are_kept(monkeypatch):
     """Entries of zero (first, middle and last: where the inverse CDF's edges lie) are never drawn, also when every
-    uniform number is at the top of its range; the result has probs' leading shape."""
+    uniform number is at either end of its range; the result has probs' leading shape."""
     probs = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.7, 0.0]).expand(2, 500, 6)
     draws = sample_categorical(probs, torch.Generator().manual_seed(0))
     assert draws.shape == (2, 500) and draws.dtype == torch.long

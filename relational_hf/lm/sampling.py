@@ -17,7 +17,7 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     if probs.dim() < 1 or probs.shape[-1] < 1:
         raise ValueError(f"`probs` must have a last dimension of at least one category, got shape {tuple(probs.shape)}")
     flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(-1)
+    cdf = torch.cumsum(flat, -1, dtype=torch.float64)  # summed in float64 without a float64 copy of probs first
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()) or bool((flat < 0).any()):
         raise ValueError("every row of `probs` must be finite and non-negative with a positive sum")

@@ -56,8 +56,8 @@ def heal(
     merged back. `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
     distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
     by `benchmarks/heal.py` on SmolLM2, with `DEFAULT_HEAL_BATCH_SIZE` blocks a step (`training.heal_settings`).
-    `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the unmerged PEFT model, which
-    computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
+    `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the
+    unmerged PEFT model, which computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
