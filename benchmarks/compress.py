@@ -33,7 +33,8 @@ Methods at each target share r of stored parameters removed (10/20/25/30%):
   the ridge `relational-holdout` chose most often;
 - relational-refine: the default, then 4 epochs of Adam (3e-4) on each layer's kept SwiGLU maps against the refit's
   own target, the epoch kept by the error on the last eighth of the calibration windows (`refine_epochs=4`);
-  relational-refine8 the same with 8 epochs;
+  relational-refine8 the same with 8 epochs; relational-refine-lr1e-3 the default (which refines on a model as small as
+  SmolLM2) with the refinement's learning rate 1e-3 instead of 3e-4 (`refine_lr=1e-3`);
 - relational-pivot: the default written in the pivot gauge (`gauge="pivot"`, the budget counted in it: the pivot
   entries are not stored, so the same size keeps a little more width); every other relational variant writes the
   free gauge, the default since the speed measurements (`compress_speed.py`): the cells measured before it are
@@ -102,6 +103,7 @@ METHODS = (
     "relational-ridge3e-3",
     "relational-refine",
     "relational-refine8",
+    "relational-refine-lr1e-3",
     "relational-pivot",
     "relational-zero-prior",
     "relational-greedy-refine",
@@ -119,6 +121,7 @@ PROJECT_OPTIONS = {
     "relational-ridge3e-3": {"ridge": 3e-3},
     "relational-refine": {"refine_epochs": 4},
     "relational-refine8": {"refine_epochs": 8},
+    "relational-refine-lr1e-3": {"refine_lr": 1e-3},
     "relational-pivot": {"gauge": "pivot"},
     "relational-zero-prior": {"refit_prior": "zero"},
     "relational-greedy-refine": {"mlp_order": "greedy", "refine_epochs": 4},
