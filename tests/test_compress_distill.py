@@ -169,6 +169,27 @@ def test_healing_does_not_pass_on_peft_s_deprecation_notices():
     assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
 
 
+def test_healing_without_progress_prints_nothing_and_still_logs_to_callbacks(capsys):
+    """progress=False is quiet: no progress bar and no log lines on stdout or stderr (the Trainer prints each log
+    dict when its bar is off), while a user's callback still receives the logged losses."""
+    from transformers import TrainerCallback
+
+    class Logs(TrainerCallback):
+        seen: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs or {}))
+
+    source = tiny_model("llama", seed=0, num_key_value_heads=2, vocab_size=48).eval()
+    text = generate_teacher_text(source, None, samples=4, length=24, seed=0, progress=False)
+    capsys.readouterr()
+    heal(to_relational(source), text, steps=5, loss="kd", teacher=source, heal_block_size=16, progress=False,
+         callbacks=[Logs()])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == "" and "loss" not in err, (out, err)
+    assert any("loss" in logs for logs in Logs.seen)
+
+
 def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
     """A compressed model distilled from its source on the source's own text comes closer to the source on other
     text the source wrote (another seed), keeping its compressed shapes and stored size."""

@@ -24,6 +24,7 @@ import warnings
 import torch
 from peft import get_peft_model
 from torch import nn
+from transformers import PrinterCallback
 
 from ..lm.data import RandomBlockDataset
 from .arguments import RelationalTrainingArguments
@@ -56,6 +57,7 @@ def heal(
     merged back. `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
     distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
     by `benchmarks/heal.py` on SmolLM2, with `DEFAULT_HEAL_BATCH_SIZE` blocks a step (`training.heal_settings`).
+    `progress=False`: no progress bar and nothing printed (the loss is in the report and the `callbacks`' logs).
     `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the
     unmerged PEFT model, which computes the merged model's function). Returns (merged model in eval mode, report with steps, trainable
     parameters, final training loss, seconds)."""
@@ -112,6 +114,8 @@ def heal(
             )
         else:
             trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks)
+        if not progress:  # without a progress bar the Trainer prints each log line to stdout instead: quiet is quiet
+            trainer.remove_callback(PrinterCallback)
         output = trainer.train()
     merged = merge_and_unload(peft_model).eval()
     report = {
