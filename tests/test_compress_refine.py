@@ -161,3 +161,17 @@ def test_cli_refine_epochs_reach_the_compression_on_either_path(tmp_path, capsys
     layers = len(report["widths"]["mlp"])
     assert len(report["refits"]) == layers >= 1
     assert all(r["refine_held_out_error_after"] <= r["refine_held_out_error_before"] for r in report["refits"])
+
+
+def test_compress_help_quotes_the_refinement_default_the_run_uses():
+    """The command's help states the learning rate a refinement without --refine-lr runs at (the help is built
+    without importing the compression package, so it repeats the figure; this keeps the two equal)."""
+    from relational_hf.commands.compress import CompressOptions
+    from relational_hf.compress.options import LowRankOptions
+    from relational_hf.compress.refine import DEFAULT_REFINE_LR
+
+    assert LowRankOptions().refine_lr == DEFAULT_REFINE_LR
+    import re
+
+    quoted = re.search(r"\(default: ([0-9.e+-]+)\)", CompressOptions.__dataclass_fields__["refine_lr"].metadata["help"])
+    assert quoted and float(quoted.group(1)) == DEFAULT_REFINE_LR
