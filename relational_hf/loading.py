@@ -304,8 +304,29 @@ def load_model_from(
     return model.eval()
 
 
+#: A text every real tokenizer encodes to some ids (`usable_tokenizer`).
+_TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog."
+
+
+def usable_tokenizer(tokenizer, where: object):
+    """`tokenizer` itself when it encodes text to ids; ValueError naming `where` otherwise.
+
+    For a checkpoint folder with a config but no tokenizer files, Transformers may build an empty tokenizer of the
+    model's type (one entry, every text encoded to no ids) instead of failing; a command that copied it would give its
+    output a tokenizer that silently encodes nothing, and one that tokenized a text with it would report no tokens."""
+    ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if len(tokenizer) < 2 or not ids:
+        entries = f"{len(tokenizer)} entr{'y' if len(tokenizer) == 1 else 'ies'}"
+        raise ValueError(
+            f"{where}: the tokenizer files are missing (Transformers built an empty {type(tokenizer).__name__}, "
+            f"{entries}, that encodes text to no tokens)"
+        )
+    return tokenizer
+
+
 def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = False):
-    """The tokenizer stored with a model source (a GGUF file's own vocabulary for GGUF sources)."""
+    """The tokenizer stored with a model source (a GGUF file's own vocabulary for GGUF sources); ValueError when
+    there is none or only an empty one (`usable_tokenizer`)."""
     from transformers import AutoTokenizer
 
     if not isinstance(source, ModelSource):
@@ -313,10 +334,12 @@ def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = 
     try:
         _check_gguf(source)
         if source.gguf_file is not None:
-            return AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
-        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise _hub_errors(source, err) from err
+    return usable_tokenizer(tokenizer, source.location)
 
 
 __all__ = [
@@ -332,4 +355,5 @@ __all__ = [
     "load_tokenizer_from",
     "looks_like_local_path",
     "resolve_model_source",
+    "usable_tokenizer",
 ]

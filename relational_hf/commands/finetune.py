@@ -160,7 +160,7 @@ def _load_tokenizer(args: FinetuneArguments):
     from transformers import AutoTokenizer
 
     from ..lm.data import byte_level_tokenizer
-    from ..loading import load_tokenizer_from, resolve_model_source
+    from ..loading import load_tokenizer_from, resolve_model_source, usable_tokenizer
 
     if args.tokenizer == "byte":
         return byte_level_tokenizer()
@@ -170,7 +170,7 @@ def _load_tokenizer(args: FinetuneArguments):
             return load_tokenizer_from(
                 resolve_model_source(args.model, args.gguf_file), trust_remote_code=args.trust_remote_code
             )
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+        return usable_tokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code), source)
     except (OSError, ValueError) as err:
         raise UsageError(
             f"could not load a tokenizer from {source!r} ({err}); pass --tokenizer PATH, or --tokenizer byte for "

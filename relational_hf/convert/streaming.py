@@ -438,13 +438,14 @@ def _write_metadata(target: RelationalForCausalLM, config: RelationalConfig, dty
 def _copy_tokenizer(src: Path, directory: Path, trust_remote_code: bool) -> None:
     from transformers import AutoTokenizer
 
+    from ..loading import usable_tokenizer
     from ..shards import is_gguf_file
 
     where = {"pretrained_model_name_or_path": src.parent, "gguf_file": src.name} if is_gguf_file(src) else {
         "pretrained_model_name_or_path": src
     }
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**where, trust_remote_code=trust_remote_code)
+        tokenizer = usable_tokenizer(AutoTokenizer.from_pretrained(**where, trust_remote_code=trust_remote_code), src)
     except (OSError, ValueError, TypeError):
         logger.info("no tokenizer at %s; the converted checkpoint has none", src)
         return
