@@ -133,6 +133,8 @@ def _run(args: ConvertArguments, lock) -> int:
             lock=lock,
         )
         sys.stdout.write(report.to_markdown())
+        if not any((Path(args.out) / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+            sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
         sys.stdout.write(f"saved {args.out}\n")
         return 0
     out_dtype = parse_dtype(args.dtype)
