@@ -314,12 +314,16 @@ def usable_tokenizer(tokenizer, where: object):
     For a checkpoint folder with a config but no tokenizer files, Transformers may build an empty tokenizer of the
     model's type (one entry, every text encoded to no ids) instead of failing; a command that copied it would give its
     output a tokenizer that silently encodes nothing, and one that tokenized a text with it would report no tokens."""
-    ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    name = type(tokenizer).__name__
+    try:
+        ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as err:  # whatever a tokenizer raises, it cannot tokenize the user's text either
+        raise ValueError(f"{where}: the {name} found there cannot encode text ({err})") from err
     if len(tokenizer) < 2 or not ids:
         entries = f"{len(tokenizer)} entr{'y' if len(tokenizer) == 1 else 'ies'}"
         raise ValueError(
-            f"{where}: the tokenizer files are missing (Transformers built an empty {type(tokenizer).__name__}, "
-            f"{entries}, that encodes text to no tokens)"
+            f"{where}: the tokenizer files are missing (Transformers built a {name} of {entries} that encodes text to "
+            "no tokens)"
         )
     return tokenizer
 

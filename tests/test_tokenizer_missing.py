@@ -53,3 +53,15 @@ def test_compress_refuses_a_source_without_a_tokenizer_in_one_line(bare_qwen2, t
     err = capsys.readouterr().err
     assert code == 2 and "tokenizer files are missing" in err and "0 tokens" not in err, err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_tokenizer_that_cannot_encode_is_a_value_error_naming_the_place():
+    class Broken:
+        def __call__(self, text, **kwargs):
+            raise RuntimeError("no model file")
+
+        def __len__(self):
+            return 10
+
+    with pytest.raises(ValueError, match="SRC: the Broken found there cannot encode text"):
+        usable_tokenizer(Broken(), "SRC")
