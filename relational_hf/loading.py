@@ -139,7 +139,47 @@ def _hub_source(repo_id: str, gguf_file: str | None) -> ModelSource:
             "offline mode is on (HF_HUB_OFFLINE=1): pass a local checkpoint folder or .gguf file, or download the "
             "model first with network access"
         )
+    if not isinstance(cached, str):
+        _probe_hub(repo_id, wanted)
     return ModelSource(repo_id, gguf_file, local=False)
+
+
+#: Hub files already found reachable in this process: (endpoint, repo id, file)
+_REACHED: set[tuple[str, str, str]] = set()
+
+
+def _probe_hub(repo_id: str, filename: str) -> None:
+    """One request for `filename` of `repo_id` on the Hub, without retries, before anything is downloaded:
+    Transformers' download retries a failed connection with backoff (about 25 s for each file it asks for), so a
+    machine without a network, or a mistyped local name that is also a valid Hub id, would wait about a minute for
+    the same error. Raises ModelSourceOffline when the Hub cannot be reached, ModelSourceNotFound when it answers
+    that the repository does not exist; any other answer (the file missing, a gated repository, a server error) is
+    left to the download, which reports it."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    key = (constants.ENDPOINT, repo_id, filename)
+    if key in _REACHED:
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except GatedRepoError:
+        pass
+    except RepositoryNotFoundError:
+        raise ModelSourceNotFound(
+            f"{repo_id}: no such local file or directory, and no Hub repository of that name (or it is private: "
+            "log in with `hf auth login` or set HF_TOKEN)"
+        ) from None
+    except HfHubHTTPError:
+        pass
+    except Exception as err:  # the transport's own errors: no name resolution, connection refused, timeout
+        if not (isinstance(err, OSError) or any(k.__name__ == "TransportError" for k in type(err).__mro__)):
+            raise
+        raise ModelSourceOffline(
+            f"{repo_id}: not a local path, not in the local Hugging Face cache, and the Hub cannot be reached "
+            f"({type(err).__name__}: {err}): pass a local checkpoint folder or .gguf file, or connect and retry"
+        ) from None
+    _REACHED.add(key)
 
 
 def check_model_argument(
