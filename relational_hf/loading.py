@@ -264,6 +264,24 @@ def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = Fal
         raise _hub_errors(source, err) from err
 
 
+def warn_beyond_context(config, lengths: dict[str, int | None], what: str = "the model") -> list[str]:
+    """Warn (one line each, `logging`) for every flag in `lengths` ({flag: tokens}) longer than the context the
+    model was made for (`config.max_position_embeddings`): Transformers runs such positions without a word, and a
+    perplexity or a sampled text over them describes positions the model never saw. Returns the lines."""
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 1:
+        return []
+    lines = [
+        f"{flag} {length:,} is longer than {what}'s context (max_position_embeddings {context:,}): positions beyond "
+        "it were never trained"
+        for flag, length in lengths.items()
+        if length is not None and length > context
+    ]
+    for line in lines:
+        logger.warning(line)
+    return lines
+
+
 def from_pretrained_checked(model_class, location: str, **kwargs):
     """`model_class.from_pretrained(location, **kwargs)` that refuses, in one line naming the tensors, weights that
     do not match the model the checkpoint's config describes (Transformers would fill missing tensors with random
@@ -399,5 +417,6 @@ __all__ = [
     "load_tokenizer_from",
     "looks_like_local_path",
     "resolve_model_source",
+    "warn_beyond_context",
     "usable_tokenizer",
 ]

@@ -297,7 +297,13 @@ def _run(args: CompressArguments, lock) -> int:
     from ..jobs import compress_model
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
-    from ..loading import load_model_from, load_tokenizer_from, resolve_model_source
+    from ..loading import (
+        load_config_from,
+        load_model_from,
+        load_tokenizer_from,
+        resolve_model_source,
+        warn_beyond_context,
+    )
     from ..outputs import save_tokenizer, write_new_output
 
     source = resolve_model_source(args.src, args.gguf_file)
@@ -305,6 +311,8 @@ def _run(args: CompressArguments, lock) -> int:
         tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
         raise UsageError(f"SRC {args.src}: no tokenizer loads from it ({err}); compression needs one") from None
+    lengths = {"--window": args.window, "--heal-length": args.heal_length}
+    warn_beyond_context(load_config_from(source, trust_remote_code=args.trust_remote_code), lengths, "SRC")
     if args.calibration is not None:
         calibration_text: Path | str = args.calibration
     else:
@@ -390,7 +398,7 @@ def _run(args: CompressArguments, lock) -> int:
             save_teacher_text(folder / TEACHER_TEXT_NAME, heal_data, text_settings)
         (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
-    out = write_new_output(args.out, write, command="compress", kind=args.method, lock=lock)
+    write_new_output(args.out, write, command="compress", kind=args.method, lock=lock)
     summary = (
         f"compressed {args.src} with {args.method}: {report['parameters_before']:,} -> {report['parameters_after']:,} "
         f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
@@ -400,7 +408,7 @@ def _run(args: CompressArguments, lock) -> int:
         summary += f"; {Path(args.eval).name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
     if "heal" in report:
         summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
-    print(summary + f"\nsaved to {args.out} (report: {Path(out) / REPORT_NAME})")
+    print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")
     return 0
 
 

@@ -94,7 +94,7 @@ def run(args: EvaluateArguments) -> int:
     windows of --text, print it with the device map and the peak RSS, write --json."""
     from ..lm.metrics import perplexity
     from ..lm.offload import GGUF_NOT_OFFLOADED, device_map_line, device_map_summary, load_model, peak_rss_bytes
-    from ..loading import load_tokenizer_from, resolve_model_source
+    from ..loading import load_config_from, load_tokenizer_from, resolve_model_source, warn_beyond_context
     from ..outputs import atomic_write_text
 
     max_memory = check(args)
@@ -106,6 +106,7 @@ def run(args: EvaluateArguments) -> int:
         Path(args.text), lambda: load_tokenizer_from(source, trust_remote_code=args.trust_remote_code), "--text"
     )
     inputs = _windows(ids, args.window, args.windows)
+    warn_beyond_context(load_config_from(source, trust_remote_code=args.trust_remote_code), {"--window": args.window})
     start = time.perf_counter()
     model, device_map = load_model(
         source,

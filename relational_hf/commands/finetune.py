@@ -280,7 +280,7 @@ def run(args: FinetuneArguments) -> int:
 def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     from ..lm.data import RandomBlockDataset, encode, lm_blocks
     from ..lm.metrics import perplexity
-    from ..loading import load_config_from, load_model_from, resolve_model_source
+    from ..loading import load_config_from, load_model_from, resolve_model_source, warn_beyond_context
     from ..outputs import TRAINER_DIR, complete_checkpoint, drop_set_aside_checkpoints, save_tokenizer, stage_and_swap
     from ..training.callbacks import TimeLimitCallback
     from ..training.fsdp import gathered_for_saving
@@ -295,6 +295,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
     check_blocks(val_ids, args.block_size, f"the validation text (the last 10% of {corpus})")
     source = resolve_model_source(args.model, args.gguf_file)
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)  # no weights yet
+    warn_beyond_context(config, {"--block-size": args.block_size})
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None and int(max(train_ids.max(), val_ids.max())) >= vocab_size:
         raise UsageError(
