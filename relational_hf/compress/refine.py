@@ -31,8 +31,9 @@ class RefineOptions:
     epochs: int = 4
     lr: float = DEFAULT_REFINE_LR
     held_out: int = 16
-    #: Steps of 1,024 tokens (the same tokens seen) gained about 1% held out on SmolLM2 at 25%, but took a third more
-    #: time on two cores, which would take the command line with healing past its 45 minutes: 2,048 stays.
+    #: Steps of 1,024 tokens (the same tokens seen, the same time an epoch when timed alternately) gained about 1%
+    #: held out on SmolLM2 at 25% on both splits; 2,048 stays until the curve and the timed command line are
+    #: measured again with it.
     batch_tokens: int = 2048
     seed: int = 0
 
