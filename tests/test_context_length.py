@@ -1,6 +1,6 @@
 """Lengths beyond the model's context (`max_position_embeddings`): Transformers runs such positions without a word,
 so every command that takes a length of text for a model (`evaluate --window`, `compress --window` and
-`--heal-length`, `finetune --block-size`) warns in one line naming the flag and the context, and still runs; within
+`--heal-length`, `finetune --block-size`, `analyze --seq-len`) warns in one line naming the flag and the context, and still runs; within
 the context nothing is said."""
 
 from __future__ import annotations
@@ -65,3 +65,13 @@ def test_finetune_warns_for_the_block_size(byte_llama_checkpoint, tmp_path, capl
     assert main(argv) == 0, capsys.readouterr().err
     (line,) = _warnings(caplog)
     assert line.startswith(f"--block-size {CONTEXT + 8} is longer than the model's context")
+
+
+def test_analyze_warns_for_the_row_length(byte_llama_checkpoint, tmp_path, caplog, capsys):
+    argv = [
+        "analyze", str(byte_llama_checkpoint), "--text", _text(tmp_path), "--out", str(tmp_path / "an"), "--seq-len",
+        str(CONTEXT * 2), "--max-tokens", str(CONTEXT * 4), "--sites", "block", "--no-per-layer",
+    ]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    (line,) = _warnings(caplog)
+    assert line.startswith(f"--seq-len {CONTEXT * 2} is longer than the model's context")

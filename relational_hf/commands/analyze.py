@@ -166,9 +166,10 @@ def check(args: AnalyzeArguments) -> tuple[list[str], list[tuple[str, list[float
 def _load(args: AnalyzeArguments):
     """(model, device map, token ids of the text)."""
     from ..lm.offload import load_model
-    from ..loading import load_tokenizer_from, resolve_model_source
+    from ..loading import load_config_from, load_tokenizer_from, resolve_model_source, warn_beyond_context
 
     source = resolve_model_source(args.model, args.gguf_file)
+    warn_beyond_context(load_config_from(source, trust_remote_code=args.trust_remote_code), {"--seq-len": args.seq_len})
     if args.offloading() and source.gguf_file is not None and not source.local:
         raise UsageError(GGUF_NOT_OFFLOADED)
     model, device_map = load_model(
