@@ -268,7 +268,8 @@ def warn_beyond_context(config, lengths: dict[str, int | None], what: str = "the
     """Warn (one line each, `logging`) for every flag in `lengths` ({flag: tokens}) longer than the context the
     model was made for (`config.max_position_embeddings`): Transformers runs such positions without a word, and a
     perplexity or a sampled text over them describes positions the model never saw. Returns the lines."""
-    context = getattr(config, "max_position_embeddings", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(context, int) or context < 1:
         return []
     lines = [
