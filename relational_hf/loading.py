@@ -121,7 +121,7 @@ def resolve_model_source(source: str | os.PathLike, gguf_file: str | None = None
     return _hub_source(text, gguf_file)
 
 
-def _hub_source(repo_id: str, gguf_file: str | None) -> ModelSource:
+def _hub_source(repo_id: str, gguf_file: str | None, wanted: str | None = None) -> ModelSource:
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -131,7 +131,7 @@ def _hub_source(repo_id: str, gguf_file: str | None) -> ModelSource:
         raise ModelSourceNotFound(
             f"{repo_id}: no such local file or directory, and not a valid Hub id ({err})"
         ) from None
-    wanted = gguf_file or "config.json"
+    wanted = wanted or gguf_file or "config.json"
     cached = try_to_load_from_cache(repo_id, wanted)
     if not isinstance(cached, str) and constants.is_offline_mode():
         raise ModelSourceOffline(
@@ -187,16 +187,23 @@ def check_model_argument(
 ) -> str:
     """The pre-check of a command's model argument, before anything is loaded: `resolve_model_source` with its
     error prefixed by the argument's name `what` (e.g. "SRC", "--tokenizer"). With `model=False` (a tokenizer or
-    another side input) a local path need only exist. Returns `source` with ~ expanded where it is local (the Hub id
+    another side input) a local path need only exist, and a Hub id is asked for its tokenizer_config.json once, as a
+    model's config.json is. Returns `source` with ~ expanded where it is local (the Hub id
     unchanged otherwise)."""
     text = os.fspath(source)
     if not text.strip():
         raise ModelSourceError(f"{what}: empty name; pass a Hub id, a checkpoint folder or a .gguf file")
     expanded = os.path.expanduser(text)
     if not model:
-        if looks_like_local_path(text) and not os.path.exists(expanded):
+        if os.path.exists(expanded):
+            return expanded
+        if looks_like_local_path(text):
             raise ModelSourceNotFound(f"{what} {text}: no such file or directory (and not a Hub id)")
-        return expanded if os.path.exists(expanded) else text
+        try:
+            _hub_source(text, None, "tokenizer_config.json")  # a Hub id: one request, as for a model
+        except ModelSourceError as err:
+            raise type(err)(f"{what}: {err}") from None
+        return text
     try:
         resolved = resolve_model_source(text, gguf_file)
     except ModelSourceError as err:

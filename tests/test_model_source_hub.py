@@ -11,7 +11,12 @@ import pytest
 from hub_server import hub_server  # noqa: F401  (fixture)
 
 from relational_hf.commands.main import main
-from relational_hf.loading import ModelSourceNotFound, ModelSourceOffline, resolve_model_source
+from relational_hf.loading import (
+    ModelSourceNotFound,
+    ModelSourceOffline,
+    check_model_argument,
+    resolve_model_source,
+)
 
 
 class _HangUp:
@@ -69,11 +74,17 @@ def test_unreachable_hub_is_reported_after_one_request(unreachable_hub, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not-a-folder-here: not a local path" in err[0] and "cannot be reached" in err[0], err
     assert unreachable_hub.connections == 2
+    # a tokenizer given by Hub id (finetune --tokenizer) is asked for once too
+    with pytest.raises(ModelSourceOffline, match="^--tokenizer: .*cannot be reached"):
+        check_model_argument("some-org/some-tokenizer", "--tokenizer", model=False)
+    assert unreachable_hub.connections == 3
 
 
 def test_missing_hub_repository_is_named(hub_server):  # noqa: F811
     with pytest.raises(ModelSourceNotFound, match="no Hub repository of that name"):
         resolve_model_source("test-user/no-such-model")
+    with pytest.raises(ModelSourceNotFound, match="^--tokenizer: test-user/no-such-tokenizer: .*no Hub repository"):
+        check_model_argument("test-user/no-such-tokenizer", "--tokenizer", model=False)
 
 
 def test_existing_hub_repository_resolves(hub_server, tmp_path):  # noqa: F811
