@@ -195,9 +195,10 @@ def test_cli_refit_holdout_is_recorded_and_bad_values_are_refused(tmp_path, caps
     out = tmp_path / "short_out"
     args = ["compress", str(src), str(out), "--remove", "0.1", "--calibration", str(short), "--window", "32",
             "--calibration-windows", "4", "--refit-holdout", "3", stream]  # fmt: skip
-    assert main(args) != 0
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert "refit_holdout" in err and "Traceback" not in err and not out.exists()
+    assert "--refit-holdout 3 must leave calibration windows to fit on: --calibration holds only" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_cli_refit_blend_reaches_the_options_and_bad_combinations_are_refused(tmp_path, capsys, byte_llama_checkpoint):

@@ -318,6 +318,11 @@ def _run(args: CompressArguments, lock) -> int:
     else:
         calibration_text, _, _ = load_texts(None, None, None, "text")
     calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration")
+    if args.refit_holdout >= calibration.shape[0]:  # a text shorter than --calibration-windows asked for
+        raise UsageError(
+            f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on: --calibration holds "
+            f"only {calibration.shape[0]} windows of --window {args.window}"
+        )
     heal_loss = args.heal_loss or "kd"
     heal_data, text_settings = None, None
     if args.heal_text is not None and Path(args.heal_text).suffix == ".safetensors":
