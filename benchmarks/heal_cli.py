@@ -7,7 +7,9 @@ documents and HELD_OUT the last 10% (`relational_hf.lm.data.document_split`, who
 into --workdir as text files. The command runs as its own process with the CLI's defaults (distillation from SRC on
 text SRC samples itself, cached in OUT as heal_text.safetensors, and on the calibration windows, half of the blocks
 from each; 20 held-out windows of 512 tokens); its wall time
-and peak RSS are recorded (target: under 45 minutes on 2 cores, --eval's two evaluations included). Then the
+and peak RSS are recorded (target: under 45 minutes on 2 cores, --eval's two evaluations included), with
+OMP_NUM_THREADS set to the cores available (what the command chooses on an idle machine; left alone, it counts the
+cores busy at the instant it starts, and a process winding down then made one timed run single-threaded). Then the
 control: SRC, converted exactly to the relational form, healed with `relational_hf.training.heal.heal` with the
 settings the command's report records, on the same cached teacher text and calibration windows, and measured on the same held-out windows
 before and after. The healing must repair the compressed model (target: within x1.10 of the dense model) while leaving
@@ -71,8 +73,11 @@ def _run_command(
     extra += [] if heal_text is None else ["--heal-text", str(heal_text)]
     extra += [] if correction is None else ["--correction", correction]
     extra += [] if heal_batch_size is None else ["--heal-batch-size", str(heal_batch_size)]
+    # the command picks its torch threads from the cores idle when it starts, once for its whole run: a process still
+    # winding down at that instant made one timed run single-threaded. The benchmark times the idle machine's choice.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
     start = time.perf_counter()
-    subprocess.run(command + extra, check=True)
+    subprocess.run(command + extra, check=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"
     shown = ["FILE" if part == str(heal_text) else part for part in extra]
     return {
@@ -80,6 +85,7 @@ def _run_command(
         "wall_seconds": round(time.perf_counter() - start, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "cpus": os.cpu_count(),
+        "threads": int(threads),
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 from conftest import PROJECT_ROOT, benchmark_modules
@@ -78,8 +79,9 @@ def test_command_options_reach_the_command_and_its_recorded_line(heal_cli, monke
                                                                  given):
     """--correction and --heal-batch-size (like --heal-lr) are passed to `relational-hf compress` and shown in the line
     the result records; without them the command runs with its own defaults and the line says nothing about them."""
-    seen = []
-    monkeypatch.setattr(heal_cli.subprocess, "run", lambda command, check: seen.append(command))
+    seen, envs = [], []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(heal_cli.subprocess, "run", lambda command, check, env: (seen.append(command), envs.append(env)))
     run = heal_cli._run_command(
         tmp_path / "src", tmp_path / "out", tmp_path / "cal.txt", tmp_path / "held.txt", 200, 0.25, None,
         **({option: value} if given else {}),
@@ -88,3 +90,5 @@ def test_command_options_reach_the_command_and_its_recorded_line(heal_cli, monke
     passed = flag in " ".join(seen[0])
     assert passed == given and (flag in run["line"]) == passed
     assert str(tmp_path) not in run["line"]
+    # the command runs on every core it may use, not on the cores that happened to be idle when it started
+    assert envs[0]["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0))) == str(run["threads"])
