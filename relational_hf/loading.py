@@ -175,10 +175,7 @@ def _probe_hub(repo_id: str, filename: str) -> None:
     except Exception as err:  # the transport's own errors: no name resolution, connection refused, timeout
         if not (isinstance(err, OSError) or any(k.__name__ == "TransportError" for k in type(err).__mro__)):
             raise
-        raise ModelSourceOffline(
-            f"{repo_id}: not a local path, not in the local Hugging Face cache, and the Hub cannot be reached "
-            f"({type(err).__name__}: {err}): pass a local checkpoint folder or .gguf file, or connect and retry"
-        ) from None
+        raise _unreachable(repo_id, f" ({type(err).__name__}: {err})") from None
     _REACHED.add(key)
 
 
@@ -211,14 +208,19 @@ def check_model_argument(
     return expanded if resolved.local else text
 
 
+def _unreachable(location: str, cause: str = "") -> ModelSourceOffline:
+    """The one message for a Hub id that is neither local nor cached while the Hub cannot be reached."""
+    return ModelSourceOffline(
+        f"{location}: not a local path, not in the local Hugging Face cache, and the Hub cannot be reached{cause}: "
+        "pass a local checkpoint folder or .gguf file, or connect and retry"
+    )
+
+
 def _hub_errors(source: ModelSource, err: Exception) -> Exception:
     """A clearer error for the Hub's connection failures; other errors pass unchanged."""
     text = str(err)
     if not source.local and ("couldn't connect" in text.lower() or "offline" in text.lower()):
-        return ModelSourceOffline(
-            f"{source.location}: not a local path, not in the local Hugging Face cache, and the Hub cannot be "
-            "reached: pass a local checkpoint folder or .gguf file, or connect and retry"
-        )
+        return _unreachable(source.location)
     if "GGUF model with architecture" in text:
         return ModelSourceError(f"{source}: {text} (Transformers' GGUF loader cannot build it)")
     if "Unrecognized configuration class" in text or "does not recognize this architecture" in text:
