@@ -85,6 +85,8 @@ def test_refinement_is_deterministic_for_a_seed():
         (RefineOptions(lr=float("nan")), "refine_lr"),
         (RefineOptions(held_out=0), "refine_holdout"),
         (RefineOptions(held_out=WINDOWS), "leave calibration windows"),
+        (RefineOptions(batch_tokens=0), "refine_batch_tokens"),
+        (RefineOptions(batch_tokens=2.5), "refine_batch_tokens"),
     ],
 )
 def test_refinement_refuses_settings_that_cannot_run(opts, needle):
@@ -119,6 +121,27 @@ def test_compression_with_refinement_keeps_the_widths_and_improves_every_layer_o
     for record in report["refits"]:
         assert record["refine_held_out_error_after"] <= record["refine_held_out_error_before"]
     assert any(r["refine_epoch"] > 0 for r in report["refits"])
+
+
+def test_the_refinement_step_size_reaches_the_descent_and_the_report():
+    """`refine_batch_tokens` is a compression option: the report records the step the refinement took (the default
+    when not given), a bad one is refused before anything runs, and another step gives the same widths with other
+    weights (the setting reached the descent)."""
+    from relational_hf.compress.refine import DEFAULT_REFINE_BATCH_TOKENS
+
+    model = _llama()
+    ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(1))
+    options = dict(mlp_step=16, plan_windows=4, batch_size=2, refine_epochs=4, refine_lr=1e-3)
+    default, report = compress_model(model, remove=0.3, calibration=ids, progress=False, **options)
+    assert report["options"]["refine_batch_tokens"] == DEFAULT_REFINE_BATCH_TOKENS
+    small, report_small = compress_model(
+        model, remove=0.3, calibration=ids, progress=False, refine_batch_tokens=64, **options
+    )
+    assert report_small["options"]["refine_batch_tokens"] == 64 and report_small["widths"] == report["widths"]
+    assert any(r["refine_epoch"] > 0 for r in report_small["refits"])
+    assert any(not torch.equal(a, b) for a, b in zip(default.state_dict().values(), small.state_dict().values()))
+    with pytest.raises(ValueError, match="refine_batch_tokens"):
+        compress_model(model, remove=0.3, calibration=ids, progress=False, refine_batch_tokens=0, **options)
 
 
 @pytest.mark.parametrize(

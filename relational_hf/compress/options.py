@@ -10,7 +10,7 @@ import torch
 
 from ..modeling import RelationalConfig
 from .budget import KINDS
-from .refine import DEFAULT_REFINE_LR, RefineOptions, check_refine
+from .refine import DEFAULT_REFINE_BATCH_TOKENS, DEFAULT_REFINE_LR, RefineOptions, check_refine
 
 SENSITIVITIES = ("fisher", "token", "relative", "uniform")
 GAUGES = ("free", "pivot")
@@ -77,6 +77,7 @@ class LowRankOptions:
     refine_epochs: int | None = None
     refine_lr: float = DEFAULT_REFINE_LR
     refine_holdout: int | None = None
+    refine_batch_tokens: int = DEFAULT_REFINE_BATCH_TOKENS  # tokens a step of Adam in the refinement
     # the gauge of the compressed model, in which the budget is counted: "free" (every map a plain Linear holding the
     # full weight it computes with: inference reads the weights as stored) or "pivot" (the gauge-fixed relational
     # form: the pivot entries are not stored, so the same budget keeps a little more width, but a call assembles the
@@ -108,7 +109,9 @@ class LowRankOptions:
     def refine_options(self, windows: int) -> RefineOptions:
         """The `refine.RefineOptions` of a compression on `windows` calibration windows."""
         held = max(1, windows // 8) if self.refine_holdout is None else self.refine_holdout
-        return RefineOptions(epochs=self.refine_epochs, lr=float(self.refine_lr), held_out=held)
+        return RefineOptions(
+            epochs=self.refine_epochs, lr=float(self.refine_lr), held_out=held, batch_tokens=self.refine_batch_tokens
+        )
 
     def as_report(self, config: RelationalConfig | None = None, calibration: torch.Tensor | None = None) -> dict:
         """The settings as the compression report records them (JSON types), with the blend the refit used; given the
@@ -173,7 +176,7 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
     epochs = opts.refine_epochs
     if epochs is None:  # the automatic choice, as `resolved` makes it for these calibration ids
         epochs = opts.resolved(config, calibration).refine_epochs if n is not None else 0
-    check_refine(epochs, opts.refine_lr, held, n)
+    check_refine(epochs, opts.refine_lr, held, n, opts.refine_batch_tokens)
     if config.value_parallel_removal:
         raise ValueError("models with value_parallel_removal are not supported (VO truncation changes its value space)")
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.shape[1] < 2:

@@ -21,6 +21,10 @@ import torch.nn.functional as F
 #: Adam's rate of the refinement. On SmolLM2 at 25%, 1e-4 gained less in a probe, and at 1e-3 29 of 30 layers kept the
 #: closed form (held-out 52.55 against 50.85; `benchmarks/results/compress_refine_lr1e-3.json`).
 DEFAULT_REFINE_LR = 3e-4
+#: tokens a step of the refinement: 1,024 rather than 2,048 (the same tokens seen, the same time an epoch when timed
+#: alternately): held out on SmolLM2 at 25%, 50.39 against 50.85 on the benchmark's split, 27.69 against 27.99 on the
+#: reverse one.
+DEFAULT_REFINE_BATCH_TOKENS = 1024
 
 
 @dataclass
@@ -31,14 +35,16 @@ class RefineOptions:
     epochs: int = 4
     lr: float = DEFAULT_REFINE_LR
     held_out: int = 16
-    #: 1,024 rather than 2,048 tokens a step (the same tokens seen, the same time an epoch when timed alternately):
-    #: held out on SmolLM2 at 25%, 50.39 against 50.85 on the benchmark's split, 27.69 against 27.99 on the reverse one.
-    batch_tokens: int = 1024
+    batch_tokens: int = DEFAULT_REFINE_BATCH_TOKENS
     seed: int = 0
 
 
-def check_refine(epochs: int, lr: float, held_out: int, windows: int | None = None) -> None:
+def check_refine(
+    epochs: int, lr: float, held_out: int, windows: int | None = None, batch_tokens: int = DEFAULT_REFINE_BATCH_TOKENS
+) -> None:
     """ValueError in one line for refinement settings that cannot run (`windows`: calibration windows available)."""
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ValueError(f"`refine_batch_tokens` must be a number of tokens >= 1, got {batch_tokens!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"`refine_epochs` must be a number of epochs >= 0, got {epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr != lr or lr == float("inf"):
@@ -81,7 +87,7 @@ def refine_mlp(
     steps of `opts.batch_tokens` rows (a seeded random order of whole steps), and the weights of the epoch with the
     smallest held-back error are returned, the given weights when no epoch improves on them. Returns (weights in
     their given dtype, record: held-back error before and after, the epoch kept)."""
-    check_refine(opts.epochs, opts.lr, opts.held_out, windows)
+    check_refine(opts.epochs, opts.lr, opts.held_out, windows, opts.batch_tokens)
     rows = x.shape[0]
     if rows % windows:
         raise ValueError(f"{rows} rows are not {windows} windows of equal length")
@@ -113,4 +119,12 @@ def refine_mlp(
     return kept, record
 
 
-__all__ = ["DEFAULT_REFINE_LR", "RefineOptions", "check_refine", "refine_mlp", "swiglu", "weighted_error"]
+__all__ = [
+    "DEFAULT_REFINE_BATCH_TOKENS",
+    "DEFAULT_REFINE_LR",
+    "RefineOptions",
+    "check_refine",
+    "refine_mlp",
+    "swiglu",
+    "weighted_error",
+]
