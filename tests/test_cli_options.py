@@ -146,6 +146,38 @@ def test_help_documents_every_option(command, capsys):
         assert "".join(text.split()) in squeezed, f"{command} {option_flag(field.name)}: help text missing"
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_each_option_once_as_documented(command, capsys):
+    """--help (usage line and option list) spells every option --with-dashes, as the README and the descriptions do,
+    without its --with_underscores twin, and shows a bool switch without a value placeholder (`--resume`, not
+    `--resume [RESUME]`); the hidden spelling still parses (below)."""
+    options, _ = COMMANDS[command]
+    assert cli.main([command, "--help"]) == 0
+    printed = capsys.readouterr().out
+    for field in dataclasses.fields(options):
+        if field.name in POSITIONAL[command]:
+            continue
+        flag = option_flag(field.name)
+        if "_" in field.name:
+            assert "--" + field.name not in printed, f"{command}: {flag} also shown as --{field.name}"
+        if typing.get_type_hints(options)[field.name] in (bool, bool | None):
+            placeholder = field.name.upper()
+            assert f"{flag} [{placeholder}]" not in printed and f"{flag} {placeholder}" not in printed, flag
+            assert f"[{flag}]" in " ".join(printed.split()), f"{command}: {flag} missing from the usage line"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_spelling_of_every_option_parses(command):
+    """Each option's --with-dashes and --with_underscores spellings both reach the same field."""
+    options, before = COMMANDS[command]
+    parser = options.argument_parser()
+    for action in parser._actions:
+        names = [n for n in action.option_strings if n.startswith("--") and n != "--help"]
+        assert not names or "_" not in names[0], f"{command}: {names} (the documented spelling first)"
+        for name in names:
+            assert parser._option_string_actions[name] is action
+
+
 @pytest.mark.parametrize("command", ["train", "finetune"])
 def test_dash_and_underscore_spellings_parse_alike(command):
     options, before = COMMANDS[command]

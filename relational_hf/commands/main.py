@@ -22,6 +22,7 @@ import time
 from types import ModuleType
 
 from ..errors import UsageError
+from .options import OptionsHelpFormatter
 
 #: the commands in the order `relational-hf --help` lists them (module name = command name)
 COMMANDS: tuple[str, ...] = (
@@ -119,7 +120,7 @@ def _add_command(sub: argparse._SubParsersAction, name: str) -> None:
         help=module.HELP,
         description=module.__doc__,
         parents=[options],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=OptionsHelpFormatter,
     )
     module.Arguments.add_to(parser)
     parser.set_defaults(_command=name)
@@ -206,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(name: str, argv: list[str] | None = None) -> int:
     """One command parsed on its own (`training_scripts/*.py`): `relational-hf NAME ARGV...` without the prefix."""
     module = command_module(name)
-    parser = module.Arguments.argument_parser(
-        description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = module.Arguments.argument_parser(description=module.__doc__)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     try:
         namespace = parser.parse_args(argv)

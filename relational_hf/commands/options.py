@@ -205,6 +205,33 @@ def with_default(options: type, name: str, default: Any, help: str | None = None
     return field(default=default, metadata={**inherited.metadata, **({"help": help} if help else {})})
 
 
+def is_switch(action: argparse.Action) -> bool:
+    """Whether `action` is a bool field's option as HfArgumentParser declares it: `--flag` alone sets True (an
+    optional value, `--flag false`, is still read)."""
+    return bool(action.option_strings) and action.nargs == "?" and action.const is True
+
+
+class OptionsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The commands' help: each option named once, as the documentation spells it (--name-with-dashes; its
+    --name_with_underscores twin still parses), a switch without a value placeholder (`--stream`, not
+    `--stream [STREAM]`); descriptions kept as written."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        names = [n for n in action.option_strings if not ("_" in n and n.replace("_", "-") in action.option_strings)]
+        if action.nargs == 0 or is_switch(action):
+            return ", ".join(names)
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(f"{name} {value}" for name in names)
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        return "" if is_switch(action) else super()._format_args(action, default_metavar)
+
+    def _format_actions_usage(self, actions, groups) -> str:
+        return super()._format_actions_usage(actions, groups).replace(" ]", "]")  # a switch's empty value
+
+
 def option_flag(name: str, owner: type | None = None) -> str:
     """The command-line spelling of a dataclass field: `batch_size` -> "--batch-size"; a positional field of
     `owner` -> its metavar ("SRC")."""
@@ -278,14 +305,19 @@ class CommandArguments:
 
     @classmethod
     def option_parser(cls, **kwargs: Any) -> HfArgumentParser:
-        """An `HfArgumentParser` over `PARSER_GROUPS`: each field an option spelled --name_with_underscores and
-        --name-with-dashes, its help from the field's metadata, bool fields as switches. `kwargs` go to
-        `argparse.ArgumentParser` (e.g. ``add_help=False`` for a parser used through ``parents=[...]``)."""
-        return HfArgumentParser(cls.PARSER_GROUPS, **kwargs)
+        """An `HfArgumentParser` over `PARSER_GROUPS`: each field an option spelled --name-with-dashes (first: the
+        spelling the help shows, `OptionsHelpFormatter`) and --name_with_underscores, its help from the field's
+        metadata, bool fields as switches. `kwargs` go to `argparse.ArgumentParser` (e.g. ``add_help=False`` for a
+        parser used through ``parents=[...]``)."""
+        parser = HfArgumentParser(cls.PARSER_GROUPS, **kwargs)
+        for action in parser._actions:
+            action.option_strings.sort(key=lambda name: "_" in name)  # stable: the dashed spelling first
+        return parser
 
     @classmethod
     def argument_parser(cls, **kwargs: Any) -> argparse.ArgumentParser:
         """The whole parser of the command: positional arguments and options (for scripts that parse alone)."""
+        kwargs.setdefault("formatter_class", OptionsHelpFormatter)
         parser = argparse.ArgumentParser(parents=[cls.option_parser(add_help=False)], **kwargs)
         return cls.add_to(parser)
 
