@@ -35,7 +35,7 @@ from ..compress.ops import COMPRESSION_SETTINGS, settings_from
 from ..directional.sites import SITES
 from ..errors import UsageError
 from ..lm.offload import GGUF_NOT_OFFLOADED
-from .checks import check_model_argument, check_text_file, output_folder
+from .checks import check_model_argument, check_token_ids, output_folder, read_token_ids, text_or_ids
 from .options import (
     CommandArguments,
     EachInterval,
@@ -69,7 +69,7 @@ class AnalyzePaths:
 class AnalyzeOptions:
     _argument_group_name = "analysis"
 
-    text: str | None = option(None, "UTF-8 text to analyse (required)", metavar="FILE")
+    text: str | None = option(None, "UTF-8 text (or a .pt tensor of token ids) to analyse (required)", metavar="FILE")
     out: str = option("analysis", "output folder", metavar="DIR")
     max_tokens: PositiveInt = option(4096, "tokens of the text used", metavar="N")
     seq_len: Length = option(256, "tokens per row")
@@ -149,7 +149,7 @@ def check(args: AnalyzeArguments) -> tuple[list[str], list[tuple[str, list[float
     if args.text is None:
         raise UsageError("--text is required: the UTF-8 text to analyse")
     args.model = check_model_argument(args.model, "MODEL_OR_DIR", gguf_file=args.gguf_file)
-    check_text_file(args.text, "--text")
+    text_or_ids(args.text, "--text")
     output_folder(args.out, "--out")
     output_folder(args.offload_folder, "--offload-folder")
     args.offload_budget()
@@ -179,6 +179,9 @@ def _load(args: AnalyzeArguments):
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
     )
+    if Path(args.text).suffix == ".pt":
+        ids = read_token_ids(Path(args.text), lambda: None, "--text")
+        return model, device_map, check_token_ids(ids, model.get_input_embeddings().weight.shape[0], "--text")
     text = Path(args.text).read_text(encoding="utf-8")
     try:
         tokenizer = load_tokenizer_from(source, trust_remote_code=args.trust_remote_code)

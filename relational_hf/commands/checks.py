@@ -78,9 +78,20 @@ def read_token_ids(path: Path, tokenizer_of, flag: str) -> torch.Tensor:
     return torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
 
 
+def check_token_ids(ids: torch.Tensor, vocab: int, flag: str) -> torch.Tensor:
+    """`ids` when every one is a row of the model's embedding, [0, vocab); else a UsageError naming `flag` (not an
+    index error from inside torch)."""
+    if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise UsageError(
+            f"{flag}: token ids must lie in [0, {vocab}) for this model, got {int(ids.min())} to {int(ids.max())}"
+        )
+    return ids
+
+
 __all__ = [
     "check_model_argument",
     "check_text_file",
+    "check_token_ids",
     "dataset_source",
     "existing_folder",
     "output_file",

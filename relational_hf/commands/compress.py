@@ -37,7 +37,7 @@ import torch
 
 from ..errors import UsageError
 from ..training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR
-from .checks import check_model_argument, check_text_file
+from .checks import check_model_argument, check_token_ids, read_token_ids, text_or_ids
 from .options import (
     CommandArguments,
     Fraction,
@@ -68,8 +68,10 @@ class CompressOptions:
 
     remove: OpenFraction | None = option(None, "share of stored parameters to remove, in (0, 1) (required)")
     method: Literal["relational", "slice"] = option("relational", "compression method")
-    calibration: str | None = option(None, "calibration text file (default: built-in corpus)", metavar="FILE")
-    eval: str | None = option(None, "text file to report perplexity on", metavar="FILE")
+    calibration: str | None = option(
+        None, "calibration text file or a .pt tensor of token ids (default: built-in corpus)", metavar="FILE"
+    )
+    eval: str | None = option(None, "text file (or a .pt tensor of token ids) to report perplexity on", metavar="FILE")
     calibration_windows: PositiveInt = option(
         128,
         "calibration windows (on SmolLM2 at 25%%, held-out perplexity 80.9 with 16, 64.1 with 64, 59.8 with 128, "
@@ -84,7 +86,8 @@ class CompressOptions:
     )
     heal_text: str | None = option(
         None,
-        "text to heal on: a text file, or the heal_text.safetensors of an earlier run (default for kd: text SRC "
+        "text to heal on: a text file, a .pt tensor of token ids, or the heal_text.safetensors of an earlier run "
+        "(default for kd: text SRC "
         "generates; for lm: the calibration windows). Text like the text the model will serve repairs more: on "
         "SmolLM2 at 25%%, distilling on the calibration text took held-out text of its kind from x1.51 of dense to "
         "x1.37, SRC's own text left it at x1.51",
@@ -218,13 +221,13 @@ def check(args: CompressArguments) -> None:
     check_new_output(args.out, "OUT", source=args.src)
     for flag, path in (("--calibration", args.calibration), ("--eval", args.eval)):
         if path is not None:
-            check_text_file(path, flag)
+            text_or_ids(path, flag)
     if args.heal_text is not None:
         if Path(args.heal_text).suffix == ".safetensors":
             if not Path(args.heal_text).is_file():
                 raise UsageError(f"--heal-text {args.heal_text}: no such file")
         else:
-            check_text_file(args.heal_text, "--heal-text")
+            text_or_ids(args.heal_text, "--heal-text")
     generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
     if not args.heal_steps:
         given = ["heal_loss", "heal_text", "heal_lr", "heal_batch_size", "heal_calibration_share", *generation]
@@ -272,12 +275,16 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--dtype and --max-shard-size apply to a streamed compression (--stream)")
 
 
-def _windows(source: Path | str, tokenizer, window: int, n: int, flag: str) -> torch.Tensor:
-    """Consecutive windows (n', window) of token ids of a text file or string (n' <= n)."""
-    from ..compress.eval import text_windows
+def _windows(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
+    """Consecutive windows (n', window) of token ids of a text file or string, or of a .pt tensor of token ids
+    (each a row of the model's `vocab` embedding rows) (n' <= n)."""
+    from ..compress.eval import id_windows, text_windows
 
+    ids = None
+    if isinstance(source, Path) and source.suffix == ".pt":
+        ids = check_token_ids(read_token_ids(source, lambda: tokenizer, flag), vocab, flag)
     try:
-        return text_windows(str(source), tokenizer, window=window, n=n)
+        return id_windows(ids, window, n) if ids is not None else text_windows(str(source), tokenizer, window=window, n=n)
     except ValueError as err:
         raise UsageError(f"{flag}: {err} (--window {window})") from None
 
@@ -312,12 +319,14 @@ def _run(args: CompressArguments, lock) -> int:
     except (OSError, ValueError, TypeError) as err:
         raise UsageError(f"SRC {args.src}: no tokenizer loads from it ({err}); compression needs one") from None
     lengths = {"--window": args.window, "--heal-length": args.heal_length}
-    warn_beyond_context(load_config_from(source, trust_remote_code=args.trust_remote_code), lengths, "SRC")
+    config = load_config_from(source, trust_remote_code=args.trust_remote_code)
+    warn_beyond_context(config, lengths, "SRC")
+    vocab = config.get_text_config().vocab_size
     if args.calibration is not None:
-        calibration_text: Path | str = args.calibration
+        calibration_text: Path | str = Path(args.calibration)
     else:
         calibration_text, _, _ = load_texts(None, None, None, "text")
-    calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration")
+    calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration", vocab)
     if args.refit_holdout >= calibration.shape[0]:  # a text shorter than --calibration-windows asked for
         raise UsageError(
             f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on: --calibration holds "
@@ -333,10 +342,10 @@ def _run(args: CompressArguments, lock) -> int:
         if int(heal_data.max()) >= len(tokenizer):
             raise UsageError(f"--heal-text {args.heal_text}: token ids beyond the tokenizer of SRC ({len(tokenizer)})")
     elif args.heal_text is not None:
-        heal_data = _windows(args.heal_text, tokenizer, args.window, 1_000_000, "--heal-text")
+        heal_data = _windows(Path(args.heal_text), tokenizer, args.window, 1_000_000, "--heal-text", vocab)
     evaluation = eval_before = None
     if args.eval is not None:
-        evaluation = _windows(args.eval, tokenizer, args.window, args.eval_windows, "--eval")
+        evaluation = _windows(Path(args.eval), tokenizer, args.window, args.eval_windows, "--eval", vocab)
     if args.stream:
         return _run_streamed(args, lock, calibration, evaluation)
     model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()

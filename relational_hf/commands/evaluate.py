@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from .checks import check_model_argument, output_file, output_folder, read_token_ids, text_or_ids
+from .checks import check_model_argument, check_token_ids, output_file, output_folder, read_token_ids, text_or_ids
 from .options import (
     CommandArguments,
     Length,
@@ -115,9 +115,7 @@ def run(args: EvaluateArguments) -> int:
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
     )
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if int(inputs.max()) >= vocab or int(inputs.min()) < 0:
-        raise UsageError(f"--text: token ids must lie in [0, {vocab}) for this model, got {int(inputs.max())}")
+    check_token_ids(inputs, model.get_input_embeddings().weight.shape[0], "--text")
     ppl = perplexity(model, inputs, batch_size=args.batch_size, progress=True)
     seconds = time.perf_counter() - start
     summary = device_map_summary(device_map)

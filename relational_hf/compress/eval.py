@@ -74,13 +74,24 @@ def text_windows(
         first, last = document_split(text, fraction)
         text = first if split == "first" else last
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    available = len(ids) // window
+    return id_windows(torch.tensor(ids, dtype=torch.long), window, n, spread)
+
+
+def id_windows(ids: torch.Tensor, window: int, n: int | None = None, spread: bool = False) -> torch.Tensor:
+    """Non-overlapping windows (n, window) of a sequence of token ids (any shape, read in order), from its start;
+    `n` and `spread` as in `text_windows`. Too few ids for one window raise ValueError."""
+    if not isinstance(window, int) or window < 2:
+        raise ValueError(f"window must be an integer >= 2 tokens, got {window!r}")
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive number of windows or None, got {n!r}")
+    ids = ids.reshape(-1).long()
+    available = ids.numel() // window
     if available < 1:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window}")
     count = available if n is None else min(n, available)
     if n is not None and n > available:
         logger.warning("asked for %d windows of %d tokens, the text has only %d", n, window, available)
-    windows = torch.tensor(ids[: available * window], dtype=torch.long).view(available, window)
+    windows = ids[: available * window].view(available, window)
     if spread and count < available:
         return windows[torch.linspace(0, available - 1, count).round().long()]
     return windows[:count]
@@ -103,6 +114,7 @@ __all__ = [
     "ModelGrewError",
     "check_not_grown",
     "TEXT_SPLITS",
+    "id_windows",
     "parameter_kind",
     "perplexity_on_windows",
     "stored_parameters",

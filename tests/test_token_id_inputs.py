@@ -1,0 +1,103 @@
+"""Every command that reads a text for a model also takes the same text as a `.pt` tensor of token ids (`evaluate
+--text`, `convert --calibration`, `compress --calibration/--eval/--heal-text`, `analyze --text`): the ids of a text
+give exactly what the text gives, and a bad tensor is refused in one line naming the flag before anything is
+written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relational_hf.commands.main import main
+
+TEXT = "the quick brown fox jumps over the lazy dog; a stitch in time saves nine. " * 30
+
+
+def _ids(tmp_path, src):
+    """TEXT as a file and as the .pt tensor of its ids, tokenised as the commands tokenise a text."""
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    ids = AutoTokenizer.from_pretrained(src)(TEXT, add_special_tokens=False)["input_ids"]
+    path = tmp_path / "text.pt"
+    torch.save(torch.tensor(ids), path)
+    return text, path
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_compress_on_token_ids_equals_compress_on_their_text(tmp_path, capsys, byte_llama_checkpoint, stream):
+    text, ids = _ids(tmp_path, byte_llama_checkpoint)
+    reports = []
+    for name, source in (("from_text", text), ("from_ids", ids)):
+        out = tmp_path / name
+        args = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.15", "--calibration", str(source),
+                "--eval", str(source), "--window", "32", "--calibration-windows", "4", "--eval-windows", "2", stream]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        reports.append(json.loads((out / "compression_report.json").read_text()))
+    a, b = reports
+    assert a["widths"] == b["widths"] and a["parameters_after"] == b["parameters_after"]
+    for key in ("calibration_perplexity_before", "calibration_perplexity_after", "eval_perplexity_before"):
+        if key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+    assert a["eval_perplexity_after"] == pytest.approx(b["eval_perplexity_after"], rel=1e-6)
+
+
+def test_healing_on_token_ids_equals_healing_on_their_text(tmp_path, capsys, byte_llama_checkpoint):
+    text, ids = _ids(tmp_path, byte_llama_checkpoint)
+    reports = []
+    for name, source in (("from_text", text), ("from_ids", ids)):
+        out = tmp_path / name
+        args = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.15", "--calibration", str(text),
+                "--window", "32", "--calibration-windows", "4", "--heal-steps", "2", "--heal-text", str(source)]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        reports.append(json.loads((out / "compression_report.json").read_text()))
+    a, b = reports
+    assert a["heal"]["tokens_available"] == b["heal"]["tokens_available"]
+    assert a["calibration_perplexity_healed"] == pytest.approx(b["calibration_perplexity_healed"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "flag", "needle"),
+    [
+        (torch.rand(400), "--calibration", "integer tensor"),
+        (torch.full((400,), 10_000), "--calibration", "token ids must lie in [0, 259)"),
+        (torch.full((400,), -1), "--eval", "token ids must lie in [0, 259)"),
+        (torch.arange(10), "--calibration", "fewer than one window"),
+        (None, "--eval", "no such file"),
+    ],
+)
+def test_compress_refuses_a_bad_tensor_in_one_line(tmp_path, capsys, byte_llama_checkpoint, tensor, flag, needle):
+    text, _ = _ids(tmp_path, byte_llama_checkpoint)
+    bad = tmp_path / "bad.pt"
+    if tensor is not None:
+        torch.save(tensor, bad)
+    args = {"--calibration": str(text), flag: str(bad)}
+    out = tmp_path / "out"
+    command = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.15", "--window", "32",
+               "--calibration-windows", "4"] + [x for pair in args.items() for x in pair]  # fmt: skip
+    assert main(command) == 2
+    printed = capsys.readouterr().err
+    err = [line for line in printed.splitlines() if line.strip() and "Writing model shards" not in line]
+    assert len(err) == 1 and flag in err[0] and needle in err[0] and "Traceback" not in printed, err
+    assert not out.exists()
+
+
+def test_analyze_on_token_ids_equals_analyze_on_their_text(tmp_path, capsys, byte_llama_checkpoint):
+    text, ids = _ids(tmp_path, byte_llama_checkpoint)
+    reports = []
+    for name, source in (("from_text", text), ("from_ids", ids)):
+        out = tmp_path / name
+        args = ["analyze", str(byte_llama_checkpoint), "--text", str(source), "--seq-len", "16", "--max-tokens", "128",
+                "--out", str(out)]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        report = json.loads((out / "report.json").read_text())
+        for key in ("text", "figures", "peak_rss_mib", "timings_s"):  # where and how long, not what was measured
+            report.pop(key, None)
+        reports.append(report)
+    assert json.dumps(reports[0], sort_keys=True) == json.dumps(reports[1], sort_keys=True)
+    torch.save(torch.full((200,), 10_000), tmp_path / "big.pt")
+    assert main(["analyze", str(byte_llama_checkpoint), "--text", str(tmp_path / "big.pt"), "--out", str(tmp_path / "x")]) == 2
+    assert "token ids must lie in [0, 259)" in capsys.readouterr().err
