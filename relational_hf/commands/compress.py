@@ -74,9 +74,9 @@ class CompressOptions:
     eval: str | None = option(None, "text file (or a .pt tensor of token ids) to report perplexity on", metavar="FILE")
     calibration_windows: PositiveInt = option(
         128,
-        "calibration windows (on SmolLM2 at 25%%, held-out perplexity 80.9 with 16, 64.1 with 64, 59.8 with 128, "
-        "60.1 with 256; the compression keeps a few copies of their activations, windows x window x hidden size "
-        "floats each)",
+        "calibration windows (on SmolLM2 at 25%%, with the options of the time: held-out perplexity a fifth lower with "
+        "64 than with 16, 6.6%% lower again with 128, none lower with 256; the compression keeps a few copies of their "
+        "activations, windows x window x hidden size floats each)",
     )
     eval_windows: PositiveInt = option(20, "evaluation windows")
     window: Length = option(512, "tokens per window")
