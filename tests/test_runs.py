@@ -237,6 +237,57 @@ def test_the_thread_count_never_exceeds_the_idle_cores(monkeypatch, tmp_path):
     assert cli.cpu_threads() == (8, "OMP_NUM_THREADS")  # the user's setting decides
 
 
+def test_the_thread_count_is_counted_again_before_each_long_phase(monkeypatch, tmp_path, caplog):
+    """A command that started while another process was busy (one idle core of two) gets the second thread back at
+    its next phase once that process is gone, never more than torch's own default, and logs the change;
+    `OMP_NUM_THREADS` still decides alone."""
+    import logging
+
+    import torch as torch_module
+
+    from relational_hf.commands import main as cli
+
+    threads = {"n": 2}  # torch's default on this 2-core machine
+    monkeypatch.setattr(torch_module, "get_num_threads", lambda: threads["n"])
+    monkeypatch.setattr(torch_module, "set_num_threads", lambda n: threads.update(n=n))
+    monkeypatch.setattr(cli, "_TORCH_DEFAULT_THREADS", [])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    proc = tmp_path / "loadavg"
+    monkeypatch.setattr(cli, "PROC_LOADAVG", str(proc))
+    proc.write_text("1.00 1.00 1.00 2/812 4242\n")  # one other runnable thread at the start
+    assert cli.set_cpu_threads() == 1 and threads["n"] == 1
+    assert cli.recheck_cpu_threads("plan") == 1  # still busy: unchanged
+    proc.write_text("1.00 1.00 1.00 1/812 4242\n")  # the other process is gone
+    with caplog.at_level(logging.INFO, logger=cli.__name__):
+        assert cli.recheck_cpu_threads("heal") == 2 and threads["n"] == 2
+    assert "heal: torch now uses 2 CPU thread(s)" in caplog.text
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert cli.recheck_cpu_threads("more cores") == 2  # torch's default stays the ceiling
+    proc.write_text("1.00 1.00 1.00 3/812 4242\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cli.recheck_cpu_threads("user's setting") == 2 and threads["n"] == 2
+
+
+def test_compress_counts_the_threads_again_at_each_phase(tmp_path, monkeypatch, capsys, byte_llama_checkpoint):
+    """`compress` re-counts the idle cores before each long phase: sampling the teacher text, compressing, healing
+    (in memory), and before the streamed compression."""
+    from relational_hf.commands import main as cli
+
+    phases = []
+    monkeypatch.setattr(cli, "recheck_cpu_threads", lambda phase: phases.append(phase) or 1)
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    base = ["compress", str(byte_llama_checkpoint)]
+    small = ["--remove", "0.1", "--calibration", str(text), "--window", "32", "--calibration-windows", "4"]
+    heal = ["--heal-steps", "1", "--heal-samples", "2", "--heal-length", "16"]
+    assert cli.main([*base, str(tmp_path / "a"), *small, *heal]) == 0, capsys.readouterr().err
+    assert phases == ["sampling the teacher text", "compress", "heal"]
+    phases.clear()
+    assert cli.main([*base, str(tmp_path / "b"), *small, "--stream"]) == 0, capsys.readouterr().err
+    assert phases == ["compress"]
+
+
 def test_the_runnable_count_is_read_from_this_machine():
     """On Linux the real /proc/loadavg gives a count (the reader excluded, so never negative)."""
     from relational_hf.commands.main import busy_cores_now

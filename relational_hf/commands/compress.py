@@ -312,6 +312,7 @@ def _run(args: CompressArguments, lock) -> int:
         warn_beyond_context,
     )
     from ..outputs import save_tokenizer, write_new_output
+    from .main import recheck_cpu_threads
 
     source = resolve_model_source(args.src, args.gguf_file)
     try:
@@ -357,6 +358,7 @@ def _run(args: CompressArguments, lock) -> int:
     if args.heal_steps and heal_loss == "kd" and heal_data is None and share != 1.0:
         from ..compress.distill import teacher_text
 
+        recheck_cpu_threads("sampling the teacher text")
         chosen = {k: getattr(args, f"heal_{k}") for k in ("samples", "length", "seed")}
         heal_data, text_settings = teacher_text(
             model, tokenizer, progress=True, **{k: v for k, v in chosen.items() if v is not None}
@@ -390,6 +392,7 @@ def _run(args: CompressArguments, lock) -> int:
         heal_data=heal_data,
         progress=True,
         evaluation=evaluation if args.heal_steps else None,
+        on_phase=recheck_cpu_threads,
         **options,
     )
     report["source"] = str(args.src)
@@ -434,7 +437,9 @@ def _gauge_note(report: dict) -> str:
 def _run_streamed(args: CompressArguments, lock, calibration: torch.Tensor, evaluation: torch.Tensor | None) -> int:
     """The layer-streamed compression (`jobs.compress_checkpoint`, --eval perplexities one layer at a time too)."""
     from ..jobs.compress import compress_checkpoint
+    from .main import recheck_cpu_threads
 
+    recheck_cpu_threads("compress")
     report = compress_checkpoint(
         args.local_gguf() or args.src, args.out, remove=args.remove, calibration=calibration, evaluation=evaluation, dtype=args.dtype,
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,

@@ -66,11 +66,11 @@ def busy_cores_now(samples: int = 3, interval: float = 0.005) -> float | None:
     return float(sorted(counts)[len(counts) // 2])
 
 
-def cpu_threads() -> tuple[int, str]:
+def cpu_threads(ceiling: int | None = None) -> tuple[int, str]:
     """The intra-op thread count for a command's CPU work and why: the cores this process may run on
     (`os.sched_getaffinity`) minus the ones other processes keep busy now (`busy_cores_now`; the 1-minute load
-    average where that cannot be read), at least 1 and at most torch's default; `OMP_NUM_THREADS`, when set,
-    decides instead. On a busy machine more threads than idle cores make every parallel region wait for a
+    average where that cannot be read), at least 1 and at most `ceiling` (default: torch's count now);
+    `OMP_NUM_THREADS`, when set, decides instead. On a busy machine more threads than idle cores make every parallel region wait for a
     descheduled thread (measured: one training step of the default model took 2.8 s with 2 threads and 1.0 s with 1
     on 2 cores at load 9); the load average, which decays over minutes, made a command started right after another
     job run its whole length on one thread."""
@@ -79,6 +79,8 @@ def cpu_threads() -> tuple[int, str]:
     current = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return current, "OMP_NUM_THREADS"
+    if ceiling is not None:
+        current = ceiling
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -96,14 +98,35 @@ def cpu_threads() -> tuple[int, str]:
     return threads, why
 
 
+#: torch's own thread count before a command first set it: the most a later re-check gives back
+_TORCH_DEFAULT_THREADS: list[int] = []
+
+
 def set_cpu_threads() -> int:
     """Apply `cpu_threads()` to torch (intra-op threads only) and log it; returns the count."""
     import torch
 
-    threads, why = cpu_threads()
+    if not _TORCH_DEFAULT_THREADS:
+        _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
+    threads, why = cpu_threads(_TORCH_DEFAULT_THREADS[0])
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     logging.getLogger(__name__).info("torch uses %d CPU thread(s) (%s)", threads, why)
+    return threads
+
+
+def recheck_cpu_threads(phase: str) -> int:
+    """Before a long phase of a command (`phase` names it in the log): the idle cores counted again and applied,
+    up to torch's own default, so that a command started while another process was still winding down does not run
+    its whole length on the cores idle at that instant (a 40-minute `compress` once ran single-threaded so). Logged
+    when the count changes; returns it."""
+    import torch
+
+    before = torch.get_num_threads()
+    threads, why = cpu_threads(_TORCH_DEFAULT_THREADS[0] if _TORCH_DEFAULT_THREADS else None)
+    if threads != before:
+        torch.set_num_threads(threads)
+        logging.getLogger(__name__).info("%s: torch now uses %d CPU thread(s) (%s)", phase, threads, why)
     return threads
 
 

@@ -20,6 +20,7 @@ import logging
 import math
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def compress_model(
     progress: bool = True,
     eval_windows: int = 8,
     evaluation: torch.Tensor | None = None,
+    on_phase: Callable[[str], Any] | None = None,
     **options: Any,
 ) -> tuple[nn.Module, dict]:
     """Compress a causal LM (a Llama-family Transformers model or a `RelationalForCausalLM`) so that it stores at
@@ -120,7 +122,8 @@ def compress_model(
     measurement for several budgets). Returns (compressed RelationalForCausalLM, report) with report keys: method, remove, parameters_before/after/budget, stored (by kind, by layer), widths,
     calibration_perplexity_before/after (on the first `eval_windows` calibration windows), seconds, peak_rss_mib;
     with `evaluation` windows (N, T) and healing, eval_perplexity_compressed: their perplexity after compression and
-    before healing (what the healing starts from).
+    before healing (what the healing starts from). on_phase: called with "compress" and "heal" as each phase starts
+    (the command line counts its idle cores again there).
     """
     _check_arguments(remove, method, calibration, heal_steps, heal_loss)
     start = time.perf_counter()
@@ -146,6 +149,8 @@ def compress_model(
         raise ValueError("heal_calibration_share mixes the calibration windows into distillation: heal_loss='kd' only")
     share = calibration_share(share, "`heal_calibration_share`")
     if method == "slice":
+        if on_phase is not None:
+            on_phase("compress")
         out, info = _slice_to_budget(rel, calibration, budget)
         report["slice"] = info
     else:
@@ -161,6 +166,8 @@ def compress_model(
             opts.kinds = tuple(k for k in opts.kinds.split(",") if k)
         if not set(opts.kinds) <= set(KINDS):
             raise ValueError(f"`kinds` must be a subset of {KINDS}, got {opts.kinds}")
+        if on_phase is not None:
+            on_phase("compress")
         if slice_fraction > 0:
             rel, slice_report = slice_relational(rel, slice_fraction, calibration)
             report["slice"] = {"hidden_size": slice_report.hidden_size_after, "variance_kept": slice_report.variance_kept}
@@ -177,6 +184,8 @@ def compress_model(
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
     if heal_steps > 0:
+        if on_phase is not None:
+            on_phase("heal")
         if evaluation is not None:
             report["eval_perplexity_compressed"] = perplexity(out, evaluation)
         text_settings: dict[str, Any] | str = "given" if heal_data is not None else "calibration windows"
