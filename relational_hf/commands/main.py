@@ -70,10 +70,10 @@ def cpu_threads(ceiling: int | None = None) -> tuple[int, str]:
     """The intra-op thread count for a command's CPU work and why: the cores this process may run on
     (`os.sched_getaffinity`) minus the ones other processes keep busy now (`busy_cores_now`; the 1-minute load
     average where that cannot be read), at least 1 and at most `ceiling` (default: torch's count now);
-    `OMP_NUM_THREADS`, when set, decides instead. On a busy machine more threads than idle cores make every parallel region wait for a
-    descheduled thread (measured: one training step of the default model took 2.8 s with 2 threads and 1.0 s with 1
-    on 2 cores at load 9); the load average, which decays over minutes, made a command started right after another
-    job run its whole length on one thread."""
+    `OMP_NUM_THREADS`, when set, decides instead. On a busy machine more threads than idle cores make every parallel
+    region wait for a descheduled thread (measured: one training step of the default model took 2.8 s with 2
+    threads and 1.0 s with 1 on 2 cores at load 9); the load average, which decays over minutes, made a command
+    started right after another job run its whole length on one thread."""
     import torch
 
     current = torch.get_num_threads()
