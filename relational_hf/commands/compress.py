@@ -11,8 +11,9 @@ dequantised one at a time, the result written shard by shard, stored in SRC's dt
 quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
 unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
 The calibration text (--calibration, default: the project's built-in corpus; a .pt tensor of token ids also serves)
-is cut into --calibration-windows windows of --window tokens. The result is a relational checkpoint in the free gauge (every map a plain weight, what
-inference reads fastest), or with --gauge pivot in the gauge-fixed form; --remove is counted in the gauge written.
+is cut into --calibration-windows windows of --window tokens. The result is a relational checkpoint in the free gauge
+(every map a plain weight, what inference reads fastest), or with --gauge pivot in the gauge-fixed form; --remove is
+counted in the gauge written.
 OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
 written beside it and moved into place when complete (`relational_hf.outputs`).
 
