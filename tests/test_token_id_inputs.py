@@ -101,3 +101,41 @@ def test_analyze_on_token_ids_equals_analyze_on_their_text(tmp_path, capsys, byt
     torch.save(torch.full((200,), 10_000), tmp_path / "big.pt")
     assert main(["analyze", str(byte_llama_checkpoint), "--text", str(tmp_path / "big.pt"), "--out", str(tmp_path / "x")]) == 2
     assert "token ids must lie in [0, 259)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_compress_without_a_tokenizer_takes_token_ids_and_writes_none(tmp_path, capsys, byte_llama_checkpoint, stream):
+    """A checkpoint with no tokenizer compresses as it does with one when every text is token ids (same widths,
+    same perplexities, a loadable model), OUT holds no tokenizer, and a text input is refused naming its flag."""
+    text, ids = _ids(tmp_path, byte_llama_checkpoint)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in byte_llama_checkpoint.iterdir():
+        if f.name in ("config.json", "generation_config.json") or f.suffix == ".safetensors":
+            (bare / f.name).write_bytes(f.read_bytes())
+    reports = []
+    for name, src in (("with", byte_llama_checkpoint), ("without", bare)):
+        out = tmp_path / name
+        args = ["compress", str(src), str(out), "--remove", "0.15", "--calibration", str(ids), "--eval", str(ids),
+                "--window", "32", "--calibration-windows", "4", "--eval-windows", "2", stream]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        reports.append(json.loads((out / "compression_report.json").read_text()))
+    printed = capsys.readouterr().out
+    assert "SRC has no tokenizer, so OUT holds none" in printed
+    assert not list((tmp_path / "without").glob("tokenizer*")) and list((tmp_path / "with").glob("tokenizer*"))
+    a, b = reports
+    assert a["widths"] == b["widths"]
+    assert a["eval_perplexity_after"] == pytest.approx(b["eval_perplexity_after"], rel=1e-6)
+    from transformers import AutoModelForCausalLM
+
+    import relational_hf  # noqa: F401  (registers the architecture)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "without")
+    assert model.num_parameters() == b["parameters_after"]
+    for flag_args in (["--calibration", str(text)], []):  # a text file, and the built-in text when none is given
+        out = tmp_path / "refused"
+        args = ["compress", str(bare), str(out), "--remove", "0.15", "--window", "32", *flag_args, stream]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "--calibration" in err and "no tokenizer" in err and ".pt tensor of token ids" in err, err
+        assert "Traceback" not in err and not out.exists()
