@@ -176,6 +176,15 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def log_axis_in_plain_numbers(axis) -> None:
+    """A logarithmic matplotlib axis (`ax.yaxis`) labelled in plain numbers (20, 30, 40, not 2 x 10^1): the decades,
+    and as many minor ticks as fit (all of them within about a decade, fewer over a wider range)."""
+    from matplotlib import ticker
+
+    axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
 def add_shape_arguments(parser, sizes) -> None:
     """--size (a shape of `sizes`), --quick (the 10M one), --workdir (where the generated checkpoint is kept) and
     --layers (that many decoder layers of the shape): the generated-checkpoint benchmarks' common options."""

@@ -80,7 +80,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, corpus, machine, without_paths
+from common import RESULTS, command_line, corpus, log_axis_in_plain_numbers, machine, without_paths
 
 logger = logging.getLogger("compress")
 
@@ -269,6 +269,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.axhline(dense["perplexity"], color="black", linewidth=1, label=f"dense ({dense['perplexity']:.2f})")
         ax.axvline(dense["stored_parameters"] / 1e6, color="grey", linewidth=0.8, linestyle=":")
     ax.set_yscale("log")
+    log_axis_in_plain_numbers(ax.yaxis)
     ax.set_xlabel("stored parameters (millions; non-zeros for pruning)")
     ax.set_ylabel("held-out perplexity")
     ax.set_title(payload["protocol"]["model"] + ", WikiText-2 held-out documents")

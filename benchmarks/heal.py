@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, corpus, load_average, machine
+from common import RESULTS, command_line, corpus, load_average, log_axis_in_plain_numbers, machine
 from compress import load_model, protocol_windows, write_atomically
 
 logger = logging.getLogger("heal")
@@ -134,6 +134,7 @@ def plot(payload: dict, path: Path) -> None:
     for name, value in payload.get("references", {}).items():
         ax.axhline(value, linewidth=0.8, linestyle=":", color="tab:red", label=f"{name} ({value:.2f})")
     ax.set_yscale("log")
+    log_axis_in_plain_numbers(ax.yaxis)
     ax.set_xlabel(f"LoRA {what} steps")
     ax.set_ylabel("held-out perplexity")
     ax.set_title(f"{payload['protocol']['model']}, {payload['remove']:.0%} of stored parameters removed")
