@@ -66,6 +66,8 @@ def _run_command(
     correction: str | None = None,
     heal_batch_size: int | None = None,
 ) -> dict:
+    from relational_hf.commands.main import available_cores
+
     command = [sys.executable, "-m", "relational_hf.commands", "compress", str(src), str(out), "--remove", str(remove)]
     command += ["--calibration", str(calibration), "--heal-steps", str(steps), "--eval", str(held_out)]
     extra = [] if heal_lr is None else ["--heal-lr", f"{heal_lr:g}"]
@@ -75,7 +77,7 @@ def _run_command(
     extra += [] if heal_batch_size is None else ["--heal-batch-size", str(heal_batch_size)]
     # the command picks its torch threads from the cores idle when it starts, once for its whole run: a process still
     # winding down at that instant made one timed run single-threaded. The benchmark times the idle machine's choice.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(available_cores())
     start = time.perf_counter()
     subprocess.run(command + extra, check=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
     line = f"relational-hf compress SRC OUT --remove {remove:g} --calibration FILE --heal-steps {steps} --eval HELD_OUT"

@@ -278,6 +278,10 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--dtype and --max-shard-size apply to a streamed compression (--stream)")
 
 
+#: the end of the summary line when SRC had no tokenizer to copy into OUT
+NO_TOKENIZER_NOTE = "; SRC has no tokenizer, so OUT holds none"
+
+
 def _windows(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
     """Consecutive windows (n', window) of token ids of a text file or string, or of a .pt tensor of token ids
     (each a row of the model's `vocab` embedding rows) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
@@ -286,7 +290,7 @@ def _windows(source: Path | str, tokenizer, window: int, n: int, flag: str, voca
 
     ids = None
     if isinstance(source, Path) and source.suffix == ".pt":
-        ids = check_token_ids(read_token_ids(source, lambda: tokenizer, flag), vocab, flag)
+        ids = check_token_ids(read_token_ids(source, lambda: None, flag), vocab, flag)  # a .pt needs no tokenizer
     elif isinstance(tokenizer, Exception):
         what = f"{flag} {source}" if isinstance(source, Path) else f"{flag} (not given: the built-in text)"
         raise UsageError(f"{what}: SRC has no tokenizer ({tokenizer}); pass a .pt tensor of token ids")
@@ -435,7 +439,7 @@ def _run(args: CompressArguments, lock) -> int:
     if "heal" in report:
         summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
     if tokenizer is None:
-        summary += "; SRC has no tokenizer, so OUT holds none"
+        summary += NO_TOKENIZER_NOTE
     print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")
     return 0
 
@@ -473,6 +477,6 @@ def _run_streamed(
         before, after = report["eval_perplexity_before"], report["eval_perplexity_after"]
         summary += f"; {Path(args.eval).name} perplexity {before:.2f} -> {after:.2f}"
     if not has_tokenizer:
-        summary += "; SRC has no tokenizer, so OUT holds none"
+        summary += NO_TOKENIZER_NOTE
     print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")
     return 0

@@ -66,6 +66,14 @@ def busy_cores_now(samples: int = 3, interval: float = 0.005) -> float | None:
     return float(sorted(counts)[len(counts) // 2])
 
 
+def available_cores() -> int:
+    """The cores this process may run on (`os.sched_getaffinity`; `os.cpu_count()` where that cannot be read)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def cpu_threads(ceiling: int | None = None) -> tuple[int, str]:
     """The intra-op thread count for a command's CPU work and why: the cores this process may run on
     (`os.sched_getaffinity`) minus the ones other processes keep busy now (`busy_cores_now`; the 1-minute load
@@ -81,10 +89,7 @@ def cpu_threads(ceiling: int | None = None) -> tuple[int, str]:
         return current, "OMP_NUM_THREADS"
     if ceiling is not None:
         current = ceiling
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
+    cores = available_cores()
     busy = busy_cores_now()
     if busy is not None:
         why = f"{cores} core(s) available, {busy:.0f} busy now"

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 #: closed form (held-out 52.55 against 50.85; `benchmarks/results/compress_refine_lr1e-3.json`).
 DEFAULT_REFINE_LR = 3e-4
 #: tokens a step of the refinement: 1,024 rather than 2,048 (the same tokens seen, the same time an epoch when timed
-#: alternately): held out on SmolLM2 at 25%, 50.39 against 50.85 on the benchmark's split, 27.69 against 27.99 on the
-#: reverse one.
+#: alternately): held out on SmolLM2 at 25%, 50.39 against 50.85 on the benchmark's split, 27.62 against 27.99 on the
+#: reverse one (`benchmarks/results/compress_refine1024.json`, `compress_reverse_refine1024.json`).
 DEFAULT_REFINE_BATCH_TOKENS = 1024
 
 
