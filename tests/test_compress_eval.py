@@ -14,6 +14,7 @@ from relational_hf.compress.eval import (
     PARAMETER_KINDS,
     parameter_kind,
     perplexity_on_windows,
+    shared_windows,
     stored_parameters,
     text_windows,
 )
@@ -162,3 +163,14 @@ def test_perplexity_of_uniform_predictions_is_the_vocabulary_size():
     assert perplexity_on_windows(Uniform(), torch.randint(0, 13, (2, 9))) == pytest.approx(13.0)
     with pytest.raises(ValueError, match="LongTensor"):
         perplexity_on_windows(Uniform(), torch.zeros(2, 9))
+
+
+def test_shared_windows_counts_rows_present_in_the_other_set():
+    g = torch.Generator().manual_seed(0)
+    calibration = torch.randint(0, 50, (6, 8), generator=g)
+    fresh = torch.randint(50, 100, (3, 8), generator=g)  # ids the calibration never holds
+    assert shared_windows(fresh, calibration) == 0
+    assert shared_windows(calibration[:4], calibration) == 4
+    mixed = torch.cat([fresh, calibration[[1, 5]], calibration[1:2]])
+    assert shared_windows(mixed, calibration) == 3  # every shared row counts, repeats included
+    assert shared_windows(calibration[:, :4], calibration) == 0  # other window lengths: nothing to compare

@@ -139,3 +139,21 @@ def test_compress_without_a_tokenizer_takes_token_ids_and_writes_none(tmp_path, 
         err = capsys.readouterr().err
         assert "--calibration" in err and "no tokenizer" in err and ".pt tensor of token ids" in err, err
         assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_compress_says_when_eval_is_not_held_out(tmp_path, capsys, caplog, byte_llama_checkpoint, stream):
+    """--eval given the calibration's own text (as a file or as its ids) measures the fit: one warning and the
+    summary say so; text the calibration does not hold gets neither."""
+    text, ids = _ids(tmp_path, byte_llama_checkpoint)
+    other = tmp_path / "other.txt"
+    other.write_text("pack my box with five dozen liquor jugs, said the sphinx of black quartz. " * 30, encoding="utf-8")
+    for name, held, fitted in (("same", ids, True), ("other", other, False)):
+        caplog.clear()
+        args = ["compress", str(byte_llama_checkpoint), str(tmp_path / name), "--remove", "0.15", "--calibration",
+                str(text), "--eval", str(held), "--window", "32", "--calibration-windows", "4", "--eval-windows", "2",
+                stream]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        warned = [r.getMessage() for r in caplog.records if "not a held-out figure" in r.getMessage()]
+        assert bool(warned) == fitted and ("not held out: 2 of 2 windows" in out) == fitted, (warned, out)

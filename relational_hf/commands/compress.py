@@ -16,7 +16,9 @@ is cut into --calibration-windows windows of --window tokens. The result is a re
 counted in the gauge written.
 OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
 written beside it and moved into place when complete (`relational_hf.outputs`). A SRC without a tokenizer is
-compressed when every text comes as a .pt tensor of token ids; OUT then holds no tokenizer either.
+compressed when every text comes as a .pt tensor of token ids; OUT then holds no tokenizer either. --eval reports
+perplexity before and after; when its windows are calibration windows too (the same file given twice), a warning and
+the summary say that the figure is not held out.
 
 --heal-steps N repairs the compressed model with N LoRA steps. By default (--heal-loss kd) it distils from SRC: KL to
 SRC's next-token distributions on text SRC samples itself (--heal-samples rows of --heal-length tokens, seed
@@ -31,6 +33,7 @@ quotes, are `training.heal_settings`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -357,6 +360,7 @@ def _run(args: CompressArguments, lock) -> int:
     evaluation = eval_before = None
     if args.eval is not None:
         evaluation = _windows(Path(args.eval), tokenizer, args.window, args.eval_windows, "--eval", vocab)
+        _warn_if_fitted(evaluation, calibration)
     if args.stream:
         return _run_streamed(args, lock, calibration, evaluation, has_tokenizer=not isinstance(tokenizer, Exception))
     if isinstance(tokenizer, Exception):  # every text came as token ids
@@ -435,13 +439,36 @@ def _run(args: CompressArguments, lock) -> int:
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
     )
     if evaluation is not None:
-        summary += f"; {Path(args.eval).name} perplexity {eval_before:.2f} -> {report['eval_perplexity_after']:.2f}"
+        summary += _eval_summary(args.eval, eval_before, report["eval_perplexity_after"], evaluation, calibration)
     if "heal" in report:
         summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
     if tokenizer is None:
         summary += NO_TOKENIZER_NOTE
     print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")
     return 0
+
+
+def _warn_if_fitted(evaluation: torch.Tensor, calibration: torch.Tensor) -> None:
+    """One warning when --eval's windows are calibration windows too (the same file given twice, say)."""
+    from ..compress.eval import shared_windows
+
+    shared = shared_windows(evaluation, calibration)
+    if shared:
+        logging.getLogger(__name__).warning(
+            "--eval: %d of its %d windows are --calibration windows too; the compression fits them, so their "
+            "perplexity is not a held-out figure (give text the calibration does not hold)", shared, len(evaluation)
+        )
+
+
+def _eval_summary(
+    eval_file: str, before: float, after: float, evaluation: torch.Tensor, calibration: torch.Tensor
+) -> str:
+    """The summary's --eval part: the perplexities, and whether the windows were held out from the calibration."""
+    from ..compress.eval import shared_windows
+
+    shared = shared_windows(evaluation, calibration)
+    fitted = f" (not held out: {shared} of {len(evaluation)} windows are calibration windows)" if shared else ""
+    return f"; {Path(eval_file).name} perplexity {before:.2f} -> {after:.2f}{fitted}"
 
 
 def _gauge_note(report: dict) -> str:
@@ -475,7 +502,7 @@ def _run_streamed(
     )
     if evaluation is not None:
         before, after = report["eval_perplexity_before"], report["eval_perplexity_after"]
-        summary += f"; {Path(args.eval).name} perplexity {before:.2f} -> {after:.2f}"
+        summary += _eval_summary(args.eval, before, after, evaluation, calibration)
     if not has_tokenizer:
         summary += NO_TOKENIZER_NOTE
     print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")

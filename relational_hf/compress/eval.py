@@ -109,6 +109,15 @@ def perplexity_on_windows(
     return perplexity(model, windows, batch_size=batch_size, progress=progress)
 
 
+def shared_windows(windows: torch.Tensor, others: torch.Tensor) -> int:
+    """How many rows of `windows` (N, T) are also rows of `others` (M, T): evaluation windows that the compression
+    fitted on measure the fit, not held-out quality (0 when the window lengths differ)."""
+    if windows.dim() != 2 or others.dim() != 2 or windows.shape[1] != others.shape[1]:
+        return 0
+    seen = {row.numpy().tobytes() for row in others.long().cpu()}
+    return sum(row.numpy().tobytes() in seen for row in windows.long().cpu())
+
+
 __all__ = [
     "PARAMETER_KINDS",
     "ModelGrewError",
@@ -117,6 +126,7 @@ __all__ = [
     "id_windows",
     "parameter_kind",
     "perplexity_on_windows",
+    "shared_windows",
     "stored_parameters",
     "text_windows",
 ]
