@@ -1,4 +1,5 @@
-"""The README's examples run as written: every ```python and ```bash block of README.md is executed.
+"""The README's and the documentation's examples run as written: every ```python and ```bash block of README.md and
+of every page under docs/ is executed.
 
 A block may be preceded by a marker comment `<!-- readme-test: ... -->` with `;`-separated clauses:
 - `skip: REASON` — not run (only for examples that need the network or other machines; the reason is shown);
@@ -24,6 +25,9 @@ import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 README = PROJECT_ROOT / "README.md"
+DOCS = PROJECT_ROOT / "docs"
+#: every page whose code blocks run: the README and each page of the documentation site
+PAGES = (README, *sorted(DOCS.rglob("*.md")))
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
@@ -35,10 +39,11 @@ class Example:
     language: str
     code: str
     marker: dict[str, str]
+    source: str = "README.md"
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.language}"
+        return f"{self.source}:{self.line}-{self.language}"
 
 
 def parse_marker(text: str) -> dict[str, str]:
@@ -52,8 +57,9 @@ def parse_marker(text: str) -> dict[str, str]:
     return clauses
 
 
-def readme_examples(text: str) -> list[Example]:
-    """The runnable fenced blocks of `text` with the marker directly above each (blank lines allowed between)."""
+def readme_examples(text: str, source: str = "README.md") -> list[Example]:
+    """The runnable fenced blocks of `text` (the page `source`) with the marker directly above each (blank lines
+    allowed between)."""
     lines, examples, i = text.splitlines(), [], 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -66,7 +72,13 @@ def readme_examples(text: str) -> list[Example]:
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             marker = MARKER.match(before.strip())
             examples.append(
-                Example(i + 1, language, "\n".join(lines[i + 1 : end]), parse_marker(marker.group(1)) if marker else {})
+                Example(
+                    i + 1,
+                    language,
+                    "\n".join(lines[i + 1 : end]),
+                    parse_marker(marker.group(1)) if marker else {},
+                    source,
+                )
             )
         i = end + 1
     return examples
@@ -157,11 +169,17 @@ def _names(clause: str) -> list[str]:
 # The tests
 # ----------------------------------------------------------------------------------------------------------------
 
-EXAMPLES = readme_examples(README.read_text(encoding="utf-8"))
+EXAMPLES = [
+    example
+    for page in PAGES
+    for example in readme_examples(page.read_text(encoding="utf-8"), page.relative_to(PROJECT_ROOT).as_posix())
+]
 
 
 def test_the_readme_has_examples_and_every_marker_names_known_things():
-    assert sum(e.language == "python" for e in EXAMPLES) >= 3 and sum(e.language == "bash" for e in EXAMPLES) >= 2
+    readme = [e for e in EXAMPLES if e.source == "README.md"]
+    assert sum(e.language == "python" for e in readme) >= 3 and sum(e.language == "bash" for e in readme) >= 2
+    assert {e.source for e in EXAMPLES} > {"README.md"}, "the documentation pages' examples are collected too"
     for example in EXAMPLES:
         table = GIVEN_PYTHON if example.language == "python" else GIVEN_BASH
         unknown = [n for n in _names(example.marker.get("given", "")) if n not in table]
