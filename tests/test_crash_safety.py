@@ -4,11 +4,16 @@ never lands beside full weights, pushes carry no pickles."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -498,3 +503,300 @@ sys.exit(cli.main(["export", "src", {str(tmp_path / "out")!r}]))
     assert done.returncode == 143, done.stderr
     assert "terminated" in done.stderr
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name or p.name == "out"] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what is not a regular file: written through, or refused before any work; never renamed over, moved or removed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _char_device(path: Path) -> Path:
+    """A character device node (the /dev/null device) made at `path` in a temporary folder; skips where the user may
+    not make one."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, AttributeError, OSError) as err:
+        pytest.skip(f"cannot make a device node here ({err})")
+    return path
+
+
+def _socket(path: Path) -> Path:
+    """A unix socket's file at `path` (it stays a socket node after the socket is closed)."""
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(path))
+    finally:
+        sock.close()
+    return path
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail (instead of hanging for ever) when the block takes longer than `seconds`: opening a FIFO nobody reads
+    blocks."""
+
+    def expired(signum, frame):
+        raise AssertionError(f"still running after {seconds} s: something opened a FIFO or a socket")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    path = tmp_path / "model"
+    tiny(5).save_pretrained(path)
+    return path
+
+
+def _redundancy(checkpoint: Path, *flags: str) -> list[str]:
+    return ["redundancy", str(checkpoint), "--no-descriptors", *flags]
+
+
+def test_json_to_a_character_device_or_a_fifo_is_written_through_and_the_node_stays(tmp_path, checkpoint, capsys):
+    """--json naming a device node or a FIFO writes the JSON through it as a stream: the node stays the same node
+    (same inode, same kind), a reader of the FIFO receives the whole JSON, and a full device fails in one line."""
+    device = _char_device(tmp_path / "null")
+    before = device.lstat()
+    assert cli.main(_redundancy(checkpoint, "--json", str(device))) == 0
+    after = device.lstat()
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    with _deadline(60):
+        assert cli.main(_redundancy(checkpoint, "--json", str(fifo))) == 0
+    reader.join(30)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert json.loads(received[0])["model_class"] == "RelationalForCausalLM"
+    capsys.readouterr()
+    full = tmp_path / "full"
+    try:
+        os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    except OSError:
+        return
+    assert cli.main(_redundancy(checkpoint, "--json", str(full))) == 2
+    assert "no space left on device" in capsys.readouterr().err
+    assert stat.S_ISCHR(full.lstat().st_mode)
+
+
+def _printed_json(out: str) -> dict:
+    return json.loads(out[out.index("\n{") + 1 :])
+
+
+def test_json_to_standard_output_prints_the_json(tmp_path, checkpoint, capsys):
+    """`--json -` and `--json /dev/stdout` (a pipe, or redirected into a file) print the JSON on standard output
+    after the report, whole; the "wrote" line goes to stderr."""
+    assert cli.main(_redundancy(checkpoint, "--json", "-")) == 0
+    assert _printed_json(capsys.readouterr().out)["model_class"] == "RelationalForCausalLM"
+    argv = [sys.executable, "-m", "relational_hf.commands", *_redundancy(checkpoint, "--json", "/dev/stdout")]
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.startswith("## Redundancy") and _printed_json(piped.stdout)["model_class"]
+    redirected = tmp_path / "printed.txt"
+    with open(redirected, "w") as handle:
+        done = subprocess.run(argv, stdout=handle, stderr=subprocess.PIPE, text=True, timeout=300, cwd=PROJECT_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert redirected.read_text() == piped.stdout  # the report kept, the JSON after it: not renamed over the file
+
+
+def test_json_through_a_symbolic_link_writes_its_target_and_keeps_the_link(tmp_path, checkpoint, capsys):
+    """A --json link to a shared results file: the file receives the new JSON, the link stays a link to it; a
+    dangling link's target is created."""
+    shared, link = tmp_path / "shared.json", tmp_path / "link.json"
+    shared.write_text("old results")
+    link.symlink_to(shared)
+    assert cli.main(_redundancy(checkpoint, "--json", str(link))) == 0
+    assert link.is_symlink() and os.readlink(link) == str(shared)
+    assert json.loads(shared.read_text())["model_class"] == "RelationalForCausalLM"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "made" / "target.json")
+    assert cli.main(_redundancy(checkpoint, "--json", str(dangling))) == 0
+    assert dangling.is_symlink() and json.loads((tmp_path / "made" / "target.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["socket", "directory", "link loop", "through a file"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_any_work(kind, tmp_path, checkpoint, capsys):
+    """A socket, a directory, a symbolic-link loop or a path through a file as --json or --png: refused in one line
+    naming the flag, before the report is computed (nothing printed on stdout), and left as it was."""
+    path = tmp_path / "target"
+    if kind == "socket":
+        _socket(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "link loop":
+        path.symlink_to(path)
+    else:
+        path.write_text("a file")
+        path = path / "report.json"
+    before = os.lstat(path if kind != "through a file" else path.parent)
+    for flag in ("--json", "--png"):
+        assert cli.main(_redundancy(checkpoint, flag, str(path))) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and flag in captured.err and len(captured.err.strip().splitlines()) == 1
+    after = os.lstat(path if kind != "through a file" else path.parent)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_atomic_writes_never_replace_what_is_not_a_regular_file(tmp_path):
+    """The atomic writer (every file of an output folder) refuses a FIFO, a socket, a device node or a directory at
+    its path instead of renaming over it, and writes a link's target."""
+    nodes = {"fifo": lambda p: os.mkfifo(p), "socket": _socket, "directory": lambda p: p.mkdir()}
+    for name, make in nodes.items():
+        make(tmp_path / name)
+        with _deadline(30), pytest.raises(UsageError):
+            outputs.atomic_write_text(tmp_path / name, "data")
+        assert not (tmp_path / name).is_file()
+    (tmp_path / "real").write_text("old")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    outputs.atomic_write_text(tmp_path / "link", "new")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real").read_text() == "new"
+
+
+def _fill_special_entries(out: Path) -> dict[str, tuple[int, int]]:
+    """A FIFO, a socket and (where allowed) a device node inside `out` and in a sub-folder: {name: (inode, mode)}."""
+    (out / "sub").mkdir(exist_ok=True)
+    os.mkfifo(out / "fifo")
+    os.mkfifo(out / "sub" / "fifo")
+    _socket(out / "sock")
+    with contextlib.suppress(OSError):
+        os.mknod(out / "dev", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return {rel: (os.lstat(out / rel).st_ino, os.lstat(out / rel).st_mode) for rel in ("fifo", "sub/fifo", "sock", "dev")
+            if os.path.lexists(out / rel)}  # fmt: skip
+
+
+def test_fifos_sockets_and_devices_in_an_output_folder_are_kept_unopened(two_models):
+    """A re-save into a folder holding the user's FIFOs, socket and device node finishes (nothing opens them: a FIFO
+    would block) and leaves each the same node at the same path; nothing beside the folder."""
+    out, _old_fp, new, new_fp = two_models
+    special = _fill_special_entries(out)
+    with _deadline(120):
+        outputs.write_output(out, new.save_pretrained, command="train", kind="full", overwrite=True)
+    assert loads(out) == new_fp and (out / "notes.txt").read_text() == "my notes"
+    assert {rel: (os.lstat(out / rel).st_ino, os.lstat(out / rel).st_mode) for rel in special} == special
+    assert _siblings(out) == []
+
+
+def test_a_users_fifo_at_a_name_the_output_writes_is_never_replaced(two_models):
+    out, old_fp, new, _new_fp = two_models
+    (out / "config.json").unlink()
+    os.mkfifo(out / "config.json")
+    with _deadline(60), pytest.raises(UsageError, match="config.json, which is a FIFO"):
+        outputs.write_output(out, new.save_pretrained, command="train", kind="full", overwrite=True)
+    assert stat.S_ISFIFO(os.lstat(out / "config.json").st_mode) and _siblings(out) == []
+
+
+def test_a_symbolic_link_loop_in_an_output_folder_is_named_and_nothing_is_left(two_models):
+    out, old_fp, new, _new_fp = two_models
+    (out / "a").symlink_to("b")
+    (out / "b").symlink_to("a")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(UsageError, match="symbolic link that loops"):
+        outputs.write_output(out, new.save_pretrained, command="train", kind="full", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before and loads(out) == old_fp and _siblings(out) == []
+
+
+MOUNT_SCRIPT = """
+import os, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from relational_hf.commands import main as cli
+out = Path({out!r})
+mount = out / {mount!r}
+mount.mkdir(exist_ok=True)
+if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount)]).returncode:
+    sys.exit(77)
+(mount / "user.txt").write_text("on the mount")
+before = sorted(p.name for p in out.iterdir())
+code = cli.main(["canonicalize", {src!r}, str(out), "--overwrite"])
+assert code == 2, code
+assert os.path.ismount(mount) and (mount / "user.txt").read_text() == "on the mount"
+assert sorted(p.name for p in out.iterdir()) == before
+assert [p.name for p in out.parent.iterdir() if p.name.startswith("." + out.name)] == []
+print("refused")
+"""
+
+
+@pytest.mark.parametrize("where", ["inside", "itself"])
+def test_a_mount_point_in_or_at_an_output_folder_is_refused_before_any_work(where, tmp_path):
+    """A tmpfs mounted inside OUT (or at OUT), in a private mount namespace: the save refuses in one line naming the
+    mount, the mount stays mounted with its files, nothing is left beside OUT. Skipped where no private mount
+    namespace can be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not available")
+    src = tmp_path / "src"
+    tiny(6).save_pretrained(src)
+    out = tmp_path / "run"
+    stage_and_swap(out, tiny(7).save_pretrained)
+    mount = "mnt" if where == "inside" else "."
+    script = MOUNT_SCRIPT.format(root=str(PROJECT_ROOT), out=str(out), mount=mount, src=str(src))
+    try:
+        done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    except OSError as err:
+        pytest.skip(f"unshare cannot run ({err})")
+    if done.returncode == 77 or "unshare failed" in done.stderr or "Operation not permitted" in done.stderr:
+        pytest.skip(f"no private mount namespace here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    assert "mount point" in done.stderr and "OUT" in done.stderr
+    assert loads(out) is not None
+
+
+def _without_root_powers(script: str, home: Path) -> subprocess.CompletedProcess:
+    """Run `script` in a Python process for which file permissions hold (as root: without the capabilities that
+    override them, through util-linux's setpriv; skips where that is impossible)."""
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions cannot be made to hold")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+        probe = subprocess.run([*prefix, sys.executable, "-c", "pass"], capture_output=True, timeout=60)
+        if probe.returncode:
+            pytest.skip(f"cannot drop root's file capabilities here: {probe.stderr[-200:]!r}")
+    return subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+
+
+READ_ONLY_SCRIPT = """
+import os, sys
+from pathlib import Path
+from relational_hf.commands import main as cli
+from relational_hf.outputs import write_output
+out = Path({out!r})
+os.chmod(out / "ro", 0o555)
+def write(folder):
+    (folder / "config.json").write_text("{{}}")
+try:
+    write_output(out, write, command="train", kind="full", overwrite=True)
+except ValueError as err:
+    print("refused:", err)
+os.chmod(out.parent, 0o555)
+code = cli.main(["redundancy", {model!r}, "--no-descriptors", "--json", str(out.parent / "r.json")])
+print("json exit", code)
+"""
+
+
+def test_a_read_only_sub_folder_is_named_and_an_unwritable_json_folder_refused_first(tmp_path):
+    """Where permissions hold (as root: without the capabilities that override them): a save into a folder with a read-only sub-folder is refused in one line
+    naming it, the folder keeps its files and nothing is left beside it; --json into a folder the user cannot write
+    is refused before the report is computed (no report on stdout)."""
+    base = tmp_path / "base"
+    out = base / "run"
+    out.mkdir(parents=True)
+    (out / "ro").mkdir()
+    (out / "ro" / "kept.txt").write_text("mine")
+    model = tmp_path / "model"
+    tiny(8).save_pretrained(model)
+    done = _without_root_powers(READ_ONLY_SCRIPT.format(out=str(out), model=str(model)), base)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "ro is read-only" in done.stdout
+    assert (out / "ro" / "kept.txt").read_text() == "mine" and sorted(p.name for p in base.iterdir()) == ["run"]
+    assert "json exit 2" in done.stdout and "Redundancy" not in done.stdout
+    assert "--json" in done.stderr and "not writable" in done.stderr

@@ -217,7 +217,9 @@ def _run(args: AnalyzeArguments, settings: list[str], per_layer_edits: list) -> 
     from ..lm.offload import device_map_line, device_map_summary, peak_rss_bytes
     from ..outputs import atomic_write_text, check_owned_names, prepare_output_dir, record_files
 
-    out = prepare_output_dir(args.out, overwrite=args.overwrite, command="analyze", kind="analysis", flag="--out")
+    out = prepare_output_dir(
+        args.out, overwrite=args.overwrite, command="analyze", kind="analysis", flag="--out", swaps=False
+    )
     check_owned_names(out, list(REPORT_FILES), overwrite=args.overwrite)
     torch.manual_seed(args.seed)
     model, device_map, ids = _load(args)

@@ -11,6 +11,7 @@ import torch
 from ..errors import UsageError
 from ..lm.data import check_text_file
 from ..loading import check_model_argument, looks_like_local_path
+from ..outputs.paths import check_output_file, check_writable_folder
 
 
 def require(condition: bool, message: str) -> None:
@@ -20,15 +21,20 @@ def require(condition: bool, message: str) -> None:
 
 
 def output_folder(path: str | os.PathLike | None, flag: str) -> None:
-    """An output folder option: it may not exist yet, but must not be a file."""
-    if path is not None and Path(path).exists() and not Path(path).is_dir():
+    """An output folder option: it may not exist yet, but must not be a file, and it (or the folder it will be
+    created in) must be writable: checked before any work."""
+    if path is None:
+        return
+    if Path(path).exists() and not Path(path).is_dir():
         raise UsageError(f"{flag} {path}: exists and is not a directory")
+    check_writable_folder(os.path.realpath(os.path.expanduser(str(path))), f"{flag} {path}")
 
 
 def output_file(path: str | os.PathLike | None, flag: str) -> None:
-    """An output file option: not an existing folder."""
-    if path is not None and Path(path).is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    """An output file option (`relational_hf.outputs.paths`): a regular file or a new path in a writable folder
+    (written atomically, a symbolic link's target), `-`, a character device or a FIFO (written as a stream); a
+    directory, a socket or a symbolic-link loop is refused, before any work."""
+    check_output_file(path, flag)
 
 
 def existing_folder(path: str | os.PathLike, flag: str) -> Path:

@@ -91,7 +91,9 @@ def run(args: DynamicsArguments) -> int:
 
     trajectories = check(args)
     with OutputLock(args.out):
-        out = prepare_output_dir(args.out, overwrite=args.overwrite, command="dynamics", kind="figures", flag="--out")
+        out = prepare_output_dir(
+            args.out, overwrite=args.overwrite, command="dynamics", kind="figures", flag="--out", swaps=False
+        )
         check_owned_names(out, list(FIGURES), overwrite=args.overwrite)
         paths = plot_all(trajectories, out)
         summary = {

@@ -95,7 +95,7 @@ def run(args: EvaluateArguments) -> int:
     from ..lm.metrics import perplexity
     from ..lm.offload import GGUF_NOT_OFFLOADED, device_map_line, device_map_summary, load_model, peak_rss_bytes
     from ..loading import load_config_from, load_tokenizer_from, resolve_model_source, warn_beyond_context
-    from ..outputs import atomic_write_text
+    from ..outputs.paths import say_wrote, write_file
 
     max_memory = check(args)
     source = resolve_model_source(args.model, args.gguf_file)
@@ -139,6 +139,5 @@ def run(args: EvaluateArguments) -> int:
         f"{args.window})\ndevice map: {where}\npeak RSS {result['peak_rss_mib']:.0f} MiB; {seconds:.1f} s\n"
     )
     if args.json is not None:
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
-        sys.stdout.write(f"wrote {args.json}\n")
+        say_wrote(write_file(args.json, json.dumps(result, indent=2) + "\n", "--json"))
     return 0

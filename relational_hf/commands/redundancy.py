@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import UsageError
 from .checks import check_model_argument, output_file, output_folder
@@ -64,7 +63,7 @@ def check(args: RedundancyArguments) -> None:
 
 def run(args: RedundancyArguments) -> int:
     from ..loading import load_config_from, load_model_from, resolve_model_source
-    from ..outputs import atomic_write_text
+    from ..outputs.paths import file_target, say_wrote, write_file
     from ..shards import is_safetensors_checkpoint
     from ..symmetry.report import (
         plot_head_similarity,
@@ -92,7 +91,8 @@ def run(args: RedundancyArguments) -> int:
         report = redundancy_report(model, descriptors=not args.no_descriptors, rank_tol=args.rank_tol)
     sys.stdout.write(report.to_markdown())
     if args.png is not None:
-        sys.stdout.write(f"wrote {plot_redundancy_by_layer(report, args.png)}\n")
+        plot_redundancy_by_layer(report, args.png)
+        say_wrote(file_target(args.png, "--png"))
     if args.heatmap_dir is not None:
         if report.descriptors is None:
             sys.stderr.write("no descriptors computed (--meta or --no-descriptors): heatmaps skipped\n")
@@ -100,6 +100,5 @@ def run(args: RedundancyArguments) -> int:
             paths = plot_head_similarity(report, args.heatmap_dir)
             sys.stdout.write(f"wrote {len(paths)} heatmap(s) to {args.heatmap_dir}\n")
     if args.json is not None:
-        atomic_write_text(Path(args.json), json.dumps(report.to_dict(), indent=2))
-        sys.stdout.write(f"wrote {args.json}\n")
+        say_wrote(write_file(args.json, json.dumps(report.to_dict(), indent=2) + "\n", "--json"))
     return 0

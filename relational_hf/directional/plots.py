@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..outputs.paths import save_figure
 from .compression import CompressionReport
 from .evaluation import LayerSweepResult, SweepResult
 from .statistics import DirectionalReport
@@ -30,7 +31,7 @@ def plot_parallel_profile(
     ax.set_title(title or f"per-layer {statistic.replace('_', ' ')} by site")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_sweeps(sweeps: Sequence[SweepResult], path: str | os.PathLike, title: str | None = None) -> None:
@@ -50,7 +51,7 @@ def plot_sweeps(sweeps: Sequence[SweepResult], path: str | os.PathLike, title: s
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title or "perplexity change when one component is scaled")
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_per_layer(sweeps: Sequence[LayerSweepResult], path: str | os.PathLike, title: str | None = None) -> None:
@@ -80,7 +81,7 @@ def plot_per_layer(sweeps: Sequence[LayerSweepResult], path: str | os.PathLike, 
         ax.set_visible(False)
     tokens = sweeps[0].tokens if sweeps else 0
     fig.suptitle(title or f"perplexity change when one layer is edited ({tokens} tokens)")
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_compression(report: CompressionReport, path: str | os.PathLike, title: str | None = None) -> None:
@@ -109,4 +110,4 @@ def plot_compression(report: CompressionReport, path: str | os.PathLike, title: 
     ax_ppl.set_title(f"Spearman rho = {rho:.2f}")
     ax_ppl.grid(alpha=0.3)
     fig.suptitle(title or "layer-local compression error relative to the dense update")
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)

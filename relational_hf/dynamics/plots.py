@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..outputs.paths import save_figure
 from .trajectory import Trajectory, comparable, descriptor_vector, final_distances
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def plot_trajectories(trajectories: Sequence[Trajectory], path: str | os.PathLik
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)
     fig.suptitle("(a) trajectories, PCA shared by the runs of each row (o first record, [] last)")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 
@@ -113,7 +114,7 @@ def plot_distance_travelled(trajectories: Sequence[Trajectory], path: str | os.P
     right.set_title("raw (solid) vs canonical-coordinate chords (dash-dot)", fontsize=10)
     right.grid(alpha=0.3)
     fig.suptitle("(b) distance travelled in raw parameters vs along the quotient")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 
@@ -135,7 +136,7 @@ def plot_vertical_share(trajectories: Sequence[Trajectory], path: str | os.PathL
         ax.set_title(f"vertical share of the {title}", fontsize=10)
     axes[0].legend(fontsize=7)
     fig.suptitle("(c) vertical vs horizontal: share of each recorded step along the symmetry orbits")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 
@@ -200,7 +201,7 @@ def plot_seed_distances(trajectories: Sequence[Trajectory], path: str | os.PathL
     ax.set_title("(d) distance between final models of one group: raw vs canonicalised vs invariants", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 

@@ -20,6 +20,16 @@ Guarantees (see the README section "What is guaranteed on failure"):
   `recover_output_dir` (run at the start of every write) finishes or undoes a swap a crash interrupted, the same way.
 - **Atomic files.** `atomic_write_text` / `atomic_write_bytes` write a single file through a temporary sibling,
   fsynced and renamed over it: a reader never sees half a file.
+- **One rule for every path written** (`paths`): a regular file or a new path is written atomically; a symbolic
+  link is resolved and its target written (the link kept; a loop refused); `-`, a character device or a FIFO named
+  by the user (`--json /dev/stdout`, `--json -`) is written through as a stream; a socket, a directory where a
+  file is expected, a block device is refused before any work (`check_output_file`, `write_file`, `save_figure`).
+  Nothing that is not a regular file is ever renamed over, moved or removed, and the folder every output goes into
+  is checked writable before the work.
+- **What a save cannot keep is refused first.** FIFOs, sockets and device nodes in an output folder are the user's:
+  kept by a hard link across the swap, never opened; one at a name the output writes is refused even with
+  `--overwrite`. A mount point in (or at) a folder a save swaps, a symbolic-link loop, a read-only or unreadable
+  sub-folder: refused in one line before any work (`check_folder_entries`), nothing left behind.
 - **A full disk said so.** A save that runs out of space (whatever the writer raised: an OSError, safetensors' or
   tokenizers' error, torch's errno-less zip-writer failure on a file system with no space left) ends with one
   `DiskFullError` (an OSError, errno ENOSPC) whose message starts "no space left on device" and says what was kept
@@ -45,6 +55,7 @@ from .folders import (
     MARKER,
     TRAINER_DIR,
     OutputLock,
+    check_folder_entries,
     check_new_output,
     check_owned_names,
     holds_full_checkpoint,
@@ -63,6 +74,7 @@ from .folders import (
     write_output,
     write_owned_file,
 )
+from .paths import STDOUT, FileTarget, check_output_file, file_target, save_figure, say_wrote, write_file
 from .trainer_state import (
     checkpoint_is_complete,
     complete_checkpoint,
@@ -75,16 +87,21 @@ __all__ = [
     "HASH_LIMIT",
     "MARKER",
     "DiskFullError",
+    "FileTarget",
+    "STDOUT",
     "TRAINER_DIR",
     "OutputLock",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_folder_entries",
     "check_new_output",
+    "check_output_file",
     "check_owned_names",
     "checkpoint_is_complete",
     "complete_checkpoint",
     "discard_run_checkpoints",
     "drop_set_aside_checkpoints",
+    "file_target",
     "fingerprint",
     "holds_full_checkpoint",
     "is_disk_full",
@@ -99,10 +116,13 @@ __all__ = [
     "remove_if_unused",
     "reporting_disk_full",
     "save_checkpoint",
+    "save_figure",
+    "say_wrote",
     "save_tokenizer",
     "set_aside_incomplete_checkpoints",
     "stage_and_swap",
     "unclaimed_on_failure",
+    "write_file",
     "write_marker",
     "write_new_output",
     "write_output",

@@ -10,6 +10,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from stat import S_ISREG
 
 #: files up to this size are fingerprinted by their SHA-256, larger ones by size and modification time
 HASH_LIMIT = 64 * 2**20
@@ -97,17 +98,24 @@ def reporting_disk_full(folder: str | os.PathLike, kept: str) -> Iterator[None]:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` through a temporary sibling that is fsynced and renamed over it; creates the parent
-    folder. A reader sees the old file or the new one, never half of one; a failure leaves the old file."""
-    path = Path(path)
+    """Write `data` to the file `path` through a temporary sibling that is fsynced and renamed over it; creates the
+    parent folder. A reader sees the old file or the new one, never half of one; a failure leaves the old file.
+    The path follows `relational_hf.outputs.paths` (`files_only`): a symbolic link is resolved and its target
+    written; a directory, FIFO, socket or device node there is refused (`UsageError`), never renamed over. Returns
+    the path written (the link's target for a link)."""
+    from .paths import file_target
+
+    path = file_target(path, files_only=True).path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{TAG}-tmp-{secrets.token_hex(4)}")
     kept = f"{path.name} was not changed" if path.exists() else f"{path.name} was not written"
     try:
-        with reporting_disk_full(path, kept), open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with reporting_disk_full(path, kept):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with open(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
         if path.exists():
             shutil.copymode(path, tmp)
         else:
@@ -116,7 +124,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        if os.path.lexists(tmp):
             tmp.unlink()
     fsync_dir(path.parent)
     return path
@@ -130,6 +138,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def fingerprint(path: str | os.PathLike) -> dict:
     """{"size", "sha256"} of a file up to `HASH_LIMIT`, {"size", "mtime_ns"} of a larger one."""
     stat = os.stat(path)
+    if not S_ISREG(stat.st_mode):  # a FIFO or a device is never opened (it could block, or read for ever)
+        return {"size": stat.st_size, "mode": stat.st_mode}
     if stat.st_size > HASH_LIMIT:
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     digest = hashlib.sha256()

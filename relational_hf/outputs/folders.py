@@ -10,11 +10,16 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import UsageError
+from .entries import check_folder_entries, special_kind
 from .files import TAG, atomic_write_bytes, atomic_write_text, fingerprint, fsync_dir, reporting_disk_full
+from .lock import OutputLock
+from .lock import sibling as _sibling
+from .paths import check_writable_folder, file_target
 from .trainer_state import complete_checkpoint, set_aside_incomplete_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -93,13 +98,10 @@ def _files(folder: Path) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _sibling(out: Path, purpose: str) -> Path:
-    return out.with_name(f".{out.name}.{TAG}-{purpose}")
-
-
-def normalise_output_dir(output_dir: str | os.PathLike, flag: str = "--output-dir") -> Path:
+def normalise_output_dir(output_dir: str | os.PathLike, flag: str = "--output-dir", *, swaps: bool = True) -> Path:
     """The absolute output path with symbolic links resolved; refuses an empty name, the current directory or one of
-    its parents, and a path that exists but is not a directory."""
+    its parents, a path that exists but is not a directory, a folder that cannot be written (or created) and one
+    whose entries a save could not keep (`check_folder_entries`)."""
     text = str(output_dir)
     if not text.strip():
         raise UsageError(f"{flag}: empty path")
@@ -112,6 +114,8 @@ def normalise_output_dir(output_dir: str | os.PathLike, flag: str = "--output-di
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"{flag} {text}: exists and is not a directory")
+    check_writable_folder(out.parent / f".{out.name}.{TAG}-lock", f"{flag} {text}")  # the lock and staging beside
+    check_folder_entries(out, f"{flag} {text}", swaps=swaps)
     return out
 
 
@@ -135,7 +139,9 @@ def check_new_output(
         if out in src.parents:
             raise UsageError(f"{flag} {output_dir} holds SRC; choose another folder (nothing was changed)")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        hint = f", or pass {overwrite_flag} (only files relational-hf wrote there are replaced)" if overwrite_flag else ""
+        hint = (
+            f", or pass {overwrite_flag} (only files relational-hf wrote there are replaced)" if overwrite_flag else ""
+        )
         raise UsageError(f"{flag} {output_dir} is not empty; choose a new or empty folder{hint} (nothing was changed)")
     return out
 
@@ -148,15 +154,18 @@ def prepare_output_dir(
     command: str = "train",
     kind: str = "full",
     flag: str = "--output-dir",
+    swaps: bool = True,
 ) -> Path:
     """Check and claim an output folder that a run writes into over time (train, finetune, analyze); returns it.
+    `swaps`: the run ends with a save that replaces the folder (`stage_and_swap`; train, finetune), so what such a
+    save could not keep is refused now (`check_folder_entries`).
 
     Recovers an interrupted swap, then refuses: a non-empty folder without the marker (unless `overwrite`), a
     `kind="lora"` run into a folder holding a full checkpoint (always: adapter files beside full weights make the
     folder unloadable), an output of another kind (unless `overwrite`), and `resume` without a complete trainer
     checkpoint. Creates the folder and writes the marker (keeping an existing manifest), then sets incomplete
     trainer checkpoints aside."""
-    out = normalise_output_dir(output_dir, flag)
+    out = normalise_output_dir(output_dir, flag, swaps=swaps)
     recover_output_dir(out)
     if kind == "lora" and holds_full_checkpoint(out):
         raise UsageError(
@@ -188,11 +197,21 @@ def prepare_output_dir(
 
 def remove_if_unused(folder: str | os.PathLike) -> bool:
     """Remove `folder` when it holds nothing but the marker and empty folders (a run that failed before writing
-    anything); True when removed. Never removes a file other than the marker."""
+    anything); True when removed. Never removes anything else (a file, a link, a FIFO, a socket, a device node):
+    the marker is unlinked and the empty folders removed one by one, never recursively."""
     folder = Path(folder)
-    if not folder.is_dir() or any(p.is_file() and p.name != MARKER for p in folder.rglob("*")):
+    if not folder.is_dir() or folder.is_symlink():
         return False
-    shutil.rmtree(folder)
+    for root, _dirs, names in os.walk(folder):
+        if any(name != MARKER or Path(root) != folder for name in names):
+            return False
+        if any(Path(root, d).is_symlink() for d in _dirs):
+            return False
+    (folder / MARKER).unlink(missing_ok=True)
+    for root, dirs, _names in os.walk(folder, topdown=False):
+        for name in dirs:
+            os.rmdir(os.path.join(root, name))
+    folder.rmdir()
     return True
 
 
@@ -225,6 +244,8 @@ def check_owned_names(
     """Before a run writes the files `names` into the claimed `folder`: refuse (`UsageError`, nothing changed) when one
     of them exists and relational-hf did not write it (or it was edited since), unless `overwrite`."""
     folder = Path(folder)
+    for name in names:  # a directory, FIFO, socket or device at one of the names: refused even with --overwrite
+        file_target(folder / name, flag, files_only=True)
     owned = owned_files(folder)
     foreign = sorted(name for name in names if (folder / name).exists() and name not in owned)
     if foreign and not overwrite:
@@ -251,87 +272,16 @@ def write_owned_file(folder: str | os.PathLike, name: str, data: str | bytes, *,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# lock
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class OutputLock:
-    """An exclusive, non-blocking `fcntl.flock` on the sibling file `.NAME.relational-hf-lock` of an output folder,
-    held for a whole run (`with OutputLock(out): ...`). A second holder fails at once with `UsageError`. The
-    operating system releases the lock if the process dies (the lock file then stays, harmless); a normal exit
-    removes the file while still holding the lock, and a taker checks after locking that the file it locked is still
-    the one at the path. A command that holds the lock for its whole run passes it to `write_output(lock=...)`."""
-
-    def __init__(self, output_dir: str | os.PathLike, *, wait: bool = False) -> None:
-        self.out = Path(os.path.realpath(output_dir))
-        self.path = _sibling(self.out, "lock")
-        self.wait = wait  # block until the other holder is done instead of failing (shared caches)
-        self._fd: int | None = None
-        self.held = False
-
-    def __enter__(self) -> OutputLock:
-        try:
-            import fcntl
-        except ImportError:  # not a POSIX system: no lock, said once
-            logger.warning("file locking is not available on this platform: %s is not locked", self.out)
-            self.held = True
-            return self
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UsageError(f"{self.out}: cannot create its parent folder ({err.strerror})") from None
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise UsageError(f"{self.out}: cannot create the lock file {self.path} ({err.strerror})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                os.close(fd)
-                if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise UsageError(
-                        f"{self.out} is in use by another relational-hf run (lock {self.path.name} held); wait for it "
-                        "to finish or choose another output folder"
-                    ) from None
-                raise
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        self.held = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.held = False
-        if self._fd is not None:
-            import fcntl
-
-            try:
-                os.unlink(self.path)  # while still locked: a waiting taker sees the inode change and retries
-            except FileNotFoundError:
-                pass
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # stage and swap
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _fsync_tree(folder: Path) -> None:
+    """fsync every regular file and folder below `folder` (a link, a FIFO, a socket or a device is never opened)."""
     for root, _dirs, files in os.walk(folder):
         for name in files:
             path = os.path.join(root, name)
-            if os.path.islink(path):
+            if not stat.S_ISREG(os.lstat(path).st_mode):
                 continue
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -349,7 +299,13 @@ def _link(source: Path, target: Path) -> None:
         return
     try:
         os.link(source, target)
-    except OSError:
+    except OSError as err:
+        kind = special_kind(source.lstat().st_mode)
+        if kind is not None:  # a FIFO, socket or device is never opened (a copy would read it): kept only by a link
+            raise UsageError(
+                f"{source} is {kind} of the user's that this save cannot keep in place ({err.strerror}); move it "
+                "out of the output folder and rerun (nothing was changed)"
+            ) from None
         shutil.copy2(source, target)
 
 
@@ -412,6 +368,13 @@ def _carry_over(out: Path, staging: Path, written: set[str], overwrite: bool, le
     clash = sorted(
         rel for rel in written if (out / rel).exists() and rel not in owned and rel.split("/", 1)[0] != TRAINER_DIR
     )
+    special = [rel for rel in clash if special_kind((out / rel).lstat().st_mode)]
+    if special:  # never replaced, even with --overwrite: the user's FIFO, socket or device keeps its name
+        raise UsageError(
+            f"{out}: the output would replace {special[0]}, which is "
+            f"{special_kind((out / special[0]).lstat().st_mode)} of the user's; nothing was changed: move it away "
+            "or choose another folder"
+        )
     if clash and not overwrite and not legacy:
         shown = ", ".join(clash[:6]) + (f" and {len(clash) - 6} more" if len(clash) > 6 else "")
         raise UsageError(
@@ -451,6 +414,7 @@ def stage_and_swap(
     a complete old or new output and nothing of the user's is lost (module docstring). The caller holds the
     `OutputLock`. Returns the output path."""
     out = Path(os.path.realpath(output_dir))
+    check_folder_entries(out, str(out))  # a mount point, a loop, a read-only sub-folder: refused, nothing moved
     out.parent.mkdir(parents=True, exist_ok=True)
     recover_output_dir(out)
     token = secrets.token_hex(6)
@@ -560,6 +524,7 @@ __all__ = [
     "MARKER",
     "TRAINER_DIR",
     "OutputLock",
+    "check_folder_entries",
     "check_new_output",
     "check_owned_names",
     "exchange",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..architectures import get_adapter
+from ..outputs.paths import save_figure
 from .groups import symmetry_groups
 from .invariants import HeadDescriptors, head_descriptors, layer_descriptors
 
@@ -309,10 +310,7 @@ def plot_redundancy_by_layer(report: RedundancyReport, path: str | Path) -> Path
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120, files_only=False)  # the user's path: a file, a link, a stream or -
 
 
 def plot_head_similarity(report: RedundancyReport, directory: str | Path) -> list[Path]:
@@ -333,7 +331,7 @@ def plot_head_similarity(report: RedundancyReport, directory: str | Path) -> lis
             fig.colorbar(image, ax=ax, fraction=0.046)
         fig.tight_layout()
         path = directory / f"head_similarity_layer{d.layer:03d}.png"
-        fig.savefig(path, dpi=100)
+        save_figure(fig, path, dpi=100)
         paths.append(path)
     return paths
 
