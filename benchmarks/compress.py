@@ -81,6 +81,7 @@ from pathlib import Path
 
 import torch
 from common import RESULTS, command_line, corpus, log_axis_in_plain_numbers, machine, without_paths
+from domains import DESCRIPTIONS, DOMAINS, ratios
 
 logger = logging.getLogger("compress")
 
@@ -108,6 +109,7 @@ METHODS = (
     "relational-zero-prior",
     "relational-greedy-refine",
     "relational-score",
+    "relational-norefine",
 )
 PROJECT_METHODS = METHODS[METHODS.index("slice") :]
 # compress_model options of a method variant
@@ -126,14 +128,20 @@ PROJECT_OPTIONS = {
     "relational-zero-prior": {"refit_prior": "zero"},
     "relational-greedy-refine": {"mlp_order": "greedy", "refine_epochs": 4},
     "relational-score": {"mlp_order": "score", "refine_epochs": 0},
+    "relational-norefine": {"refine_epochs": 0},
 }
+#: calibration texts (`--calibration-text`): the benchmark's WikiText-2 windows (the user's text), text the source
+#: samples itself (data-free), half of each, or a mixture of domains (WikiText-2, Tiny Shakespeare's first 90%, the
+#: first 90% of the standard-library files, the source's own text: a quarter each)
+CALIBRATIONS = ("wikitext", "self", "wikitext+self", "domains")
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
 TARGETS = (0.1, 0.2, 0.25, 0.3)
 
 
-def cell_key(method: str, target: float | None) -> str:
-    return method if target is None else f"{method}@{target:g}"
+def cell_key(method: str, target: float | None, calibration: str = "wikitext") -> str:
+    key = method if target is None else f"{method}@{target:g}"
+    return key if calibration == "wikitext" or method == "dense" else f"{key}~{calibration}"
 
 
 def write_atomically(path: Path, payload: dict) -> None:
@@ -194,21 +202,63 @@ _WANDA_NORMS: list = []  # one calibration pass for every Wanda cell
 _CURVES: dict = {}  # the relational methods' error curves, measured once per method for every target
 
 
-def relational_curves(method: str, model, calibration: torch.Tensor, options: dict):
+def calibration_windows(name: str, model, tokenizer, wikitext: torch.Tensor, cache_dir: Path) -> tuple[torch.Tensor, str]:
+    """(windows, description) of calibration text `name` (`CALIBRATIONS`), as many windows as `wikitext` holds and as
+    long. The source's own samples are drawn once (`compress.calibration.sampled_calibration`, its default seed) and
+    kept in `cache_dir` for the other variants and later runs."""
+    from domains import calibration_part
+
+    from relational_hf.compress.calibration import interleave, mixed_calibration, sampled_calibration
+    from relational_hf.compress.distill import load_teacher_text, model_fingerprint, save_teacher_text
+
+    n, window = wikitext.shape
+    if name == "wikitext":
+        return wikitext, "the benchmark's WikiText-2 calibration windows"
+    path = cache_dir / f"self_text_{n}x{window}.safetensors"
+    sampled = None
+    if path.is_file():
+        sampled, settings = load_teacher_text(path)
+        if settings.get("source") != model_fingerprint(model) or sampled.shape != (n, window):
+            sampled = None
+    if sampled is None:
+        sampled, settings = sampled_calibration(model, tokenizer, n=n, window=window)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        save_teacher_text(path, sampled, settings)
+    if name == "self":
+        return sampled, f"{n} windows the source samples itself (compress.calibration.sampled_calibration)"
+    if name == "wikitext+self":
+        mixed, _ = mixed_calibration(wikitext, 0.5, sampled=sampled)
+        return mixed, "half the WikiText-2 windows, half the source's own samples, interleaved"
+    quarter = n // 4
+    parts = [
+        wikitext[:quarter],
+        calibration_part("shakespeare", tokenizer, window, quarter),
+        calibration_part("python", tokenizer, window, quarter),
+        sampled[: n - 3 * quarter],
+    ]
+    return interleave(parts), "a quarter each: WikiText-2, Tiny Shakespeare's first 90%, the standard library's first " \
+        "90% of files, the source's own samples; interleaved"
+
+
+def relational_curves(method: str, model, calibration: torch.Tensor, options: dict, key: str | None = None):
     """The error curves of pass 1 (`lowrank.measure_error_curves`) of a relational method, measured on the first
-    call and reused for the other targets (they do not depend on the budget); (curves, seconds spent now)."""
-    if method in _CURVES:
-        return _CURVES[method], 0.0
+    call and reused for the other targets (they do not depend on the budget); (curves, seconds spent now). `key`
+    names the method and calibration the curves belong to (default: the method)."""
+    key = key or method
+    if key in _CURVES:
+        return _CURVES[key], 0.0
     from relational_hf.compress.lowrank import LowRankOptions, measure_error_curves
     from relational_hf.convert.relational import to_relational
 
     start = time.perf_counter()
     rel = to_relational(copy.deepcopy(model)).float().eval()
-    _CURVES[method] = measure_error_curves(rel, calibration, LowRankOptions(**options), progress=True)
-    return _CURVES[method], time.perf_counter() - start
+    _CURVES[key] = measure_error_curves(rel, calibration, LowRankOptions(**options), progress=True)
+    return _CURVES[key], time.perf_counter() - start
 
 
-def compress(method: str, target: float | None, model, tokenizer, calibration: torch.Tensor) -> tuple[object, dict]:
+def compress(
+    method: str, target: float | None, model, tokenizer, calibration: torch.Tensor, curves_key: str | None = None
+) -> tuple[object, dict]:
     """(compressed model, details) for one cell."""
     from relational_hf.compress.baselines import prune_to_target, slicegpt, wanda_feature_norms
 
@@ -235,7 +285,7 @@ def compress(method: str, target: float | None, model, tokenizer, calibration: t
         base = method.split("-")[0]
         measured = 0.0
         if base == "relational":
-            options["curves"], measured = relational_curves(method, model, calibration, options)
+            options["curves"], measured = relational_curves(method, model, calibration, options, curves_key)
         compressed, report = compress_model(
             copy.deepcopy(model), tokenizer, remove=target, method=base, calibration=calibration, **options
         )
@@ -279,6 +329,64 @@ def plot(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def name_of_runs(json_path: Path) -> str:
+    """The folder beside the results that keeps a run's cached inputs (ignored by git: `*_runs/`)."""
+    return f"{json_path.stem}_runs"
+
+
+def plot_domains(payload: dict, path: Path) -> None:
+    """Each cell's perplexity as a multiple of dense on each domain (bars), with the targets' x1.35 and x1.6 lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [(k, c) for k, c in payload["cells"].items() if c.get("domain_ratios")]
+    if not cells:
+        return
+    names = [d for d in DOMAINS if any(d in c["domain_ratios"] for _, c in cells)]
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.2 * len(cells) + 3), 4.8))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
+        ax.bar(xs, [c["domain_ratios"].get(name, float("nan")) for _, c in cells], width, label=name)
+    ax.axhline(1.6, color="red", linewidth=0.8, linestyle="--", label="x1.6 (worst-domain target)")
+    ax.axhline(1.35, color="grey", linewidth=0.8, linestyle=":", label="x1.35 (WikiText-2 target)")
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([k.replace("~", "\ncal: ") for k, _ in cells], fontsize=8)
+    ax.set_yscale("log")
+    log_axis_in_plain_numbers(ax.yaxis)
+    ax.set_ylabel("held-out perplexity / dense")
+    ax.set_title(payload["protocol"]["model"] + ": compressed / dense perplexity by domain")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def domain_markdown(payload: dict) -> str:
+    """The per-domain table: dense perplexity per domain, then each cell's ratio to it and the worst ratio."""
+    dense = payload["cells"].get("dense", {}).get("domains") or {}
+    names = [d for d in DOMAINS if d in dense]
+    if not names:
+        return ""
+    lines = [
+        "| cell | calibration | " + " | ".join(names) + " | worst of four |",
+        "|---|---|" + "---:|" * (len(names) + 1),
+        "| dense | - | " + " | ".join(f"{dense[d]:.2f}" for d in names) + " | |",
+    ]
+    for key, cell in payload["cells"].items():
+        r = cell.get("domain_ratios")
+        if not r:
+            continue
+        lines.append(
+            f"| {key.split('~')[0]} | {cell.get('calibration_text', 'wikitext')} | "
+            + " | ".join(f"x{r[d]:.2f}" if d in r else "" for d in names)
+            + (f" | x{r['worst']:.2f} |" if "worst" in r else " | |")
+        )
+    return "\n".join(lines)
+
+
 def markdown(payload: dict) -> str:
     """The README table: one row per method and target."""
     dense = payload["cells"].get("dense", {})
@@ -299,8 +407,10 @@ def markdown(payload: dict) -> str:
             continue
         rel = "" if not base else f"x{cell['perplexity'] / base:.2f}"
         cal = (cell.get("details") or {}).get("calibration_perplexity_after")
+        text = cell.get("calibration_text", "wikitext")
+        label = cell["method"] + ("" if text == "wikitext" or cell["method"] == "dense" else f" (calibration: {text})")
         lines.append(
-            f"| {cell['method']} | {target} | {cell['stored_parameters']:,} | {cell['nonzero_parameters']:,} "
+            f"| {label} | {target} | {cell['stored_parameters']:,} | {cell['nonzero_parameters']:,} "
             f"| {cell['perplexity']:.2f} | {rel} | {'' if cal is None else f'{cal:.2f}'} "
             f"| {cell.get('compress_seconds', 0):.0f} |"
         )
@@ -390,6 +500,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-windows", type=int, default=None, help="default 16 (quick 4)")
     parser.add_argument("--eval-windows", type=int, default=None, help="default 12 (quick 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--calibration-text", nargs="+", default=["wikitext"], choices=CALIBRATIONS, metavar="TEXT",
+        help=f"calibration texts to measure each project method with, of {', '.join(CALIBRATIONS)} (default "
+        "wikitext); cells of another text than wikitext are keyed METHOD@TARGET~TEXT",
+    )
+    parser.add_argument(
+        "--domains", nargs="*", default=None, metavar="DOMAIN",
+        help="evaluation domains besides the WikiText-2 windows, of " + ", ".join(DOMAINS[1:]) + " (default: all; "
+        "none with an empty list); each cell reports its perplexity and ratio to dense on each",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (compress_TAG.json), e.g. for another protocol")
     parser.add_argument(
         "--split", choices=SPLITS, default="forward",
@@ -408,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         if not json_path.is_file():
             parser.error(f"{json_path} does not exist: run the benchmark first")
         print(markdown(json.loads(json_path.read_text())))
+        print(domain_markdown(json.loads(json_path.read_text())))
         return 0
     if args.merge:
         return merge(json_path, png_path, args.merge, parser)
@@ -425,6 +546,23 @@ def main(argv: list[str] | None = None) -> int:
     calibration, evaluation, protocol = protocol_windows(
         tokenizer, window, n_cal, n_eval, args.quick, args.threads, split=args.split
     )
+    domains = list(DOMAINS[1:]) if args.domains is None else args.domains
+    unknown = [d for d in domains if d not in DOMAINS[1:]]
+    if unknown:
+        parser.error(f"--domains: unknown {unknown}; known: {', '.join(DOMAINS[1:])}")
+    domain_eval = {"wikitext": evaluation}
+    from domains import domain_windows
+
+    for name in domains:
+        domain_eval[name] = domain_windows(name, model, tokenizer, window, evaluation.shape[0], evaluation)
+    protocol["domains"] = {
+        name: {"what": DESCRIPTIONS[name], "windows": list(ids.shape)} for name, ids in domain_eval.items()
+    }
+    cal_texts: dict[str, tuple[torch.Tensor, str]] = {}
+    cache_dir = args.out_dir / f"{name_of_runs(json_path)}"
+    for text in args.calibration_text:
+        cal_texts[text] = calibration_windows(text, model, tokenizer, calibration, cache_dir)
+    protocol["calibration_texts"] = {text: what for text, (_, what) in cal_texts.items()}
     previous = json.loads(json_path.read_text()) if args.resume and json_path.is_file() else None
     try:
         payload = resumed_payload(previous, protocol, command_line("compress.py", argv))
@@ -434,22 +572,24 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     prior_wall = payload.get("wall_seconds", 0.0)
     cells = [
-        (m, None if m in FIXED_PATTERN or m == "dense" else t)
+        (m, None if m in FIXED_PATTERN or m == "dense" else t, c)
         for m in args.methods
+        for c in (args.calibration_text if m in PROJECT_METHODS else ["wikitext"])
         for t in (args.targets if m not in FIXED_PATTERN and m != "dense" else [None])
     ]
     seen = set()
     dense_total = stored_parameters(model)["total"]
-    for method, target in cells:
-        key = cell_key(method, target)
+    for method, target, text in cells:
+        key = cell_key(method, target, text)
         if key in seen or (key in payload["cells"] and args.resume):
             continue
         seen.add(key)
         logger.info("cell %s", key)
-        cell = {"method": method, "target": target}
+        cell = {"method": method, "target": target, "calibration_text": text}
         t0 = time.perf_counter()
+        curves_key = ("relational" if method == "relational-norefine" else method) + f"~{text}"
         try:
-            compressed, details = compress(method, target, model, tokenizer, calibration)
+            compressed, details = compress(method, target, model, tokenizer, cal_texts[text][0], curves_key)
         except ImportError as err:
             cell.update(status="not available", error=str(err))
         except ValueError as err:  # a target the method cannot reach (e.g. pruning a 2-layer quick model)
@@ -458,6 +598,14 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.perf_counter()
             counts = stored_parameters(compressed)
             ppl = perplexity_on_windows(compressed, evaluation, batch_size=2, progress=True)
+            by_domain = {"wikitext": ppl}
+            for name in domains:
+                by_domain[name] = perplexity_on_windows(compressed, domain_eval[name], batch_size=2, progress=True)
+            dense_domains = payload["cells"].get("dense", {}).get("domains") or {}
+            cell.update(
+                domains=by_domain,
+                domain_ratios=ratios(by_domain, dense_domains) if method != "dense" else {},
+            )
             cell.update(
                 status="ok",
                 perplexity=ppl,
@@ -473,17 +621,20 @@ def main(argv: list[str] | None = None) -> int:
                 command=payload["command"],
             )
             del compressed
-            logger.info("%s: %d stored, ppl %.3f", key, counts["total"], ppl)
+            logger.info("%s: %d stored, ppl %.3f; by domain %s", key, counts["total"], ppl, by_domain)
         if cell.get("perplexity") is None:
             logger.info("%s: %s (%s)", key, cell["status"], cell.get("error"))
         payload["cells"][key] = cell
         payload["wall_seconds"] = prior_wall + time.perf_counter() - started
         write_atomically(json_path, payload)
         plot(payload, png_path)
+        if domains:
+            plot_domains(payload, png_path.with_name(png_path.stem + "_domains.png"))
     payload["wall_seconds"] = prior_wall + time.perf_counter() - started
     write_atomically(json_path, payload)
     plot(payload, png_path)
     print(markdown(payload))
+    print(domain_markdown(payload))
     logger.info("wrote %s and %s in %.1f min", json_path, png_path, (time.perf_counter() - started) / 60)
     return 0
 

@@ -270,8 +270,8 @@ def test_the_thread_count_is_counted_again_before_each_long_phase(monkeypatch, t
 
 
 def test_compress_counts_the_threads_again_at_each_phase(tmp_path, monkeypatch, capsys, byte_llama_checkpoint):
-    """`compress` re-counts the idle cores before each long phase: sampling the teacher text, compressing, healing
-    (in memory), and before the streamed compression."""
+    """`compress` re-counts the idle cores before each long phase: sampling its calibration text, sampling the
+    teacher text, compressing, healing (in memory), and before the streamed compression."""
     from relational_hf.commands import main as cli
 
     phases = []
@@ -282,10 +282,10 @@ def test_compress_counts_the_threads_again_at_each_phase(tmp_path, monkeypatch, 
     small = ["--remove", "0.1", "--calibration", str(text), "--window", "32", "--calibration-windows", "4"]
     heal = ["--heal-steps", "1", "--heal-samples", "2", "--heal-length", "16"]
     assert cli.main([*base, str(tmp_path / "a"), *small, *heal]) == 0, capsys.readouterr().err
-    assert phases == ["sampling the teacher text", "compress", "heal"]
+    assert phases == ["sampling calibration text", "sampling the teacher text", "compress", "heal"]
     phases.clear()
     assert cli.main([*base, str(tmp_path / "b"), *small, "--stream"]) == 0, capsys.readouterr().err
-    assert phases == ["compress"]
+    assert phases == ["sampling calibration text", "compress"]
 
 
 def test_the_runnable_count_is_read_from_this_machine():

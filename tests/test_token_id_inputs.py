@@ -106,7 +106,9 @@ def test_analyze_on_token_ids_equals_analyze_on_their_text(tmp_path, capsys, byt
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
 def test_compress_without_a_tokenizer_takes_token_ids_and_writes_none(tmp_path, capsys, byte_llama_checkpoint, stream):
     """A checkpoint with no tokenizer compresses as it does with one when every text is token ids (same widths,
-    same perplexities, a loadable model), OUT holds no tokenizer, and a text input is refused naming its flag."""
+    same perplexities, a loadable model), OUT holds no tokenizer, and a text input is refused naming its flag.
+    (--self-calibration 0: the text SRC samples itself starts from its tokenizer's chat template and leaves out its
+    special tokens, so with and without a tokenizer SRC samples other text.)"""
     text, ids = _ids(tmp_path, byte_llama_checkpoint)
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -117,7 +119,8 @@ def test_compress_without_a_tokenizer_takes_token_ids_and_writes_none(tmp_path, 
     for name, src in (("with", byte_llama_checkpoint), ("without", bare)):
         out = tmp_path / name
         args = ["compress", str(src), str(out), "--remove", "0.15", "--calibration", str(ids), "--eval", str(ids),
-                "--window", "32", "--calibration-windows", "4", "--eval-windows", "2", stream]  # fmt: skip
+                "--window", "32", "--calibration-windows", "4", "--eval-windows", "2", "--self-calibration", "0",
+                stream]  # fmt: skip
         assert main(args) == 0, capsys.readouterr().err
         reports.append(json.loads((out / "compression_report.json").read_text()))
     printed = capsys.readouterr().out
@@ -132,13 +135,19 @@ def test_compress_without_a_tokenizer_takes_token_ids_and_writes_none(tmp_path, 
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "without")
     assert model.num_parameters() == b["parameters_after"]
-    for flag_args in (["--calibration", str(text)], []):  # a text file, and the built-in text when none is given
+    # a text file, and the built-in text when SRC is not to sample its own (--self-calibration 0)
+    for flag_args in (["--calibration", str(text)], ["--self-calibration", "0"]):
         out = tmp_path / "refused"
         args = ["compress", str(bare), str(out), "--remove", "0.15", "--window", "32", *flag_args, stream]
         assert main(args) == 2
         err = capsys.readouterr().err
         assert "--calibration" in err and "no tokenizer" in err and ".pt tensor of token ids" in err, err
         assert "Traceback" not in err and not out.exists()
+    # with no text at all, SRC calibrates on text it samples itself: no tokenizer needed
+    out = tmp_path / "data-free"
+    args = ["compress", str(bare), str(out), "--remove", "0.15", "--window", "32", "--calibration-windows", "4", stream]
+    assert main(args) == 0, capsys.readouterr().err
+    assert json.loads((out / "compression_report.json").read_text())["calibration"]["self_windows"] == 4
 
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])

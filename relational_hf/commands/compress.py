@@ -33,16 +33,24 @@ quotes, are `training.heal_settings`.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from ..compress.calibration import AUTO_SELF_MAX_PARAMETERS, DEFAULT_SELF_SHARE
 from ..errors import UsageError
 from ..training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR
-from .checks import check_model_argument, check_token_ids, read_token_ids, text_or_ids
+from .checks import check_model_argument, check_token_ids, text_or_ids
+from .compress_texts import (
+    calibration_summary,
+    eval_name,
+    eval_summary,
+    sampled_calibration,
+    warn_if_fitted,
+    windows_of,
+)
 from .options import (
     CommandArguments,
     Fraction,
@@ -76,7 +84,24 @@ class CompressOptions:
     calibration: str | None = option(
         None, "calibration text file or a .pt tensor of token ids (default: built-in corpus)", metavar="FILE"
     )
-    eval: str | None = option(None, "text file (or a .pt tensor of token ids) to report perplexity on", metavar="FILE")
+    eval: list[str] | None = option(
+        None,
+        "text file (or a .pt tensor of token ids) to report perplexity on, before and after; several (--eval A B, or "
+        "--eval given again) report each and the worst ratio: give text unlike the calibration's too (on SmolLM2 at "
+        "25%%, calibrated on WikiText-2 alone, held-out WikiText-2 was x1.4 of dense, Python source x6 or more)",
+        metavar="FILE",
+        action="extend",
+    )
+    self_calibration: Share | None = option(
+        None,
+        "share of the calibration windows that SRC samples itself (data-free text: chat answers, stories, code, "
+        "explanations; seeded), interleaved with --calibration's; they keep the compressed model close to SRC on text "
+        "unlike --calibration's (measured by domain in the README, 'Across domains'). Default: "
+        f"{DEFAULT_SELF_SHARE:g} with --calibration and 1 without it, for a SRC of at most "
+        f"{AUTO_SELF_MAX_PARAMETERS / 1e9:g}B parameters (sampling needs the whole model in memory, minutes on a CPU); "
+        "0 above (the built-in text without --calibration)",
+        metavar="SHARE",
+    )
     calibration_windows: PositiveInt = option(
         128,
         "calibration windows (on SmolLM2 at 25%%, with the options of the time: held-out perplexity a fifth lower with "
@@ -225,9 +250,13 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--remove is required: the share of stored parameters to remove, in (0, 1)")
     args.src = check_model_argument(args.src, "SRC", gguf_file=args.gguf_file)
     check_new_output(args.out, "OUT", source=args.src)
-    for flag, path in (("--calibration", args.calibration), ("--eval", args.eval)):
+    for flag, path in (("--calibration", args.calibration), *(("--eval", e) for e in args.eval or [])):
         if path is not None:
             text_or_ids(path, flag)
+    names = [eval_name(e) for e in args.eval or []]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise UsageError(f"--eval: two files are named {twice}; the report names each text by its file name")
     if args.heal_text is not None:
         if Path(args.heal_text).suffix == ".safetensors":
             if not Path(args.heal_text).is_file():
@@ -285,24 +314,6 @@ def check(args: CompressArguments) -> None:
 NO_TOKENIZER_NOTE = "; SRC has no tokenizer, so OUT holds none"
 
 
-def _windows(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
-    """Consecutive windows (n', window) of token ids of a text file or string, or of a .pt tensor of token ids
-    (each a row of the model's `vocab` embedding rows) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
-    error that kept it from loading (a UsageError for a text, which needs one)."""
-    from ..compress.eval import id_windows, text_windows
-
-    ids = None
-    if isinstance(source, Path) and source.suffix == ".pt":
-        ids = check_token_ids(read_token_ids(source, lambda: None, flag), vocab, flag)  # a .pt needs no tokenizer
-    elif isinstance(tokenizer, Exception):
-        what = f"{flag} {source}" if isinstance(source, Path) else f"{flag} (not given: the built-in text)"
-        raise UsageError(f"{what}: SRC has no tokenizer ({tokenizer}); pass a .pt tensor of token ids")
-    try:
-        return id_windows(ids, window, n) if ids is not None else text_windows(str(source), tokenizer, window=window, n=n)
-    except ValueError as err:
-        raise UsageError(f"{flag}: {err} (--window {window})") from None
-
-
 def run(args: CompressArguments) -> int:
     """Load SRC, compress it (`compress_model`), evaluate, and write OUT atomically under its lock (a second run
     into the same OUT is refused at once); prints a short summary."""
@@ -314,7 +325,9 @@ def run(args: CompressArguments) -> int:
 
 
 def _run(args: CompressArguments, lock) -> int:
+    from ..compress.calibration import approximate_parameters, resolve_self_share, self_windows_count
     from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
+    from ..compress.eval import eval_table
     from ..jobs import compress_model
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
@@ -337,12 +350,27 @@ def _run(args: CompressArguments, lock) -> int:
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
     warn_beyond_context(config, lengths, "SRC")
     vocab = config.get_text_config().vocab_size
+    self_share, why = resolve_self_share(
+        args.self_calibration, args.calibration is not None, approximate_parameters(config)
+    )
+    calibration = None
     if args.calibration is not None:
         calibration_text: Path | str = Path(args.calibration)
     else:
         calibration_text, _, _ = load_texts(None, None, None, "text")
-    calibration = _windows(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration", vocab)
-    if args.refit_holdout >= calibration.shape[0]:  # a text shorter than --calibration-windows asked for
+    if self_share < 1.0:
+        n_user = args.calibration_windows - (self_windows_count(args.calibration_windows, self_share) if self_share else 0)
+        calibration = windows_of(calibration_text, tokenizer, args.window, n_user, "--calibration", vocab)
+    evaluations = {
+        eval_name(e): windows_of(Path(e), tokenizer, args.window, args.eval_windows, "--eval", vocab) for e in args.eval or []
+    }
+    calibration_info = {
+        "text": Path(args.calibration).name if args.calibration is not None else "built-in",
+        "self_share": self_share,
+        "self_share_choice": why,
+    }
+    mixed = {"self_windows": 0, "user_windows": int(calibration.shape[0])} if calibration is not None else {}
+    if calibration is not None and args.refit_holdout >= calibration.shape[0]:  # a text shorter than --calibration-windows asked for
         raise UsageError(
             f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on: --calibration holds "
             f"only {calibration.shape[0]} windows of --window {args.window}"
@@ -356,16 +384,31 @@ def _run(args: CompressArguments, lock) -> int:
             raise UsageError(f"--heal-text: {err}") from None
         check_token_ids(heal_data, vocab, f"--heal-text {args.heal_text}")
     elif args.heal_text is not None:
-        heal_data = _windows(Path(args.heal_text), tokenizer, args.window, 1_000_000, "--heal-text", vocab)
-    evaluation = eval_before = None
-    if args.eval is not None:
-        evaluation = _windows(Path(args.eval), tokenizer, args.window, args.eval_windows, "--eval", vocab)
-        _warn_if_fitted(evaluation, calibration)
+        heal_data = windows_of(Path(args.heal_text), tokenizer, args.window, 1_000_000, "--heal-text", vocab)
     if args.stream:
-        return _run_streamed(args, lock, calibration, evaluation, has_tokenizer=not isinstance(tokenizer, Exception))
+        if self_share > 0.0:  # the source samples its share: the whole model in memory for that, then freed
+            recheck_cpu_threads("sampling calibration text")
+            sampler = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()
+            calibration, mixed = sampled_calibration(args, sampler, tokenizer, calibration, self_share)
+            del sampler
+        calibration_info.update(mixed)
+        for name, ids in evaluations.items():
+            warn_if_fitted(name, ids, calibration)
+        return _run_streamed(
+            args, lock, calibration, evaluations, calibration_info, has_tokenizer=not isinstance(tokenizer, Exception)
+        )
     if isinstance(tokenizer, Exception):  # every text came as token ids
         tokenizer = None
     model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()
+    if self_share > 0.0:
+        recheck_cpu_threads("sampling calibration text")
+        calibration, mixed = sampled_calibration(args, model, tokenizer, calibration, self_share)
+    calibration_info.update(mixed)
+    if args.refit_holdout >= calibration.shape[0]:
+        raise UsageError(f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on")
+    for name, ids in evaluations.items():
+        warn_if_fitted(name, ids, calibration)
+    evaluation = next(iter(evaluations.values()), None)
     if text_settings is not None and text_settings.get("source") != model_fingerprint(model):
         raise UsageError(f"--heal-text {args.heal_text} was generated by another model than SRC; generate it anew")
     share = args.heal_calibration_share
@@ -379,8 +422,7 @@ def _run(args: CompressArguments, lock) -> int:
         heal_data, text_settings = teacher_text(
             model, tokenizer, progress=True, **{k: v for k, v in chosen.items() if v is not None}
         )
-    if evaluation is not None:
-        eval_before = perplexity(model, evaluation, progress=True)
+    eval_before = {name: perplexity(model, ids, progress=True) for name, ids in evaluations.items()}
     options = (
         {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
          "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
@@ -412,17 +454,21 @@ def _run(args: CompressArguments, lock) -> int:
         **options,
     )
     report["source"] = str(args.src)
+    report["calibration"] = calibration_info
     mixed = (report.get("heal") or {}).get("text")
     mixed = {k: v for k, v in mixed.items() if k != "text"} if isinstance(mixed, dict) else {}
     if "heal" in report and text_settings is not None:
         report["heal"]["text"] = text_settings | {"file": TEACHER_TEXT_NAME} | mixed
     elif "heal" in report and args.heal_text is not None:
         report["heal"]["text"] = {"file": Path(args.heal_text).name, "tokens": int(heal_data.numel())} | mixed
-    if evaluation is not None:
-        report["eval_file"] = Path(args.eval).name
-        report["eval_windows"] = list(evaluation.shape)
-        report["eval_perplexity_before"] = eval_before
-        report["eval_perplexity_after"] = perplexity(compressed, evaluation, progress=True)
+    if evaluations:
+        after = {name: perplexity(compressed, ids, progress=True) for name, ids in evaluations.items()}
+        first = next(iter(evaluations))
+        report["eval_file"] = first
+        report["eval_windows"] = list(evaluations[first].shape)
+        report["eval_perplexity_before"] = eval_before[first]
+        report["eval_perplexity_after"] = after[first]
+        report["eval"] = eval_table(eval_before, after, {n: list(ids.shape) for n, ids in evaluations.items()})
 
     def write(folder: Path) -> None:
         compressed.save_pretrained(folder)
@@ -438,8 +484,9 @@ def _run(args: CompressArguments, lock) -> int:
         f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
     )
-    if evaluation is not None:
-        summary += _eval_summary(args.eval, eval_before, report["eval_perplexity_after"], evaluation, calibration)
+    summary += calibration_summary(calibration_info)
+    if evaluations:
+        summary += eval_summary(report["eval"], evaluations, calibration)
     if "heal" in report:
         summary += f" (after {args.heal_steps} {heal_loss} healing steps)"
     if tokenizer is None:
@@ -448,36 +495,18 @@ def _run(args: CompressArguments, lock) -> int:
     return 0
 
 
-def _warn_if_fitted(evaluation: torch.Tensor, calibration: torch.Tensor) -> None:
-    """One warning when --eval's windows are calibration windows too (the same file given twice, say)."""
-    from ..compress.eval import shared_windows
-
-    shared = shared_windows(evaluation, calibration)
-    if shared:
-        logging.getLogger(__name__).warning(
-            "--eval: %d of its %d windows are --calibration windows too; the compression fits them, so their "
-            "perplexity is not a held-out figure (give text the calibration does not hold)", shared, len(evaluation)
-        )
-
-
-def _eval_summary(
-    eval_file: str, before: float, after: float, evaluation: torch.Tensor, calibration: torch.Tensor
-) -> str:
-    """The summary's --eval part: the perplexities, and whether the windows were held out from the calibration."""
-    from ..compress.eval import shared_windows
-
-    shared = shared_windows(evaluation, calibration)
-    fitted = f" (not held out: {shared} of {len(evaluation)} windows are calibration windows)" if shared else ""
-    return f"; {Path(eval_file).name} perplexity {before:.2f} -> {after:.2f}{fitted}"
-
-
 def _gauge_note(report: dict) -> str:
     gauge = (report.get("options") or {}).get("gauge")
     return f", {gauge} gauge" if gauge else ""
 
 
 def _run_streamed(
-    args: CompressArguments, lock, calibration: torch.Tensor, evaluation: torch.Tensor | None, has_tokenizer: bool
+    args: CompressArguments,
+    lock,
+    calibration: torch.Tensor,
+    evaluations: dict[str, torch.Tensor],
+    calibration_info: dict,
+    has_tokenizer: bool,
 ) -> int:
     """The layer-streamed compression (`jobs.compress_checkpoint`, --eval perplexities one layer at a time too)."""
     from ..jobs.compress import compress_checkpoint
@@ -485,14 +514,16 @@ def _run_streamed(
 
     recheck_cpu_threads("compress")
     report = compress_checkpoint(
-        args.local_gguf() or args.src, args.out, remove=args.remove, calibration=calibration, evaluation=evaluation, dtype=args.dtype,
+        args.local_gguf() or args.src, args.out, remove=args.remove, calibration=calibration, evaluations=evaluations,
+        dtype=args.dtype,
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
         mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
         refine_epochs=args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
         **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
         **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
-        report_extra={"source": str(args.src)} | ({"eval_file": Path(args.eval).name} if args.eval else {}),
+        report_extra={"source": str(args.src), "calibration": calibration_info}
+        | ({"eval_file": next(iter(evaluations))} if evaluations else {}),
     )
     summary = (
         f"compressed {args.src} one layer at a time: {report['parameters_before']:,} -> {report['parameters_after']:,} "
@@ -500,9 +531,9 @@ def _run_streamed(
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}; peak memory "
         f"{report['peak_rss_mib']:,.0f} MiB"
     )
-    if evaluation is not None:
-        before, after = report["eval_perplexity_before"], report["eval_perplexity_after"]
-        summary += _eval_summary(args.eval, before, after, evaluation, calibration)
+    summary += calibration_summary(calibration_info)
+    if evaluations:
+        summary += eval_summary(report["eval"], evaluations, calibration)
     if not has_tokenizer:
         summary += NO_TOKENIZER_NOTE
     print(summary + f"\nsaved to {args.out} (report: {Path(args.out) / REPORT_NAME})")

@@ -118,8 +118,26 @@ def shared_windows(windows: torch.Tensor, others: torch.Tensor) -> int:
     return sum(row.numpy().tobytes() in seen for row in windows.long().cpu())
 
 
+def eval_table(before: dict[str, float], after: dict[str, float], windows: dict[str, list[int]]) -> dict:
+    """The compression report's per-text evaluation: for each named text (e.g. each --eval file) its windows, its
+    perplexity before and after and their ratio, and the worst ratio with its text's name (what a user who serves
+    more than one kind of text gets at worst)."""
+    texts = {
+        name: {
+            "windows": list(windows[name]),
+            "perplexity_before": before[name],
+            "perplexity_after": after[name],
+            "ratio": after[name] / before[name] if before[name] else float("nan"),
+        }
+        for name in before
+    }
+    worst = max(texts, key=lambda n: texts[n]["ratio"]) if texts else None
+    return {"texts": texts, "worst_ratio": texts[worst]["ratio"] if worst else None, "worst_text": worst}
+
+
 __all__ = [
     "PARAMETER_KINDS",
+    "eval_table",
     "ModelGrewError",
     "check_not_grown",
     "TEXT_SPLITS",

@@ -251,6 +251,7 @@ def compress_checkpoint(
     progress: bool = True,
     lock=None,
     report_extra: dict | None = None,
+    evaluations: dict[str, torch.Tensor] | None = None,
     **options: Any,
 ) -> dict:
     """`compress_model(method="relational")` of the safetensors checkpoint folder or GGUF file `src`, one decoder layer in memory
@@ -261,7 +262,10 @@ def compress_checkpoint(
 
     dtype: stored dtype of the result (default: the source's on disk); device: where each layer runs ("cuda" on a
     GPU; default CPU); evaluation: token ids (N, T) whose perplexity is reported before and after (one layer at a
-    time too: eval_perplexity_before/after); report_extra: entries added to the report; options: the fields of
+    time too: eval_perplexity_before/after); evaluations: named token ids (N, T) each measured the same way, reported
+as `compress.eval.eval_table` under "eval" (instead of `evaluation`; the first of them also as
+eval_windows and eval_perplexity_before/after); report_extra: entries added to
+the report; options: the fields of
     `LowRankOptions` except `fisher_metric`. No healing (it trains the whole model): heal the result in memory if it
     fits. Returns the report (also in the folder), with per-layer seconds and the peak resident memory."""
     from ..compress.options import LowRankOptions
@@ -290,6 +294,16 @@ def compress_checkpoint(
     if evaluation is not None:
         report["eval_windows"] = list(evaluation.shape)
         report["eval_perplexity_before"] = streamed_perplexity(source, evaluation, device=device, progress=progress)
+    evaluations = dict(evaluations or {})
+    if evaluation is not None and evaluations:
+        raise ValueError("give `evaluation` or `evaluations`, not both (the first of `evaluations` is reported as both)")
+    eval_before = {
+        name: streamed_perplexity(source, ids, device=device, progress=progress) for name, ids in evaluations.items()
+    }
+    first = next(iter(evaluations), None)
+    if first is not None:
+        report["eval_windows"] = list(evaluations[first].shape)
+        report["eval_perplexity_before"] = eval_before[first]
 
     def write(stage: Path) -> None:
         names = 64 * source.config.num_hidden_layers + 16
@@ -316,6 +330,13 @@ def compress_checkpoint(
         if evaluation is not None:
             written = RelationalCheckpointLayers(stage, trust_remote_code=trust_remote_code)
             report["eval_perplexity_after"] = streamed_perplexity(written, evaluation, device=device, progress=progress)
+        if evaluations:
+            from ..compress.eval import eval_table
+
+            written = RelationalCheckpointLayers(stage, trust_remote_code=trust_remote_code)
+            after = {n: streamed_perplexity(written, ids, device=device, progress=progress) for n, ids in evaluations.items()}
+            report["eval"] = eval_table(eval_before, after, {n: list(ids.shape) for n, ids in evaluations.items()})
+            report["eval_perplexity_after"] = after[first]
         report.update(report_extra or {})
         report["seconds"] = round(time.perf_counter() - start, 2)
         report["peak_rss_mib"] = round(_peak_rss_mib(), 1)

@@ -1,0 +1,81 @@
+"""The texts of `relational-hf compress`: calibration and evaluation windows of files or token-id tensors, the
+calibration mixed with text SRC samples itself, and how the summary and warnings name them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from .checks import check_token_ids, read_token_ids
+
+
+def eval_name(path: str) -> str:
+    """How the report and the summary name an --eval text: its file name."""
+    return Path(path).name
+
+
+def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
+    """Consecutive windows (n', window) of token ids of a text file or string, or of a .pt tensor of token ids
+    (each a row of the model's `vocab` embedding rows) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
+    error that kept it from loading (a UsageError for a text, which needs one)."""
+    from ..compress.eval import id_windows, text_windows
+
+    ids = None
+    if isinstance(source, Path) and source.suffix == ".pt":
+        ids = check_token_ids(read_token_ids(source, lambda: None, flag), vocab, flag)  # a .pt needs no tokenizer
+    elif isinstance(tokenizer, Exception):
+        what = f"{flag} {source}" if isinstance(source, Path) else f"{flag} (not given: the built-in text)"
+        raise UsageError(f"{what}: SRC has no tokenizer ({tokenizer}); pass a .pt tensor of token ids")
+    try:
+        return id_windows(ids, window, n) if ids is not None else text_windows(str(source), tokenizer, window=window, n=n)
+    except ValueError as err:
+        raise UsageError(f"{flag}: {err} (--window {window})") from None
+
+
+def sampled_calibration(args, model, tokenizer, user: torch.Tensor | None, share: float) -> tuple[torch.Tensor, dict]:
+    """The calibration windows with `share` of them sampled from `model` (`compress.calibration.mixed_calibration`),
+    and what was mixed (counts and the sampling's settings, the source's fingerprint included)."""
+    from ..compress.calibration import mixed_calibration, self_windows_count
+
+    tokenizer = None if isinstance(tokenizer, Exception) else tokenizer
+    n = args.calibration_windows if user is None else user.shape[0] + self_windows_count(args.calibration_windows, share)
+    windows, info = mixed_calibration(user, share, model, tokenizer, n=n, window=args.window, progress=True)
+    return windows, {k: v for k, v in info.items() if k != "self_share"}
+
+
+def calibration_summary(info: dict) -> str:
+    """The summary's calibration part: the text and the share SRC sampled."""
+    if not info.get("self_windows"):
+        return f"; calibration: {info['text']}"
+    if not info.get("user_windows"):
+        return f"; calibration: {info['self_windows']} windows SRC sampled itself"
+    return f"; calibration: {info['user_windows']} windows of {info['text']} and {info['self_windows']} SRC sampled itself"
+
+
+def warn_if_fitted(name: str, evaluation: torch.Tensor, calibration: torch.Tensor) -> None:
+    """One warning when an --eval text's windows are calibration windows too (the same file given twice, say)."""
+    from ..compress.eval import shared_windows
+
+    shared = shared_windows(evaluation, calibration)
+    if shared:
+        logging.getLogger(__name__).warning(
+            "--eval %s: %d of its %d windows are --calibration windows too; the compression fits them, so their "
+            "perplexity is not a held-out figure (give text the calibration does not hold)", name, shared, len(evaluation)
+        )
+
+
+def eval_summary(table: dict, evaluations: dict[str, torch.Tensor], calibration: torch.Tensor) -> str:
+    """The summary's --eval part: each text's perplexities (and whether its windows were held out from the
+    calibration), then the worst ratio when there are several."""
+    from ..compress.eval import shared_windows
+
+    parts = []
+    for name, row in table["texts"].items():
+        shared = shared_windows(evaluations[name], calibration)
+        fitted = f" (not held out: {shared} of {len(evaluations[name])} windows are calibration windows)" if shared else ""
+        parts.append(f"{name} perplexity {row['perplexity_before']:.2f} -> {row['perplexity_after']:.2f}{fitted}")
+    worst = f"; worst x{table['worst_ratio']:.2f} of SRC ({table['worst_text']})" if len(parts) > 1 else ""
+    return "; " + "; ".join(parts) + worst

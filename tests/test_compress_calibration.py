@@ -1,0 +1,248 @@
+"""Calibration that generalises (`relational_hf.compress.calibration`) and the compression report across texts: the
+user's windows mixed with text the source samples itself, interleaved so every prefix holds the mixture; the
+automatic share; the `compress` command's --self-calibration and several --eval texts, in memory and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from relational_hf.compress.calibration import (
+    AUTO_SELF_MAX_PARAMETERS,
+    DEFAULT_SELF_SHARE,
+    approximate_parameters,
+    interleave,
+    mixed_calibration,
+    resolve_self_share,
+    sampled_calibration,
+    self_windows_count,
+)
+from relational_hf.compress.eval import eval_table
+
+
+def _rows(n: int, t: int, start: int) -> torch.Tensor:
+    return torch.arange(start, start + n * t).view(n, t)
+
+
+@pytest.mark.parametrize("sizes", [(5, 3), (1, 7), (4, 4, 4), (10, 1, 3)])
+def test_interleave_keeps_every_row_once_in_order_and_every_prefix_in_proportion(sizes):
+    """Each part's rows appear once each, in their order, and after k rows each part has given within one row of its
+    share of k (the plan reads the first windows, the refinement holds the last ones back)."""
+    parts = [_rows(n, 3, 1000 * i) for i, n in enumerate(sizes)]
+    out = interleave(parts)
+    total = sum(sizes)
+    assert out.shape == (total, 3)
+    owner = [int(row[0]) // 1000 for row in out]
+    for i, part in enumerate(parts):
+        mine = out[[j for j in range(total) if owner[j] == i]]
+        assert torch.equal(mine, part)
+    for k in range(1, total + 1):
+        for i, n in enumerate(sizes):
+            assert abs(owner[:k].count(i) - n / total * k) <= 1.0 + 1e-9
+
+
+def test_interleave_refuses_windows_of_different_lengths():
+    with pytest.raises(ValueError, match="one length"):
+        interleave([_rows(2, 3, 0), _rows(2, 4, 100)])
+    with pytest.raises(ValueError, match="at least one"):
+        interleave([_rows(0, 3, 0)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 128])
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_self_windows_count_is_the_share_with_both_sides_present(n, share):
+    k = self_windows_count(n, share)
+    assert 0 <= k <= n
+    assert abs(k - n * share) <= 1.0
+    if share > 0:
+        assert k >= 1
+    if share < 1 and n > 1:
+        assert k <= n - 1
+    if share in (0.0, 1.0):
+        assert k == round(n * share)
+
+
+def test_mixed_calibration_takes_the_first_windows_of_each_side():
+    """The result holds the first n - k user windows and the first k sampled rows, nothing else; share 0 and 1 give
+    one side alone."""
+    user, sampled = _rows(8, 4, 0), _rows(8, 4, 10_000)
+    mixed, info = mixed_calibration(user, 0.25, sampled=sampled)
+    k = self_windows_count(8, 0.25)
+    assert info == {"self_share": 0.25, "self_windows": k, "user_windows": 8 - k}
+    rows = {tuple(r.tolist()) for r in mixed}
+    assert rows == {tuple(r.tolist()) for r in user[: 8 - k]} | {tuple(r.tolist()) for r in sampled[:k]}
+    alone, _ = mixed_calibration(user, 0.0)
+    assert torch.equal(alone, user)
+    own, info = mixed_calibration(None, 1.0, n=5, window=4, sampled=sampled)
+    assert torch.equal(own, sampled[:5]) and info["user_windows"] == 0
+
+
+def test_mixed_calibration_keeps_the_share_when_the_user_text_is_short():
+    user, sampled = _rows(2, 4, 0), _rows(16, 4, 10_000)
+    mixed, info = mixed_calibration(user, 0.5, n=16, sampled=sampled)
+    assert info["user_windows"] == 2 and info["self_windows"] == 8
+    assert mixed.shape == (10, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"user": None, "share": 0.5}, "needs the user's calibration windows"),
+        ({"user": _rows(4, 4, 0), "share": 1.5}, "share in"),
+        ({"user": _rows(4, 4, 0), "share": True}, "share in"),
+        ({"user": _rows(4, 4, 0).float(), "share": 0.5}, "LongTensor"),
+        ({"user": _rows(4, 4, 0), "share": 0.5, "window": 8}, "not `window`"),
+        ({"user": _rows(4, 4, 0), "share": 0.5}, "needs the source model"),
+        ({"user": _rows(4, 4, 0), "share": 0.5, "sampled": _rows(1, 4, 0)}, "at least 2 rows"),
+    ],
+)
+def test_mixed_calibration_refuses_bad_input_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mixed_calibration(**kwargs)
+
+
+def test_resolve_self_share_given_automatic_and_large_models():
+    assert resolve_self_share(0.3, True, 10**8) == (0.3, "given")
+    assert resolve_self_share(None, True, 10**8)[0] == DEFAULT_SELF_SHARE
+    assert resolve_self_share(None, False, 10**8)[0] == 1.0
+    share, why = resolve_self_share(None, True, AUTO_SELF_MAX_PARAMETERS + 1)
+    assert share == 0.0 and "more than" in why
+    with pytest.raises(ValueError):
+        resolve_self_share(-0.1, True, 10)
+
+
+def _llama(seed: int = 0, vocab: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_approximate_parameters_is_close_to_the_real_count():
+    model = _llama()
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(approximate_parameters(model.config) - real) / real < 0.05
+
+
+def test_sampled_calibration_is_reproducible_and_the_source_s_own():
+    """The same seed gives the same windows; another seed or another model other windows; every row is `window`
+    tokens of the model's vocabulary, and the settings name the source."""
+    a, settings = sampled_calibration(_llama(0), None, n=3, window=16, seed=5, progress=False)
+    b, _ = sampled_calibration(_llama(0), None, n=3, window=16, seed=5, progress=False)
+    c, _ = sampled_calibration(_llama(0), None, n=3, window=16, seed=6, progress=False)
+    d, other = sampled_calibration(_llama(1), None, n=3, window=16, seed=5, progress=False)
+    assert a.shape == (3, 16) and a.dtype == torch.long and int(a.max()) < 64 and int(a.min()) >= 0
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
+    assert settings["source"] != other["source"] and settings["seed"] == 5
+
+
+def test_eval_table_ratios_and_worst():
+    table = eval_table({"a": 10.0, "b": 20.0}, {"a": 12.0, "b": 50.0}, {"a": [2, 8], "b": [2, 8]})
+    assert table["texts"]["a"]["ratio"] == pytest.approx(1.2)
+    assert table["texts"]["b"]["ratio"] == pytest.approx(2.5)
+    assert table["worst_text"] == "b" and table["worst_ratio"] == pytest.approx(2.5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the command
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _source(tmp_path):
+    from relational_hf.lm.data import byte_level_tokenizer
+
+    src = tmp_path / "src"
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(src)
+    byte_level_tokenizer().save_pretrained(src)
+    prose = tmp_path / "prose.txt"
+    prose.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    code = tmp_path / "code.txt"
+    code.write_text("def f(x):\n    return [i * x for i in range(10)]\n\n" * 40)
+    return src, prose, code
+
+
+COMMON = ["--remove", "0.2", "--window", "32", "--calibration-windows", "6", "--eval-windows", "2",
+          "--refine-epochs", "0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, mode):
+    """Several --eval texts are each reported (perplexity before and after, their ratio) with the worst ratio; the
+    first also under the single-text keys; the report says how the calibration was mixed (half the windows sampled
+    by SRC at --self-calibration 0.5); both paths agree on all of it, to float tolerance."""
+    from relational_hf.commands.main import main
+
+    src, prose, code = _source(tmp_path)
+    args = [*COMMON, "--calibration", str(prose), "--eval", str(prose), "--eval", str(code), "--self-calibration", "0.5"]
+    reports = {}
+    for path in ("--stream", "--no-stream"):
+        out = tmp_path / path.strip("-")
+        assert main(["compress", str(src), str(out), *args, path]) == 0, capsys.readouterr().err
+        summary = capsys.readouterr().out
+        assert "prose.txt perplexity" in summary and "code.txt perplexity" in summary and "worst x" in summary
+        assert "3 windows of prose.txt and 3 SRC sampled itself" in summary
+        reports[path] = json.loads((out / "compression_report.json").read_text())
+    report = reports[mode]
+    assert report["calibration"]["self_windows"] == 3 and report["calibration"]["user_windows"] == 3
+    assert report["calibration"]["self_share"] == 0.5 and report["calibration"]["text"] == "prose.txt"
+    texts = report["eval"]["texts"]
+    assert set(texts) == {"prose.txt", "code.txt"}
+    for row in texts.values():
+        assert row["ratio"] == pytest.approx(row["perplexity_after"] / row["perplexity_before"])
+    assert report["eval"]["worst_ratio"] == max(r["ratio"] for r in texts.values())
+    assert report["eval_perplexity_after"] == texts["prose.txt"]["perplexity_after"]
+    a, b = reports["--stream"], reports["--no-stream"]
+    assert a["widths"] == b["widths"]
+    for name in texts:
+        assert a["eval"]["texts"][name]["perplexity_after"] == pytest.approx(
+            b["eval"]["texts"][name]["perplexity_after"], rel=1e-4
+        )
+
+
+def test_cli_without_calibration_text_calibrates_on_src_s_own_text(tmp_path, capsys):
+    """No --calibration: every calibration window is sampled by SRC (the built-in text is no real text); an explicit
+    --self-calibration 0 keeps the built-in text; the two compressions differ."""
+    from relational_hf.commands.main import main
+
+    src, prose, _ = _source(tmp_path)
+    assert main(["compress", str(src), str(tmp_path / "a"), *COMMON, "--eval", str(prose)]) == 0
+    assert "6 windows SRC sampled itself" in capsys.readouterr().out
+    own = json.loads((tmp_path / "a" / "compression_report.json").read_text())
+    assert own["calibration"]["self_windows"] == 6 and own["calibration"]["self_share"] == 1.0
+    assert main(["compress", str(src), str(tmp_path / "b"), *COMMON, "--self-calibration", "0"]) == 0
+    assert "calibration: built-in" in capsys.readouterr().out
+    builtin = json.loads((tmp_path / "b" / "compression_report.json").read_text())
+    assert builtin["calibration"]["self_windows"] == 0
+    assert builtin["calibration_perplexity_before"] != own["calibration_perplexity_before"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--self-calibration", "1.5"], "--self-calibration"),
+        (["--self-calibration", "-0.1"], "--self-calibration"),
+        (["--eval", "{prose}", "--eval", "{other}/prose.txt"], "two files are named prose.txt"),
+        (["--eval", "{root}/missing.txt"], "missing.txt"),
+    ],
+)
+def test_cli_refuses_bad_calibration_and_eval_arguments_in_one_line(tmp_path, capsys, extra, message):
+    from relational_hf.commands.main import main
+
+    src, prose, _ = _source(tmp_path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "prose.txt").write_text("x " * 400)
+    extra = [e.format(prose=prose, other=tmp_path / "other", root=tmp_path) for e in extra]
+    assert main(["compress", str(src), str(tmp_path / "out"), *COMMON, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
