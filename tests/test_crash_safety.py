@@ -591,20 +591,19 @@ def _printed_json(out: str) -> dict:
     return json.loads(out[out.index("\n{") + 1 :])
 
 
-def test_json_to_standard_output_prints_the_json(tmp_path, checkpoint, capsys):
-    """`--json -` and `--json /dev/stdout` (a pipe, or redirected into a file) print the JSON on standard output
-    after the report, whole; the "wrote" line goes to stderr."""
-    assert cli.main(_redundancy(checkpoint, "--json", "-")) == 0
-    assert _printed_json(capsys.readouterr().out)["model_class"] == "RelationalForCausalLM"
+def test_json_to_standard_output_prints_the_json(checkpoint, capsys):
+    """`--json -` and `--json /dev/stdout` (here a file, pytest's capture: written through the stream, after the
+    report, not renamed over) print the JSON on standard output after the report, whole; and so does /dev/stdout
+    when it is a pipe. The "wrote" line goes to stderr."""
+    for target in ("-", "/dev/stdout"):
+        assert cli.main(_redundancy(checkpoint, "--json", target)) == 0
+        printed = capsys.readouterr()
+        assert printed.out.startswith("## Redundancy") and _printed_json(printed.out)["model_class"]
+        assert "wrote standard output" in printed.err
     argv = [sys.executable, "-m", "relational_hf.commands", *_redundancy(checkpoint, "--json", "/dev/stdout")]
-    piped = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=PROJECT_ROOT)
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.startswith("## Redundancy") and _printed_json(piped.stdout)["model_class"]
-    redirected = tmp_path / "printed.txt"
-    with open(redirected, "w") as handle:
-        done = subprocess.run(argv, stdout=handle, stderr=subprocess.PIPE, text=True, timeout=300, cwd=PROJECT_ROOT)
-    assert done.returncode == 0, done.stderr
-    assert redirected.read_text() == piped.stdout  # the report kept, the JSON after it: not renamed over the file
 
 
 def test_json_through_a_symbolic_link_writes_its_target_and_keeps_the_link(tmp_path, checkpoint, capsys):
@@ -800,3 +799,96 @@ def test_a_read_only_sub_folder_is_named_and_an_unwritable_json_folder_refused_f
     assert (out / "ro" / "kept.txt").read_text() == "mine" and sorted(p.name for p in base.iterdir()) == ["run"]
     assert "json exit 2" in done.stdout and "Redundancy" not in done.stdout
     assert "--json" in done.stderr and "not writable" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --overwrite at the end as at the start; the user's files inside the trainer's folders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_train_overwrite_into_a_users_folder_saves_and_user_files_in_checkpoints_survive(tmp_path, small_text, capsys):
+    """`train --overwrite` into a user's folder holding a config.json trains and saves (the final save honours
+    --overwrite); a user file put into a trainer checkpoint (also in a sub-folder of it) survives the next run, which
+    supersedes and drops that checkpoint."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "thesis.tex").write_text("precious")
+    common = ["train", "--train-file", str(small_text), "--output-dir", str(out), *TINY_TRAIN, "--save-steps", "2"]
+    assert cli.main([*common, "--max-steps", "2", "--overwrite"]) == 0, capsys.readouterr().err
+    assert loads(out) is not None and (out / "thesis.tex").read_text() == "precious"
+    checkpoint = out / "trainer_state" / "checkpoint-2"
+    assert outputs.checkpoint_is_complete(checkpoint)
+    (checkpoint / "my_notes.txt").write_text("about step 2")
+    (checkpoint / "plots").mkdir()
+    (checkpoint / "plots" / "loss.png").write_bytes(b"png")
+    assert cli.main([*common, "--max-steps", "2"]) == 0, capsys.readouterr().err  # a fresh run: step 2 superseded
+    left = {
+        p.relative_to(out / "trainer_state").as_posix(): p.read_bytes()
+        for p in (out / "trainer_state").rglob("*")
+        if p.is_file() and p.relative_to(out / "trainer_state").parts[0] != "checkpoint-2"
+    }
+    # of the superseded checkpoint, the user's files alone are left, nothing of the Trainer's
+    assert left == {
+        "superseded-checkpoint-2/my_notes.txt": b"about step 2",
+        "superseded-checkpoint-2/plots/loss.png": b"png",
+    }
+    assert outputs.checkpoint_is_complete(out / "trainer_state" / "checkpoint-2")  # the new run's
+
+
+def test_rotation_and_discarding_remove_only_the_trainers_files(tmp_path):
+    """The one-kept rotation after a checkpoint save, a failed run's discarding and the dropping of set-aside
+    checkpoints remove the files the Trainer wrote (its manifest, or its file names where there is none) and keep
+    every other file, and the folder holding it."""
+    trainer_dir = tmp_path / "trainer_state"
+    for step in (2, 4):
+        _checkpoint(trainer_dir / f"checkpoint-{step}", step, complete=True)
+        outputs.rotate_checkpoints(trainer_dir)
+        (trainer_dir / f"checkpoint-{step}" / "user.txt").write_text(f"mine {step}")
+    assert sorted(p.name for p in (trainer_dir / "checkpoint-2").iterdir()) == ["user.txt"]
+    _checkpoint(trainer_dir / "checkpoint-6", 6, complete=True)  # a failed run's, killed before its manifest
+    (trainer_dir / "checkpoint-6" / "optimizer.pt").write_bytes(b"state")
+    (trainer_dir / "checkpoint-6" / "results.csv").write_text("mine 6")
+    outputs.discard_run_checkpoints(trainer_dir, after_step=4)
+    assert sorted(p.name for p in (trainer_dir / "checkpoint-6").iterdir()) == ["results.csv"]
+    outputs.set_aside_incomplete_checkpoints(trainer_dir, everything=True)
+    outputs.drop_set_aside_checkpoints(trainer_dir)
+    left = {p.relative_to(trainer_dir).as_posix(): p.read_text() for p in trainer_dir.rglob("*") if p.is_file()}
+    assert left == {
+        "incomplete-checkpoint-2/user.txt": "mine 2",
+        "superseded-checkpoint-4/user.txt": "mine 4",
+        "incomplete-checkpoint-6/results.csv": "mine 6",
+    }
+
+
+@pytest.mark.usefixtures("no_training")
+def test_a_clash_with_a_users_checkpoint_file_is_refused_before_training(tmp_path, small_text, capsys):
+    """In an earlier output whose config.json the user has since edited, a run without --overwrite is refused before
+    any training (naming the file and --overwrite), and the folder is left byte for byte as it was."""
+    out = tmp_path / "run"
+    stage_and_swap(out, tiny(1).save_pretrained)
+    (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "edited": 1}))
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = ["train", "--train-file", str(small_text), "--output-dir", str(out), *TINY_TRAIN, "--max-steps", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "--overwrite" in err
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert _siblings(out) == []
+
+
+def test_a_refused_run_leaves_nothing_of_the_tools_in_a_users_folder(tmp_path, capsys):
+    """A run into a user's folder (--overwrite) refused after the claim (the data are too short) leaves no marker,
+    no trainer_state/ and no lock file: the folder is as it was."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    argv = ["train", "--train-file", str(short), "--output-dir", str(out), *TINY_TRAIN, "--overwrite"]
+    assert cli.main(argv) == 2
+    assert "--train-file" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"] and sorted(os.listdir(tmp_path)) == [
+        "mine",
+        "short.txt",
+    ]

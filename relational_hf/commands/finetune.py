@@ -355,7 +355,7 @@ def _finetune(args: FinetuneArguments, output_dir: Path) -> FinetuneResult:
                 merge_and_unload(model).save_pretrained(folder / "merged")
                 save_tokenizer(tokenizer, folder / "merged")
 
-        stage_and_swap(output_dir, write, command="finetune", kind=args.method)
+        stage_and_swap(output_dir, write, command="finetune", kind=args.method, overwrite=args.overwrite)
         drop_set_aside_checkpoints(trainer_dir)
     trainer.accelerator.wait_for_everyone()
     return FinetuneResult(

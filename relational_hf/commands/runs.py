@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -176,7 +175,8 @@ class RunArguments:
         """The one place where the command's options become Trainer settings: `RelationalTrainingArguments` with the
         batch size, accumulation, steps, peak learning rate (cosine schedule, linear warm-up), weight decay, seed,
         logging and checkpoint intervals, projection and suppression of these options, one kept trainer
-        checkpoint in `trainer_dir`, no reporting integration, the CPU where there is no GPU, and with --fsdp
+        checkpoint in `trainer_dir` (rotated by `CheckpointRotation` in `run_training`, not by the Trainer), no
+        reporting integration, the CPU where there is no GPU, and with --fsdp
         `fsdp=True` and `fsdp_config` version 2 (updated from --fsdp-config; the sharding units are the model's
         `_no_split_modules`, its decoder layers). `settings` adds or overrides TrainingArguments fields."""
         values: dict[str, Any] = {
@@ -191,7 +191,7 @@ class RunArguments:
             "seed": self.seed,
             "logging_steps": self.logging_steps,
             "save_steps": self.save_steps,
-            "save_total_limit": 1,
+            "save_total_limit": None,  # one kept, rotated by `CheckpointRotation` (keeps the user's files)
             "report_to": [],
             # the divergence guard reads the logged losses: the step-1 loss is its reference, and a NaN loss must be
             # logged as NaN (the Trainer's filter would replace it by the running mean)
@@ -304,19 +304,34 @@ def start_step(resume_from: str | None) -> int:
     return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") else 0
 
 
-def run_training(trainer, resume_from: str | None, trainer_dir: Path, args: RunArguments) -> None:
-    """`trainer.train(resume_from_checkpoint=resume_from)`, with a full disk while the Trainer writes a checkpoint
-    into `trainer_dir` reported in one line ("no space left on device"): the checkpoint it left half-written (which
-    no --resume could use) is removed, and the output folder keeps its previous model."""
-    from ..outputs import DiskFullError, checkpoint_is_complete, reporting_disk_full
+class CheckpointRotation(TrainerCallback):
+    """After each trainer checkpoint save (on the main process): record the new checkpoint's files and remove the
+    older checkpoints' (`relational_hf.outputs.rotate_checkpoints`), keeping what the user put in them; the
+    Trainer's own rotation would delete the folders whole."""
 
+    def on_save(self, args, state, control, **kwargs):
+        from ..outputs.trainer_state import rotate_checkpoints
+
+        if state.is_world_process_zero:
+            rotate_checkpoints(args.output_dir, keep=1)
+
+
+def run_training(trainer, resume_from: str | None, trainer_dir: Path, args: RunArguments) -> None:
+    """`trainer.train(resume_from_checkpoint=resume_from)` with `CheckpointRotation` (added last: after the
+    trainer's own savers), and a full disk while the Trainer writes a checkpoint into `trainer_dir` reported in one
+    line ("no space left on device"): the checkpoint it left half-written (which no --resume could use) is removed
+    (its files: nothing of the user's), and the output folder keeps its previous model."""
+    from ..outputs import DiskFullError, checkpoint_is_complete, reporting_disk_full
+    from ..outputs.trainer_state import remove_checkpoint
+
+    trainer.add_callback(CheckpointRotation())
     try:
         with reporting_disk_full(trainer_dir, f"{args.output_dir} keeps its previous model"):
             trainer.train(resume_from_checkpoint=resume_from)
     except DiskFullError:
         for folder in trainer_dir.glob("checkpoint-*") if trainer_dir.is_dir() else ():
             if folder.is_dir() and not checkpoint_is_complete(folder):
-                shutil.rmtree(folder, ignore_errors=True)
+                remove_checkpoint(folder)
         raise
 
 
@@ -377,6 +392,7 @@ __all__ = [
     "RunArguments",
     "check_blocks",
     "check_fsdp",
+    "CheckpointRotation",
     "check_trained",
     "claimed_output",
     "collapsed_output",

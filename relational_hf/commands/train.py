@@ -302,7 +302,7 @@ def _train(args: TrainArguments, out: Path) -> TrainResult:
     uni_ppl = unigram_perplexity(train_ids, val_ids, vocab_size)
     saved = gathered_for_saving(trainer, model)  # every rank: under FSDP the shards are gathered to rank 0
     if trainer.is_world_process_zero():  # under torchrun every rank holds the same model; one writes it
-        save_checkpoint(saved, tokenizer, out, command="train", kind="full")
+        save_checkpoint(saved, tokenizer, out, command="train", kind="full", overwrite=args.overwrite)
         drop_set_aside_checkpoints(trainer_dir)
     sample = generate_sample(model, tokenizer, val_text, args.sample_tokens, args.seed) if args.sample_tokens else ""
     return TrainResult(

@@ -38,7 +38,12 @@ Guarantees (see the README section "What is guaranteed on failure"):
   `complete_checkpoint` accepts a checkpoint only when that file parses and the weights it needs are present, and
   `set_aside_incomplete_checkpoints` renames the others to `incomplete-checkpoint-N` (and, when a fresh run starts
   in an earlier run's folder, that run's checkpoints to `superseded-checkpoint-N`), so that neither `--resume` nor
-  the Trainer's rotation picks them; they are removed only after the new run's model is saved.
+  the rotation picks them; they are removed only after the new run's model is saved. A checkpoint is never removed
+  whole: only the files the Trainer wrote go (its manifest, `record_checkpoint`; by name where it has none), so a
+  file the user put into `trainer_state/...` survives, with its folder (`remove_checkpoint`, `rotate_checkpoints`).
+- **--overwrite at the end as at the start.** `prepare_output_dir` refuses, before any training, a file of a
+  checkpoint's name that relational-hf did not write (unless `--overwrite`), and the final save of `train` and
+  `finetune` receives the same `--overwrite`; `unclaimed_on_failure` takes back what a failed run's claim added.
 """
 
 from .checkpoints import normalize_tokenizer_config, save_checkpoint, save_tokenizer
@@ -76,14 +81,19 @@ from .folders import (
 )
 from .paths import STDOUT, FileTarget, check_output_file, file_target, save_figure, say_wrote, write_file
 from .trainer_state import (
+    CHECKPOINT_MANIFEST,
     checkpoint_is_complete,
     complete_checkpoint,
     discard_run_checkpoints,
     drop_set_aside_checkpoints,
+    record_checkpoint,
+    remove_checkpoint,
+    rotate_checkpoints,
     set_aside_incomplete_checkpoints,
 )
 
 __all__ = [
+    "CHECKPOINT_MANIFEST",
     "HASH_LIMIT",
     "MARKER",
     "DiskFullError",
@@ -111,10 +121,13 @@ __all__ = [
     "owned_files",
     "prepare_output_dir",
     "read_marker",
+    "record_checkpoint",
     "record_files",
     "recover_output_dir",
+    "remove_checkpoint",
     "remove_if_unused",
     "reporting_disk_full",
+    "rotate_checkpoints",
     "save_checkpoint",
     "save_figure",
     "say_wrote",

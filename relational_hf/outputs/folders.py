@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -178,6 +179,15 @@ def prepare_output_dir(
             "empty or new directory, or pass --overwrite to write there (files of the same names as the output's are "
             "replaced, all others kept)"
         )
+    manifest = "files" in read_marker(out)  # an output of a version before manifests owns its files by name
+    if swaps and manifest and not overwrite:  # refused now, not by the save after the training
+        foreign = sorted(set(_checkpoint_names(out)) - set(owned_files(out)))
+        if foreign:
+            raise UsageError(
+                f"{flag} {output_dir}: the model saved at the end would replace {', '.join(foreign[:4])}, which "
+                "relational-hf did not write (or which was edited since); nothing was changed: choose another "
+                "directory, or pass --overwrite to replace them"
+            )
     marker = read_marker(out)
     if marker.get("kind") not in (None, kind) and not overwrite:
         raise UsageError(
@@ -193,6 +203,20 @@ def prepare_output_dir(
     write_marker(out, command, kind, marker.get("files") or {}, marker.get("token", ""))
     set_aside_incomplete_checkpoints(out / TRAINER_DIR, everything=not resume)
     return out
+
+
+#: the files a saved checkpoint (model, tokenizer, adapter, `merged/` copy) may hold, relative to its folder
+_CHECKPOINT_FILE = re.compile(
+    r"^(?:merged/)?(?:(?:model|pytorch_model|adapter_model)(?:-\d+-of-\d+)?\.(?:safetensors|bin)"
+    r"|.*\.(?:safetensors|bin)\.index\.json|(?:generation_)?config\.json|adapter_config\.json|README\.md"
+    r"|(?:configuration|modeling)_\w+\.py|tokenizer(?:_config)?\.json|special_tokens_map\.json|added_tokens\.json"
+    r"|vocab\.json|merges\.txt|chat_template\.jinja)$"
+)
+
+
+def _checkpoint_names(folder: Path) -> list[str]:
+    """The files of `folder` (outside `trainer_state/`) at names a checkpoint save writes."""
+    return [rel for rel in _files(folder) if _CHECKPOINT_FILE.match(rel) and rel.split("/", 1)[0] != TRAINER_DIR]
 
 
 def remove_if_unused(folder: str | os.PathLike) -> bool:
@@ -217,16 +241,35 @@ def remove_if_unused(folder: str | os.PathLike) -> bool:
 
 @contextlib.contextmanager
 def unclaimed_on_failure(folder: str | os.PathLike) -> Iterator[None]:
-    """Around a run that claims `folder` (`prepare_output_dir`): when the run fails and the folder did not exist
-    before it, the folder is removed if it holds nothing but the marker (`remove_if_unused`), so a failure before
-    anything was written leaves no empty claimed folder behind. A folder that existed is left as it is."""
-    existed = Path(folder).exists()
+    """Around a run that claims `folder` (`prepare_output_dir`): when the run fails, what the claim added and the run
+    left unused goes: a folder that did not exist is removed if it holds nothing but the marker
+    (`remove_if_unused`); in a folder that existed, a marker that was not there before (and lists no file) and an
+    empty `trainer_state/` that was not there before are removed. Nothing else is touched."""
+    folder = Path(folder)
+    existed, had_marker = folder.exists(), (folder / MARKER).exists()
+    had_trainer_dir = (folder / TRAINER_DIR).exists()
     try:
         yield
     except BaseException:
         if not existed:
             remove_if_unused(folder)
+        else:
+            trainer_dir = folder / TRAINER_DIR
+            if not had_trainer_dir and trainer_dir.is_dir() and not trainer_dir.is_symlink():
+                _remove_empty_folders(trainer_dir)
+            if not had_marker and not read_marker(folder).get("files") and not trainer_dir.exists():
+                (folder / MARKER).unlink(missing_ok=True)
         raise
+
+
+def _remove_empty_folders(folder: Path) -> None:
+    """Remove `folder` and the folders below it that hold nothing (bottom up; never a file)."""
+    for root, dirs, _names in os.walk(folder, topdown=False):
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(root, name))
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def record_files(folder: str | os.PathLike, names: list[str]) -> None:
