@@ -28,6 +28,13 @@ BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONVERTED_NAME = "smollm2-135m-instruct-relational"
 COMPRESSED_NAME = "smollm2-135m-instruct-relational-compressed"
 WIKITEXT = Path("../shared/data/wikitext-2/valid.txt")
+#: The Hub dataset the cards' WikiText-2 text is: `valid.txt` of PyTorch's word-level language-model example, the
+#: tokenised validation split (the `wikitext-2-v1` configuration of Salesforce/wikitext)
+WIKITEXT_DATASET = {
+    "dataset_type": "Salesforce/wikitext",
+    "dataset_config": "wikitext-2-v1",
+    "dataset_split": "validation",
+}
 PROMPT = "The capital of France is"
 
 logger = logging.getLogger("smollm2_cards")
@@ -156,24 +163,7 @@ def build_converted(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python model_cards/build_reference.py smollm2-converted"
         + (f" --eval-windows {args.eval_windows}" if args.eval_windows != 8 else ""),
     }
-    results = [
-        dict(
-            task_type="text-generation",
-            dataset_type="Salesforce/wikitext",
-            dataset_name="WikiText-2 validation",
-            metric_type="perplexity",
-            metric_name=f"perplexity, relational ({numbers['eval_windows']} x {args.seq_len} tokens)",
-            metric_value=round(measured["perplexity_relational"], 4),
-        ),
-        dict(
-            task_type="text-generation",
-            dataset_type="Salesforce/wikitext",
-            dataset_name="WikiText-2 validation",
-            metric_type="perplexity",
-            metric_name=f"perplexity, source Llama ({numbers['eval_windows']} x {args.seq_len} tokens)",
-            metric_value=round(measured["perplexity_dense"], 4),
-        ),
-    ]
+    results = converted_eval_results(numbers)
     repo_id = args.repo_id or f"relational-hf/{CONVERTED_NAME}"
     card = build_model_card(
         out,
@@ -193,6 +183,31 @@ def build_converted(args: argparse.Namespace) -> dict[str, Any]:
         f"checkpoint: {out}; card: {path}"
     )
     return numbers
+
+
+def wikitext_result(name: str, value: float, windows: int, window: int, held_out: str) -> dict[str, Any]:
+    """One model-index result (`huggingface_hub.EvalResult` fields): perplexity `value` on `windows` windows of
+    `window` tokens of WikiText-2's validation split (`held_out`: which part of it, as the dataset's `args`)."""
+    return dict(
+        task_type="text-generation",
+        dataset_name="WikiText-2 validation",
+        **WIKITEXT_DATASET,
+        dataset_args={"part": held_out},
+        metric_type="perplexity",
+        metric_name=name,
+        metric_value=round(float(value), 4),
+        metric_args={"window": window, "windows": windows, "tokens": windows * window},
+    )
+
+
+def converted_eval_results(numbers: dict[str, Any]) -> list[dict[str, Any]]:
+    """The converted card's model-index: perplexity of the relational model and of its source on the same windows."""
+    windows, window = int(numbers["eval_windows"]), int(numbers["seq_len"])
+    part = "the whole split as one token stream, its first windows"
+    return [
+        wikitext_result("perplexity, relational", numbers["perplexity_relational"], windows, window, part),
+        wikitext_result("perplexity, source Llama", numbers["perplexity_dense"], windows, window, part),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,25 +269,37 @@ def _parameter_tables(report: dict) -> str | None:
     return "\n\n".join(tables) or None
 
 
+#: The held-out side of benchmarks/heal_cli.py's WikiText-2 document split, as the cards' dataset `args` say it
+HELD_OUT = (
+    "the last 10% of its documents (cut at the = Title = heading nearest 90%), held out from compression and healing"
+)
+#: What each of a compress report's held-out perplexities measured
+EVAL_LABELS = {
+    "eval_perplexity_before": "perplexity, the dense source (converted exactly)",
+    "eval_perplexity_compressed": "perplexity, compressed, before healing",
+    "eval_perplexity_after": "perplexity, compressed and healed",
+}
+
+
+def _is_wikitext(report: dict) -> bool:
+    """Whether the report's --eval text is the held-out WikiText-2 side (`benchmarks/heal_cli.py` names it so)."""
+    return str(report.get("eval_file", "")).startswith("wikitext2")
+
+
 def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
     """(settings rows, model-index results, parameter tables) of a compress report: every scalar field becomes a
-    row; numeric fields whose key names a perplexity become evaluation results (their key says which text);
-    dicts of parameter counts become tables."""
+    row; the held-out perplexities on WikiText-2 (`eval_perplexity_*`) become model-index results naming the dataset,
+    its configuration and split and the windows; the other perplexities (calibration text, a text of another kind)
+    are described in the card's figures (`compressed_figures`), not posed as datasets; dicts of parameter counts
+    become tables."""
     settings: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
+    windows, window = (report.get("eval_windows") or [0, 0])[:2]
     for key, value in _flatten(report):
         lower = key.lower()
         if _is_number(value) and ("perplexity" in lower or lower.endswith("ppl")):
-            results.append(
-                dict(
-                    task_type="text-generation",
-                    dataset_type="compress report",
-                    dataset_name=key,
-                    metric_type="perplexity",
-                    metric_name=key,
-                    metric_value=round(float(value), 4),
-                )
-            )
+            if key.startswith("eval_perplexity") and _is_wikitext(report):
+                results.append(wikitext_result(EVAL_LABELS.get(key, key), value, int(windows), int(window), HELD_OUT))
             continue
         if _is_number(value) and ("rss" in lower or "bytes" in lower) and value > 2**20:
             value = f"{value:,} ({value / 2**30:.2f} GiB)"
@@ -282,6 +309,82 @@ def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str,
             value = f"{value:,}"
         settings[key] = value
     return settings, results, _parameter_tables(report)
+
+
+def _cell(value: Any) -> str:
+    return f"{float(value):.2f}" if _is_number(value) else "-"
+
+
+def compressed_figures(report: dict, control: dict | None = None) -> list[str]:
+    """The card body's figures, one markdown block each (a caller adds its own, e.g. a table per domain): the texts
+    the compression and the healing saw, described (the calibration text and the text the source sampled itself are
+    not evaluation datasets), and the perplexity on each text before compression, after it and after healing."""
+    heal = report.get("heal") or {}
+    text = heal.get("text") if isinstance(heal.get("text"), dict) else {}
+    calibration = report.get("calibration_windows") or ["?", "?"]
+    eval_windows = report.get("eval_windows") or ["?", "?"]
+    texts = [
+        "**The texts.**",
+        "",
+        f"- *Held-out evaluation text* (`{report.get('eval_file', '--eval')}`, {eval_windows[0]} windows of "
+        f"{eval_windows[1]} tokens): "
+        + (
+            "WikiText-2's validation split (`Salesforce/wikitext`, `wikitext-2-v1`), " + HELD_OUT + "; the "
+            "model-index results above."
+            if _is_wikitext(report)
+            else "a text of the user's, not a Hub dataset."
+        ),
+        f"- *Calibration text* ({calibration[0]} windows of {calibration[1]} tokens): the rest of the same documents, "
+        "seen by the compression (its fits and its plan) and, by default, by the healing; its perplexities below "
+        "measure fit, not generalisation.",
+    ]
+    if heal:
+        if text.get("tokens"):
+            texts.append(
+                f"- *Healing text*: {int(text['tokens']):,} tokens the source sampled itself at temperature "
+                f"{text.get('temperature', 1):g} ({text.get('samples')} rows of {text.get('length')} tokens, seed "
+                f"{text.get('seed')}; {float(text.get('chat_share', 0)):.0%} of the rows start from generic prompts in "
+                "its chat template, the others from one random token)"
+                + (
+                    f", mixed with {int(text.get('calibration_tokens', 0)):,} tokens of the calibration windows "
+                    f"({float(text.get('calibration_share', 0)):.0%} of the blocks)"
+                    if text.get("calibration_tokens")
+                    else ""
+                )
+                + f": distillation from the source ({heal.get('steps')} steps, KL of the next-token distributions). "
+                "No figure is measured on it; it is a training text, not a dataset."
+            )
+        else:
+            texts.append(f"- *Healing*: {heal.get('steps')} steps of `--heal-loss {heal.get('loss')}`.")
+    rows = [
+        "| perplexity on | dense source | compressed | compressed and healed |",
+        "| --- | ---: | ---: | ---: |",
+        f"| held-out text ({eval_windows[0]} x {eval_windows[1]} tokens) | {_cell(report.get('eval_perplexity_before'))} | "
+        f"{_cell(report.get('eval_perplexity_compressed', report.get('eval_perplexity_after') if not heal else None))} | "
+        f"{_cell(report.get('eval_perplexity_after') if heal else None)} |",
+        f"| calibration text | {_cell(report.get('calibration_perplexity_before'))} | "
+        f"{_cell(report.get('calibration_perplexity_after'))} | {_cell(report.get('calibration_perplexity_healed'))} |",
+    ]
+    if control is not None:
+        rows.append(
+            f"| held-out text, the dense control through the same healing | {_cell(control.get('perplexity_before'))} "
+            f"| - | {_cell(control.get('perplexity_after'))} (the dense model healed) |"
+        )
+    shown = {
+        *EVAL_LABELS,
+        "calibration_perplexity_before",
+        "calibration_perplexity_after",
+        "calibration_perplexity_healed",
+    }
+    others = [
+        f"- `{key}`: {float(value):.4f}"
+        for key, value in _flatten(report)
+        if _is_number(value) and "perplexity" in key.lower() and key not in shown
+    ]
+    blocks = ["\n".join(texts), "\n".join(rows)]
+    if others:
+        blocks.append("\n".join(["Other perplexities of the report (its own keys):", "", *others]))
+    return blocks
 
 
 #: What the card says of the texts of a `compress` report's perplexities (`--control` cards).
@@ -316,17 +419,16 @@ def _control_inputs(path: Path, report: dict) -> dict[str, Any]:
         differ.append("text.calibration_share")  # the control healed on another mix of texts
     if differ:
         raise SystemExit(f"--control {path}: healed with other settings than the report's ({', '.join(differ)})")
-    results = [
-        dict(
-            task_type="text-generation",
-            dataset_type="dense control",
-            dataset_name=name,
-            metric_type="perplexity",
-            metric_name=name,
-            metric_value=round(value, 4),
-        )
-        for name, value in (("control_dense_eval_perplexity", before), ("control_dense_healed_eval_perplexity", after))
-    ]
+    windows, window = (report.get("eval_windows") or [0, 0])[:2]
+    labels = ("perplexity, the dense control before healing", "perplexity, the dense control after the same healing")
+    results = (
+        [
+            wikitext_result(label, value, int(windows), int(window), HELD_OUT)
+            for label, value in zip(labels, (before, after), strict=True)
+        ]
+        if _is_wikitext(report)
+        else []
+    )
     settings = {
         "texts": TEXTS_NOTE,
         "control": (
@@ -362,7 +464,9 @@ def _speed_inputs(path: Path, report: dict, gauge: str) -> dict[str, Any]:
     if level.get("widths") != report.get("widths"):
         raise SystemExit(f"--speed {path}: timed other widths than the report's (run it with --widths-from the report)")
     if payload.get("gauge") != gauge:
-        raise SystemExit(f"--speed {path}: timed the {payload.get('gauge')} gauge, the checkpoint is in the {gauge} gauge")
+        raise SystemExit(
+            f"--speed {path}: timed the {payload.get('gauge')} gauge, the checkpoint is in the {gauge} gauge"
+        )
     cases = ", ".join(f"{label} x{speedup[case]:.2f}" for case, label in SPEED_CASES.items() if case in speedup)
     row = (
         f"against the dense source on {payload.get('device', 'cpu')} with {payload.get('threads')} thread(s), "
@@ -411,6 +515,7 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         eval_results=results,
         parameter_table=tables,
         settings_title="Compression (from the compress report)",
+        figures="\n\n".join(compressed_figures(report, control["control"] if control else None)),
     )
     numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
     if control is not None:
@@ -438,14 +543,18 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--write-readme", action="store_true", help="also write the card to DIR/README.md")
     comp.add_argument("--note", default=None, help="a sentence the card shows beside the report's numbers")
     comp.add_argument(
-        "--control", default=None, help="benchmarks/results/heal_cli.json: the dense control shown beside the healed figures"
+        "--control",
+        default=None,
+        help="benchmarks/results/heal_cli.json: the dense control shown beside the healed figures",
     )
     comp.add_argument(
         "--speed", default=None,
         help="benchmarks/results/compress_speed_*.json that timed DIR's widths (--widths-from its report): the speed shown",
     )  # fmt: skip
     comp.add_argument(
-        "--compress-command", default=None, help="the `relational-hf compress` command that wrote DIR, shown in the card"
+        "--compress-command",
+        default=None,
+        help="the `relational-hf compress` command that wrote DIR, shown in the card",
     )
     for p in (conv, comp):
         p.add_argument("--card-dir", default=str(HERE), help="where <name>.md and <name>.json go")

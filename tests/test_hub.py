@@ -278,7 +278,7 @@ def test_model_card_of_a_relational_checkpoint(tmp_path):
         "| Stored parameters | 43 |",
         "| learning_rate | 0.0003 |",
         "| schedule | cosine \\| warmup |",
-        "| text-generation | WikiText-2 | test | perplexity | 31.5 |",
+        "| text-generation | WikiText-2 (`wikitext`) |  | test | perplexity |  | 31.5 |",
         "| QK gauge | 128 |",
     ):
         assert row in card.text

@@ -259,13 +259,15 @@ def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
     spec.loader.exec_module(module)
     assert module.main(["smollm2-compressed", "--from", str(folder), "--card-dir", str(tmp_path / "cards")]) == 0
     card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
-    values = {r.metric_name: r.metric_value for r in card.data.eval_results}
-    assert values == {"perplexity.calibration": 12.5, "perplexity.evaluation": 14.25}
+    # perplexities on texts that are not a Hub dataset's are described in the card's body, not posed as datasets
+    assert not card.data.eval_results
+    assert "`perplexity.calibration`: 12.5000" in card.text and "`perplexity.evaluation`: 14.2500" in card.text
     assert "| mlp | 1,536 |" in card.text and "3.00 GiB" in card.text and "| method | relational |" in card.text
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     # a healed report with its dense control: the control's figures stand beside the healed ones, the texts named
     report["heal"] = {"loss": "kd", "steps": 2, "learning_rate": 1e-3, "lora_rank": 16, "batch_size": 2, "block_size": 8}
     report["eval_perplexity_after"] = 15.5
+    report.update(eval_file="wikitext2_last10.txt", eval_windows=[20, 512], calibration_perplexity_before=9.5)
     (folder / "compress_report.json").write_text(json.dumps(report))
     control = {"perplexity_before": 10.0, "perplexity_after": 10.1, "heal": dict(report["heal"])}
     (tmp_path / "heal_cli.json").write_text(json.dumps({"control": control}))
@@ -273,8 +275,14 @@ def test_compressed_card_is_filled_from_the_compress_report(tmp_path):
     assert module.main([*argv, "--control", str(tmp_path / "heal_cli.json")]) == 0
     card = ModelCard.load(tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md")
     values = {r.metric_name: r.metric_value for r in card.data.eval_results}
-    assert values["control_dense_eval_perplexity"] == 10.0 and values["control_dense_healed_eval_perplexity"] == 10.1
-    assert values["eval_perplexity_after"] == 15.5 and "+1.0%" in card.text and "held out" in card.text
+    assert values["perplexity, the dense control before healing"] == 10.0
+    assert values["perplexity, the dense control after the same healing"] == 10.1
+    assert values["perplexity, compressed and healed"] == 15.5 and "+1.0%" in card.text and "held out" in card.text
+    # the held-out WikiText-2 side is the model-index's one dataset, with its configuration, split and windows
+    datasets = {(r.dataset_type, r.dataset_config, r.dataset_split) for r in card.data.eval_results}
+    assert datasets == {("Salesforce/wikitext", "wikitext-2-v1", "validation")}
+    assert all(r.metric_args == {"window": 512, "windows": 20, "tokens": 10240} for r in card.data.eval_results)
+    assert "| calibration text | 9.50 |" in card.text and "calibration" not in str(datasets)
     # a control healed on another mix of the texts than the report's is refused, naming the share
     report["heal"]["text"] = {"calibration_share": 0.5}
     (folder / "compress_report.json").write_text(json.dumps(report))

@@ -136,6 +136,7 @@ def build_model_card(
     eval_results: list[dict[str, Any]] | None = None,
     parameter_table: str | None = None,
     settings_title: str = "Training",
+    figures: str | None = None,
 ) -> ModelCard:
     """Build the model card of the checkpoint in `checkpoint_dir`, to be published as `repo_id`.
 
@@ -147,7 +148,9 @@ def build_model_card(
     value-space parallel removal, stored parameter count, whichever apply), the parameter-reduction
     table `parameter_table` (markdown, e.g. `redundancy_report(model).to_markdown()`), the training
     settings (under the heading `settings_title`, e.g. "Conversion" for a converted checkpoint), the evaluation
-    results, and how to load the model (and its tokenizer) with the plugin and without it.
+    results, `figures` (markdown: measurements that are not results on a dataset, e.g. perplexity on a calibration
+    or a self-generated text, described there rather than posed as datasets), and how to load the model (and its
+    tokenizer) with the plugin and without it.
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
@@ -181,5 +184,6 @@ def build_model_card(
         training_settings=[(name, _format(value)) for name, value in (training_settings or {}).items()],
         settings_title=settings_title,
         evaluation=results,
+        figures=figures.strip() if figures else None,
     )
     return ModelCard(content)

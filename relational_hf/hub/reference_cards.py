@@ -31,6 +31,8 @@ class ReferenceSpec:
     text_file: str  # relative to the project root
     dataset_id: str  # Hub dataset id for the card metadata
     dataset_name: str
+    dataset_config: str  # the Hub dataset's configuration the text file is
+    dataset_split: str  # the Hub dataset's split(s) the held-out part comes from
     tokenizer: str = "byte"  # "byte" (256 bytes: characters of ASCII text) or "bpe" (trained on the train split)
     split: str = "lines"  # "lines": last 10% of the text; "documents": last 10% of the `= Title =` documents
     bpe_vocab_size: int = 4096
@@ -55,12 +57,17 @@ PRESETS: dict[str, ReferenceSpec] = {
         text_file="../shared/data/tinyshakespeare/input.txt",
         dataset_id="karpathy/tiny_shakespeare",
         dataset_name="Tiny Shakespeare (characters; last 10% of the text)",
+        dataset_config="default",
+        # the Hub dataset's three splits make up the text in order; its train split is the first 90%
+        dataset_split="validation+test",
     ),
     "wikitext2": ReferenceSpec(
         name="relational-wikitext2-bpe",
         text_file="../shared/data/wikitext-2/valid.txt",
         dataset_id="Salesforce/wikitext",
         dataset_name="WikiText-2 validation split, last 10% of its documents",
+        dataset_config="wikitext-2-v1",
+        dataset_split="validation",
         tokenizer="bpe",
         split="documents",
         # the training text is 0.4M tokens: 400 steps (1.7 epochs) reached validation perplexity 121.1, while the
@@ -130,39 +137,44 @@ def reference_card(result: ReferenceResult, spec: ReferenceSpec, checkpoint_dir:
         "command": f"python model_cards/build_reference.py {_preset_name(spec)} --max-steps {spec.max_steps} "
         f"--max-minutes {spec.max_minutes:g}" + (f" --seed {spec.seed}" if spec.seed else ""),
     }
-    eval_results = [
-        dict(
-            task_type="text-generation",
-            dataset_type=spec.dataset_id,
-            dataset_name=spec.dataset_name,
-            metric_type="perplexity",
-            metric_name="validation perplexity (per token)",
-            metric_value=round(result.val_perplexity, 4),
-        ),
-        dict(
-            task_type="text-generation",
-            dataset_type=spec.dataset_id,
-            dataset_name=spec.dataset_name,
-            metric_type="loss",
-            metric_name="validation loss (nats per token)",
-            metric_value=round(result.val_loss, 4),
-        ),
-        dict(
-            task_type="text-generation",
-            dataset_type=spec.dataset_id,
-            dataset_name=spec.dataset_name,
-            metric_type="perplexity",
-            metric_name="unigram baseline perplexity",
-            metric_value=round(result.unigram_perplexity, 4),
-        ),
-    ]
     return build_model_card(
         checkpoint_dir,
         repo_id,
         datasets=[spec.dataset_id],
         training_settings=settings,
-        eval_results=eval_results,
+        eval_results=reference_eval_results(spec, result.val_perplexity, result.val_loss, result.val_tokens),
         parameter_table=parameter_table(result),
+        figures=reference_figures(spec, result.unigram_perplexity),
+    )
+
+
+def reference_eval_results(spec: ReferenceSpec, perplexity: float, loss: float, tokens: int) -> list[dict[str, Any]]:
+    """The model-index results of a reference card (`huggingface_hub.EvalResult` fields): validation perplexity and
+    loss on the held-out part of the spec's Hub dataset (id, configuration, split), with the window length, the number
+    of windows and the tokens they hold as the metric's `args`."""
+    window = spec.block_size
+    dataset = dict(
+        task_type="text-generation",
+        dataset_type=spec.dataset_id,
+        dataset_name=spec.dataset_name,
+        dataset_config=spec.dataset_config,
+        dataset_split=spec.dataset_split,
+        dataset_args={"held_out": "documents, last 10%" if spec.split == "documents" else "text, last 10%"},
+    )
+    args = {"window": window, "windows": tokens // window, "tokens": tokens}
+    return [
+        dict(**dataset, metric_type="perplexity", metric_name="validation perplexity (per token)",
+             metric_value=round(perplexity, 4), metric_args=args),
+        dict(**dataset, metric_type="loss", metric_name="validation loss (nats per token)",
+             metric_value=round(loss, 4), metric_args=args),
+    ]  # fmt: skip
+
+
+def reference_figures(spec: ReferenceSpec, unigram_perplexity: float) -> str:
+    """The card body's figures that are not the model's results: the unigram baseline of the same held-out text."""
+    return (
+        f"Unigram baseline on the same held-out text (the train part's token frequencies, no model): perplexity "
+        f"{unigram_perplexity:.4f}. A model that learned nothing beyond token frequencies scores this."
     )
 
 
@@ -195,6 +207,7 @@ def card_for_checkpoint(
 
     measured: dict[str, float] = {}
     eval_results = []
+    figures = None
     if eval_text is not None:
         model = AutoModelForCausalLM.from_pretrained(checkpoint_dir)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
@@ -205,15 +218,24 @@ def card_for_checkpoint(
         measured["perplexity"] = perplexity(model, blocks, progress=True)
         measured["parameters"] = float(sum(p.numel() for p in model.parameters()))
         name = dataset_name or Path(eval_text).name
-        eval_results.append(
-            dict(
-                task_type="text-generation",
-                dataset_type=dataset_id or name,
-                dataset_name=name,
-                metric_type="perplexity",
-                metric_value=round(measured["perplexity"], 4),
+        windows = int(blocks.shape[0])
+        args = {"window": block_size, "windows": windows, "tokens": windows * block_size}
+        if dataset_id:  # a Hub dataset: a model-index result
+            eval_results.append(
+                dict(
+                    task_type="text-generation",
+                    dataset_type=dataset_id,
+                    dataset_name=name,
+                    metric_type="perplexity",
+                    metric_value=round(measured["perplexity"], 4),
+                    metric_args=args,
+                )
             )
-        )
+        else:  # a text file of the user's: described in the card's body, not posed as a dataset
+            figures = (
+                f"Perplexity on the text file `{name}` ({windows} windows of {block_size} tokens): "
+                f"{measured['perplexity']:.4f}."
+            )
     card = build_model_card(
         checkpoint_dir,
         repo_id,
@@ -221,6 +243,7 @@ def card_for_checkpoint(
         datasets=[dataset_id] if dataset_id else None,
         license=license,
         eval_results=eval_results,
+        figures=figures,
     )
     return card, measured
 
