@@ -105,6 +105,8 @@ def command_section(name: str) -> str:
                 f"| `{option_flag(item.name)}` | {_cell(describe_type(hints[item.name]))} | "
                 f"{_cell(describe_default(item))} | {_cell(item.metadata.get('help', ''))} |"
             )
+            if hints[item.name] is bool and item.default is True:  # HfArgumentParser adds the switch that turns it off
+                lines.append(f"| `--no-{item.name.replace('_', '-')}` | switch | off | turns `{option_flag(item.name)}` off |")
         lines.append("")
     return "\n".join(lines)
 
