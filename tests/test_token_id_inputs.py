@@ -166,3 +166,35 @@ def test_compress_says_when_eval_is_not_held_out(tmp_path, capsys, caplog, byte_
         out = capsys.readouterr().out
         warned = [r.getMessage() for r in caplog.records if "not a held-out figure" in r.getMessage()]
         assert bool(warned) == fitted and ("not held out: 2 of 2 windows" in out) == fitted, (warned, out)
+
+
+_NOT_TOKEN_IDS = {
+    "bool": (lambda: torch.ones(400, dtype=torch.bool), ["got bool", "integer tensor"]),
+    "sparse": (lambda: torch.arange(400).remainder(7).to_sparse(), ["sparse_coo", "dense"]),
+    "float16": (lambda: torch.ones(400, dtype=torch.float16), ["got float16", "integer tensor"]),
+}
+_READERS = {
+    "evaluate": "evaluate {src} --text {bad} --window 32",
+    "analyze": "analyze {src} --text {bad} --seq-len 32 --max-tokens 128 --out {out}",
+    "compress --eval": "compress {src} {out} --remove 0.15 --calibration {text} --eval {bad} --window 32",
+    "compress --calibration": "compress {src} {out} --remove 0.15 --calibration {bad} --window 32",
+    "convert": "convert {src} {out} --slice 0.1 --calibration {bad} --seq-len 32",
+}
+
+
+@pytest.mark.parametrize("kind", list(_NOT_TOKEN_IDS))
+@pytest.mark.parametrize("command", list(_READERS))
+def test_every_command_refuses_a_tensor_that_is_not_token_ids(tmp_path, capsys, byte_llama_checkpoint, kind, command):
+    """A bool, sparse or floating tensor given as token ids is refused in one line naming the flag, the file and
+    the dtype or layout, by every command that takes token ids (one shared check), and nothing is written."""
+    text, _ = _ids(tmp_path, byte_llama_checkpoint)
+    bad = tmp_path / "bad.pt"
+    make, words = _NOT_TOKEN_IDS[kind]
+    torch.save(make(), bad)
+    out = tmp_path / "out"
+    line = _READERS[command].format(src=byte_llama_checkpoint, bad=bad, out=out, text=text)
+    assert main(line.split()) == 2
+    printed = capsys.readouterr().err
+    last = printed.strip().splitlines()[-1]
+    assert "Traceback" not in printed and "bad.pt" in last and all(w in last for w in words), last
+    assert not out.exists()

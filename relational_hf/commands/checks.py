@@ -64,6 +64,34 @@ def text_or_ids(path: str | os.PathLike, flag: str) -> Path:
     return check_text_file(path, flag)
 
 
+#: the dtypes a tensor of token ids may have (bool, floating, complex and quantized tensors are refused)
+TOKEN_ID_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if hasattr(torch, name)
+)
+
+
+def token_id_tensor(ids: object, what: str) -> torch.Tensor:
+    """The one check of a tensor given as token ids (`what` names the flag and file): a dense (strided) tensor of an
+    integer dtype, returned flat as int64; else a `UsageError` that names the dtype or layout and what to save."""
+    if not isinstance(ids, torch.Tensor):
+        raise UsageError(f"{what}: expected a tensor of token ids, got {type(ids).__name__}")
+    if ids.layout != torch.strided or ids.is_nested:
+        raise UsageError(
+            f"{what}: a {str(ids.layout).replace('torch.', '')} tensor; token ids must be a dense tensor: save "
+            "ids.to_dense() instead"
+        )
+    if ids.dtype not in TOKEN_ID_DTYPES:
+        raise UsageError(
+            f"{what}: expected an integer tensor of token ids (int64, int32, ...), got {str(ids.dtype).replace('torch.', '')}"
+            f"{' (booleans are not token ids)' if ids.dtype == torch.bool else ''}"
+        )
+    if ids.is_meta:
+        raise UsageError(f"{what}: a tensor on the meta device holds no token ids")
+    return ids.long().reshape(-1)
+
+
 def read_token_ids(path: Path, tokenizer_of, flag: str) -> torch.Tensor:
     """The token ids of `path`: a `.pt` integer tensor as stored, or the text tokenised with `tokenizer_of()` (called
     only for text; an OSError / ValueError from it becomes a `UsageError` that suggests the .pt form)."""
@@ -72,9 +100,7 @@ def read_token_ids(path: Path, tokenizer_of, flag: str) -> torch.Tensor:
             ids = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises several types for a file that is not a tensor
             raise UsageError(f"{flag} {path}: not a tensor of token ids ({err})") from None
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
-            raise UsageError(f"{flag} {path}: expected an integer tensor of token ids")
-        return ids.long().reshape(-1)
+        return token_id_tensor(ids, f"{flag} {path}")
     try:
         tokenizer = tokenizer_of()
     except (OSError, ValueError, TypeError) as err:
@@ -105,4 +131,5 @@ __all__ = [
     "read_token_ids",
     "require",
     "text_or_ids",
+    "token_id_tensor",
 ]
