@@ -3,12 +3,15 @@ remote code.
 
     relational-hf export SRC OUT --to llama
     relational-hf export SRC OUT --to free
+    relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0]
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
 against the relational model's logits in fp32 before anything is written. `--to free` keeps the relational
 architecture and writes every map as its full weight (the free gauge, `to_free_gauge`): a checkpoint for inference,
 which reads the weights as stored (no gauge-fixed weight assembled), at the cost of the pivot entries stored again.
-OUT must be new or empty; it is written beside and moved into place when complete.
+OUT must be new or empty; it is written beside and moved into place when complete. `--to gguf` writes one GGUF file
+for llama.cpp instead (`relational_hf.convert.gguf_export`: architecture llama, or deci for per-layer widths; a
+checkpoint folder is read a layer at a time), replaced atomically.
 """
 
 from __future__ import annotations
@@ -20,21 +23,29 @@ from typing import Literal
 from .checks import check_model_argument
 from .options import CommandArguments, PositiveFloat, option, positional
 
-HELP = "write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it) or in the free gauge"
+HELP = (
+    "write a relational checkpoint as a plain Llama checkpoint (no plugin needed to load it), in the free gauge, or "
+    "as a GGUF file for llama.cpp"
+)
 
 
 @dataclass
 class ExportPaths:
     src: str = positional("a relational checkpoint: local folder or Hub id", "SRC")
-    out: str = positional("new (or empty) output folder", "OUT")
+    out: str = positional("new (or empty) output folder; with --to gguf the .gguf file to write", "OUT")
 
 
 @dataclass
 class ExportOptions:
     _argument_group_name = "export"
 
-    to: Literal["llama", "free"] = option(
-        "llama", "llama: a plain Llama checkpoint; free: the relational model with full maps, for inference"
+    to: Literal["llama", "free", "gguf"] = option(
+        "llama",
+        "llama: a plain Llama checkpoint; free: the relational model with full maps, for inference; gguf: one GGUF "
+        "file for llama.cpp",
+    )
+    outtype: Literal["f32", "f16", "bf16", "q8_0"] = option(
+        "f16", "with --to gguf: the type of the weight matrices (q8_0: rows not a multiple of 32 long stay f16)"
     )
     tolerance: PositiveFloat = option(1e-4, "max |logit difference| accepted (fp32)")
     trust_remote_code: bool = option(False, "passed to from_pretrained")
@@ -54,6 +65,10 @@ def run(args: ExportArguments) -> int:
     from ..outputs import OutputLock, check_new_output
 
     args.src = check_model_argument(args.src, "SRC")
+    if args.to == "gguf":
+        from .export_gguf import run_gguf
+
+        return run_gguf(args)
     check_new_output(args.out, "OUT", source=args.src)  # before loading anything
     with OutputLock(args.out) as lock:
         return _run(args, lock, resolve_model_source(args.src))

@@ -1,0 +1,214 @@
+"""Where every weight of a relational model goes in a GGUF file for llama.cpp (DESIGN.md 2.2b): the one home of the
+GGUF layout maths, pure torch (the file itself is written by `relational_hf.convert.gguf_export`).
+
+- **Architecture.** Uniform SwiGLU widths: llama.cpp's `llama`. Per-layer SwiGLU widths (a compressed model):
+  `deci`, whose `feed_forward_length` and `attention.head_count_kv` llama.cpp reads as per-layer arrays. The head
+  width D, the rotary width (= D) and the head counts stay global in both.
+- **Heads.** One head width D = r * ceil(d_h / r) holds a QK form of rank r and value width d_h exactly (the same
+  embedding as the plain Llama export, `relational_hf.convert.export`): relational rotary pair p of a key head goes
+  to the Llama pair p D / r, which turns at the same frequency (theta^(-2p/r)); every other query/key coordinate is
+  zero, so a layer's QK width r_l < D adds exactly 0 to each score; W_Q is scaled by sqrt(D / r_l) so that
+  llama.cpp's 1/sqrt(D) score scale gives the relational 1/sqrt(r_l). A value width r_v < D: zero rows of W_V and
+  zero columns of W_O.
+- **Rotary layout.** The relational (and Transformers) rotation pairs coordinate j with j + D/2 of a head; llama.cpp's
+  `llama` and `deci` (its "normal" rope) pair 2j with 2j + 1. The rows of each query and key head are reordered so
+  that half-split pair j lands on adjacent coordinates (2j, 2j + 1) (`rope_interleave`); scores are unchanged
+  because queries and keys are reordered alike.
+- **Norms.** The gain-free layer norms are RMSNorms with unit weights; the final norm carries the final gain (in
+  front of a tied head) or unit weights. A tied head stays tied: no `output` tensor (llama.cpp reads `token_embd`).
+
+Refused before anything is written (`gguf_refusal`, one line naming the config field): value-space parallel removal,
+models without rotary positions, rotary types other than the default, and activations other than SiLU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .export import ExportError, _layer_qk_coordinates, _pad_heads, llama_head_dim
+
+#: the relational model_type (config.json); anything else is converted first
+RELATIONAL_MODEL_TYPE = "relational-transformer"
+
+
+class GGUFExportError(ExportError):
+    """A checkpoint that has no exact GGUF form, or a GGUF export that cannot be written (one line, naming the cause)."""
+
+
+def gguf_refusal(config) -> str | None:
+    """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` (one line naming the config
+    field), or None when it has one."""
+    if getattr(config, "model_type", None) != RELATIONAL_MODEL_TYPE:
+        kind = getattr(config, "model_type", None) or type(config).__name__
+        return (
+            f"a {kind} checkpoint is not relational: run `relational-hf convert SRC REL` first and export REL "
+            "(a plain Llama checkpoint also converts with llama.cpp's own convert_hf_to_gguf.py)"
+        )
+    if config.value_parallel_removal:
+        return (
+            "value_parallel_removal=True has no GGUF form: removing the part of each head's output parallel to the "
+            "token's own value is a nonlinear edit no llama.cpp layer computes"
+        )
+    if config.position_encoding != "rope":
+        return (
+            f"position_encoding={config.position_encoding!r} has no GGUF form: llama.cpp's llama and deci rotate "
+            "every query/key coordinate"
+        )
+    rope = dict(config.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default":
+        return (
+            f"rope_parameters rope_type={rope.get('rope_type')!r}: only the default rotary type is exported to GGUF "
+            "(its frequencies are checked exactly; scaled types are not)"
+        )
+    if config.hidden_act != "silu":
+        return f"hidden_act={config.hidden_act!r} has no GGUF form: llama.cpp's llama and deci gate with SiLU"
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """The llama.cpp hyperparameters of a relational model: `arch` ("llama" or "deci"), head width D (= rotary
+    width, key and value length), per-layer SwiGLU widths and the global counts."""
+
+    arch: str
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    feed_forward: tuple[int, ...]
+    qk_ranks: tuple[int, ...]
+    value_ranks: tuple[int, ...]
+    tied: bool
+    q_bias: bool
+    o_bias: bool
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+
+    @property
+    def padding_zeros(self) -> int:
+        """Zero entries the fixed head width D adds to the stored maps (QK and value widths below D)."""
+        d, h, h_kv, width = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        return sum(
+            d * ((h + h_kv) * (width - r) + (h_kv + h) * (width - v)) for r, v in zip(self.qk_ranks, self.value_ranks)
+        )
+
+
+def gguf_layout(config) -> GGUFLayout:
+    """The `GGUFLayout` of a relational config; `GGUFExportError` (one line) when `gguf_refusal` refuses it."""
+    reason = gguf_refusal(config)
+    if reason is not None:
+        raise GGUFExportError(reason)
+    layers = range(config.num_hidden_layers)
+    widths = tuple(config.layer_intermediate_size(i) for i in layers)
+    return GGUFLayout(
+        arch="llama" if len(set(widths)) == 1 else "deci",
+        head_dim=llama_head_dim(config.qk_rank, config.head_dim),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+        feed_forward=widths,
+        qk_ranks=tuple(config.layer_qk_rank(i) for i in layers),
+        value_ranks=tuple(config.layer_value_rank(i) for i in layers),
+        tied=bool(config.tie_word_embeddings),
+        q_bias=bool(config.attention_bias),
+        o_bias=bool(config.attention_output_bias),
+        rope_theta=float(dict(config.rope_parameters).get("rope_theta", 10000.0)),
+        rms_norm_eps=float(config.rms_norm_eps),
+        context_length=int(config.max_position_embeddings),
+    )
+
+
+def tensor_shapes(layout: GGUFLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF tensor name, shape) of every tensor the export writes, in the order written. Shapes in the Linear
+    layout (out, in), as numpy holds them; GGUF lists the dimensions reversed (ne0 = in)."""
+    d, width = layout.hidden_size, layout.head_dim
+    q_rows, kv_rows = layout.num_heads * width, layout.num_kv_heads * width
+    out = [("token_embd.weight", (layout.vocab_size, d))]
+    for i, f in enumerate(layout.feed_forward):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (q_rows, d)), (b + "attn_k.weight", (kv_rows, d))]
+        out += [(b + "attn_v.weight", (kv_rows, d)), (b + "attn_output.weight", (d, q_rows))]
+        if layout.q_bias:
+            out += [(b + "attn_q.bias", (q_rows,)), (b + "attn_k.bias", (kv_rows,)), (b + "attn_v.bias", (kv_rows,))]
+        if layout.o_bias:
+            out += [(b + "attn_output.bias", (d,))]
+        out += [(b + "ffn_norm.weight", (d,)), (b + "ffn_gate.weight", (f, d)), (b + "ffn_up.weight", (f, d))]
+        out += [(b + "ffn_down.weight", (d, f))]
+    out += [("output_norm.weight", (d,))]
+    if not layout.tied:
+        out += [("output.weight", (layout.vocab_size, d))]
+    return out
+
+
+def rope_interleave(w: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    """Rows (or entries, for a bias) of `heads` heads of `width` reordered from the half-split rotary layout (pair j:
+    coordinates j and j + width/2) to llama.cpp's adjacent pairs (2j, 2j + 1): new row 2j is old row j, new row
+    2j + 1 is old row j + width/2, head by head."""
+    half = width // 2
+    order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)  # [0, h, 1, h+1, ...]
+    rows = (order[None, :] + width * torch.arange(heads)[:, None]).reshape(-1)
+    return w.index_select(0, rows.to(w.device))
+
+
+@torch.no_grad()
+def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_rank: int) -> dict[str, torch.Tensor]:
+    """The GGUF tensors (float32, computed in float64; Linear layout) of relational decoder layer `index`, in `tensor_shapes` order:
+    unit norm weights, W_Q/W_K padded to the head width D by rotary pair and interleaved for llama.cpp's rope, W_Q
+    scaled by sqrt(D / r_l), W_V/W_O padded with zeros, the SwiGLU maps at the layer's own width."""
+    attn = layer.self_attn
+    h, h_kv, width, d = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.hidden_size
+    k_coords = _layer_qk_coordinates(attn, model_qk_rank, width)  # (H_kv, r_l) Llama coordinates per key head
+    q_coords = k_coords.repeat_interleave(h // h_kv, dim=0)
+    vo = torch.arange(attn.head_dim)
+    q_scale = math.sqrt(width / attn.qk_rank)
+    w = attn.full_weights()
+    b = f"blk.{index}."
+    out = {b + "attn_norm.weight": torch.ones(d, dtype=torch.float64)}
+    out[b + "attn_q.weight"] = rope_interleave(_pad_heads(w["q"], h, width, q_coords, q_scale), h, width)
+    out[b + "attn_k.weight"] = rope_interleave(_pad_heads(w["k"], h_kv, width, k_coords), h_kv, width)
+    out[b + "attn_v.weight"] = _pad_heads(w["v"], h_kv, width, vo)
+    out[b + "attn_output.weight"] = _pad_heads(w["o"].double().T, h, width, vo).T.contiguous()
+    if layout.q_bias:
+        for key, heads, coords, scale, interleave in (
+            ("q", h, q_coords, q_scale, True),
+            ("k", h_kv, k_coords, 1.0, True),
+            ("v", h_kv, vo, 1.0, False),
+        ):
+            value = w.get(f"{key}_bias")
+            rows = heads * width
+            padded = (
+                torch.zeros(rows, dtype=torch.float64)
+                if value is None
+                else _pad_heads(value, heads, width, coords, scale)
+            )
+            out[f"{b}attn_{key}.bias"] = rope_interleave(padded, heads, width) if interleave else padded
+    if layout.o_bias:
+        value = w.get("o_bias")
+        out[b + "attn_output.bias"] = torch.zeros(d, dtype=torch.float64) if value is None else value.double()
+    mlp = layer.mlp.full_weights()
+    out[b + "ffn_norm.weight"] = torch.ones(d, dtype=torch.float64)
+    out[b + "ffn_gate.weight"] = mlp["gate"].double()
+    out[b + "ffn_up.weight"] = mlp["up"].double()
+    out[b + "ffn_down.weight"] = mlp["down"].double()
+    return {k: v.detach().to(torch.float32).cpu() for k, v in out.items()}
+
+
+__all__ = [
+    "RELATIONAL_MODEL_TYPE",
+    "GGUFExportError",
+    "GGUFLayout",
+    "gguf_layout",
+    "gguf_refusal",
+    "layer_tensors",
+    "rope_interleave",
+    "tensor_shapes",
+]

@@ -1,0 +1,164 @@
+"""Tiny relational models of every configuration the GGUF export takes, and a reference forward pass computed from a
+GGUF file alone, by llama.cpp's conventions (tests/test_gguf_export.py, tests/test_gguf_llama_cpp.py).
+
+The reference reads nothing of the plugin: the hyperparameters from the file's metadata, the weights from its
+tensors, and computes what llama.cpp's `llama` / `deci` graphs compute: RMSNorm times the norm weight, query/key
+rows rotated in adjacent pairs (2i, 2i + 1) by theta_i = pos * freq_base^(-2i / rope.dimension_count), scores
+scaled by 1/sqrt(key_length), each key/value head shared by head_count / head_count_kv query heads (per layer for
+`deci`), SwiGLU silu(x W_gate) * (x W_up) W_down, the head `output` or, without it, `token_embd`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
+
+#: the byte-level tokenizer's vocabulary (3 special tokens + 256 bytes), so that every model carries a tokenizer
+VOCAB = 259
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+#: name -> config overrides: both gauges, GQA and full MHA, thin keys (QK rank below the head width, RoPE pairs
+#: embedded in a wider head), biases, tied and untied heads, hand-made per-layer widths (architecture deci)
+CASES = {
+    "pivot-gqa-tied": dict(gauge="pivot"),
+    "free-untied": dict(gauge="free", tie_word_embeddings=False),
+    "pivot-thin-keys-biases-untied": dict(
+        gauge="pivot", qk_rank=4, attention_bias=True, attention_output_bias=True, tie_word_embeddings=False
+    ),
+    "free-mha-thin-keys-6-of-8": dict(gauge="free", num_key_value_heads=4, qk_rank=6),
+    "pivot-per-layer-widths": dict(
+        gauge="pivot", layer_qk_ranks=[8, 4], layer_value_ranks=[8, 5], layer_intermediate_sizes=[40, 24]
+    ),
+}
+
+
+@torch.no_grad()
+def tiny_case(name: str, seed: int = 0) -> RelationalForCausalLM:
+    """The model of CASES[name], with weights wide enough for clearly separated logits, non-trivial biases and
+    final gain, and (per-layer widths) key heads that keep different rotary pairs."""
+    torch.manual_seed(seed)
+    model = RelationalForCausalLM(RelationalConfig(**(BASE | CASES[name]))).eval()
+    for pname, p in model.named_parameters():
+        if "bias" in pname:
+            p.normal_(0.0, 0.2)
+        elif p.ndim == 1:
+            p.uniform_(0.5, 1.5)
+        else:
+            p.mul_(6.0)
+    for layer in model.model.layers:
+        pairs = getattr(layer.self_attn, "rope_pair_index", None)
+        if pairs is not None and pairs.shape[1] < model.config.qk_rank // 2:
+            pairs.copy_(torch.tensor([[3, 1], [0, 2]])[:, : pairs.shape[1]])
+    return model
+
+
+def compressed_model() -> RelationalForCausalLM:
+    """A tiny relational model compressed by `compress_model` on random weights (per-layer QK, value and SwiGLU
+    widths, key heads keeping their own rotary pairs): one layer's MLP and another's attention made heavier so that
+    the plan gives the two layers different widths (architecture deci)."""
+    from relational_hf.jobs import compress_model
+
+    torch.manual_seed(0)
+    model = RelationalForCausalLM(RelationalConfig(**{**BASE, "intermediate_size": 64, "gauge": "free"})).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(8)
+        model.model.layers[0].self_attn.o_proj.weight.mul_(8)
+    calibration = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    out, _ = compress_model(model, remove=0.3, calibration=calibration, progress=False, plan_windows=2, mlp_step=8)
+    return out.eval()
+
+
+def fields(reader) -> dict:
+    """Every metadata key of a `gguf.GGUFReader` with its value (arrays as lists)."""
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def dequantized(reader) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float64 (Linear layout: rows = outputs)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.tensor_type not in (T.F32, T.F16):
+            data = dequantize(data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        out[t.name] = torch.from_numpy(np.asarray(data, dtype=np.float64).reshape(shape))
+    return out
+
+
+def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits (T, vocab) of the token ids `ids` (T,) by llama.cpp's conventions, from the GGUF file alone (module
+    docstring), in float64."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = fields(reader)
+    w = dequantized(reader)
+    arch = meta["general.architecture"]
+    heads, kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    width, rot = meta[f"{arch}.attention.key_length"], meta[f"{arch}.rope.dimension_count"]
+    assert meta[f"{arch}.attention.value_length"] == width == rot
+    base, eps = meta[f"{arch}.rope.freq_base"], meta[f"{arch}.attention.layer_norm_rms_epsilon"]
+    n = ids.shape[0]
+    pos = torch.arange(n, dtype=torch.float64)
+    angle = pos[:, None] * base ** (-2 * torch.arange(rot // 2, dtype=torch.float64) / rot)  # (T, D/2)
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+
+    def norm(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+    def rotate(x):  # (T, heads, D): pairs (2i, 2i + 1)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+
+    def linear(x, name):
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
+    mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+    x = w["token_embd.weight"][ids]
+    for i in range(meta[f"{arch}.block_count"]):
+        b = f"blk.{i}."
+        h_kv = kv[i] if isinstance(kv, list) else kv
+        h = norm(x, w[b + "attn_norm.weight"])
+        q = rotate(linear(h, b + "attn_q").view(n, heads, width))
+        k = rotate(linear(h, b + "attn_k").view(n, h_kv, width)).repeat_interleave(heads // h_kv, dim=1)
+        v = linear(h, b + "attn_v").view(n, h_kv, width).repeat_interleave(heads // h_kv, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) / width**0.5 + mask
+        o = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, heads * width)
+        x = x + linear(o, b + "attn_output")
+        h = norm(x, w[b + "ffn_norm.weight"])
+        x = x + linear(torch.nn.functional.silu(linear(h, b + "ffn_gate")) * linear(h, b + "ffn_up"), b + "ffn_down")
+    head = w.get("output.weight", w["token_embd.weight"])
+    return norm(x, w["output_norm.weight"]) @ head.T
+
+
+@torch.no_grad()
+def plugin_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids[None]).logits[0].double()
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over the logit scale max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
