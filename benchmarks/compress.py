@@ -133,7 +133,9 @@ PROJECT_OPTIONS = {
 #: calibration texts (`--calibration-text`): the benchmark's WikiText-2 windows (the user's text), text the source
 #: samples itself (data-free), half of each, or a mixture of domains (WikiText-2, Tiny Shakespeare's first 90%, the
 #: first 90% of the standard-library files, the source's own text: a quarter each)
-CALIBRATIONS = ("wikitext", "self", "wikitext+self", "domains")
+#: "wikitext+added-self" keeps every WikiText-2 window and adds half as many sampled by the source (a third of the
+#: total: the user's text loses no window to the mixture)
+CALIBRATIONS = ("wikitext", "self", "wikitext+self", "domains", "wikitext+added-self")
 SPLITS = ("forward", "reverse")
 FIXED_PATTERN = ("magnitude-2:4", "wanda-2:4")
 TARGETS = (0.1, 0.2, 0.25, 0.3)
@@ -227,8 +229,11 @@ def calibration_windows(name: str, model, tokenizer, wikitext: torch.Tensor, cac
     if name == "self":
         return sampled, f"{n} windows the source samples itself (compress.calibration.sampled_calibration)"
     if name == "wikitext+self":
-        mixed, _ = mixed_calibration(wikitext, 0.5, sampled=sampled)
+        mixed, _ = mixed_calibration(wikitext, 0.5, n=n, sampled=sampled)
         return mixed, "half the WikiText-2 windows, half the source's own samples, interleaved"
+    if name == "wikitext+added-self":
+        mixed, _ = mixed_calibration(wikitext, 1 / 3, sampled=sampled)
+        return mixed, f"all {n} WikiText-2 windows and {n // 2} of the source's own samples, interleaved"
     quarter = n // 4
     parts = [
         wikitext[:quarter],
@@ -462,6 +467,9 @@ def resumed_payload(previous: dict | None, protocol: dict, command: str) -> dict
     if previous.get("protocol", {}).get("evaluation") != protocol["evaluation"]:
         raise ValueError("was measured with another protocol")
     payload["cells"] = {k: v for k, v in previous["cells"].items() if v.get("perplexity") is not None}
+    earlier_texts = previous.get("protocol", {}).get("calibration_texts") or {}
+    if earlier_texts:  # the calibration texts of the kept cells stay described
+        protocol["calibration_texts"] = earlier_texts | protocol.get("calibration_texts", {})
     payload["wall_seconds"] = previous.get("wall_seconds", 0.0)
     earlier = [*previous.get("earlier_commands", []), previous.get("command")]
     payload["earlier_commands"] = [c for c in earlier if c]

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from relational_hf.compress.calibration import (
     AUTO_SELF_MAX_PARAMETERS,
     DEFAULT_SELF_SHARE,
+    added_self_windows,
     approximate_parameters,
     interleave,
     mixed_calibration,
@@ -65,19 +66,31 @@ def test_self_windows_count_is_the_share_with_both_sides_present(n, share):
         assert k == round(n * share)
 
 
-def test_mixed_calibration_takes_the_first_windows_of_each_side():
-    """The result holds the first n - k user windows and the first k sampled rows, nothing else; share 0 and 1 give
-    one side alone."""
+@pytest.mark.parametrize("n", [None, 8])
+def test_mixed_calibration_takes_the_first_windows_of_each_side(n):
+    """The result holds the first n - k user windows and the first k sampled rows, nothing else: by default every
+    user window and as many sampled ones as make the share of the whole (`added_self_windows`); with n, sampled
+    windows replace user ones. Share 0 and 1 give one side alone."""
     user, sampled = _rows(8, 4, 0), _rows(8, 4, 10_000)
-    mixed, info = mixed_calibration(user, 0.25, sampled=sampled)
-    k = self_windows_count(8, 0.25)
-    assert info == {"self_share": 0.25, "self_windows": k, "user_windows": 8 - k}
+    mixed, info = mixed_calibration(user, 0.25, n=n, sampled=sampled)
+    total = 8 + added_self_windows(8, 0.25) if n is None else n
+    k = self_windows_count(total, 0.25)
+    assert info == {"self_share": 0.25, "self_windows": k, "user_windows": total - k}
+    assert mixed.shape == (total, 4) and (n is not None or total - k == 8)
     rows = {tuple(r.tolist()) for r in mixed}
-    assert rows == {tuple(r.tolist()) for r in user[: 8 - k]} | {tuple(r.tolist()) for r in sampled[:k]}
+    assert rows == {tuple(r.tolist()) for r in user[: total - k]} | {tuple(r.tolist()) for r in sampled[:k]}
     alone, _ = mixed_calibration(user, 0.0)
     assert torch.equal(alone, user)
     own, info = mixed_calibration(None, 1.0, n=5, window=4, sampled=sampled)
     assert torch.equal(own, sampled[:5]) and info["user_windows"] == 0
+
+
+@pytest.mark.parametrize("n_user", [1, 5, 64, 128])
+@pytest.mark.parametrize("share", [0.1, 1 / 3, 0.5, 0.9])
+def test_added_self_windows_make_the_share_of_the_whole(n_user, share):
+    k = added_self_windows(n_user, share)
+    assert k >= 1 and abs(k / (n_user + k) - share) <= 1 / (n_user + k)
+    assert self_windows_count(n_user + k, share) == k or n_user + k <= 2
 
 
 def test_mixed_calibration_keeps_the_share_when_the_user_text_is_short():
@@ -96,7 +109,7 @@ def test_mixed_calibration_keeps_the_share_when_the_user_text_is_short():
         ({"user": _rows(4, 4, 0).float(), "share": 0.5}, "LongTensor"),
         ({"user": _rows(4, 4, 0), "share": 0.5, "window": 8}, "not `window`"),
         ({"user": _rows(4, 4, 0), "share": 0.5}, "needs the source model"),
-        ({"user": _rows(4, 4, 0), "share": 0.5, "sampled": _rows(1, 4, 0)}, "at least 2 rows"),
+        ({"user": _rows(4, 4, 0), "share": 0.5, "sampled": _rows(1, 4, 0)}, "at least 4 rows"),
     ],
 )
 def test_mixed_calibration_refuses_bad_input_in_one_line(kwargs, message):
@@ -153,22 +166,14 @@ def test_eval_table_ratios_and_worst():
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _source(tmp_path):
-    from relational_hf.lm.data import byte_level_tokenizer
-
-    src = tmp_path / "src"
-    config = LlamaConfig(
-        vocab_size=259, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(src)
-    byte_level_tokenizer().save_pretrained(src)
+@pytest.fixture
+def texts(tmp_path, byte_llama_checkpoint):
+    """(SRC, a prose text, a code text): the tiny byte-level Llama and two unlike texts."""
     prose = tmp_path / "prose.txt"
     prose.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     code = tmp_path / "code.txt"
     code.write_text("def f(x):\n    return [i * x for i in range(10)]\n\n" * 40)
-    return src, prose, code
+    return byte_llama_checkpoint, prose, code
 
 
 COMMON = ["--remove", "0.2", "--window", "32", "--calibration-windows", "6", "--eval-windows", "2",
@@ -176,13 +181,14 @@ COMMON = ["--remove", "0.2", "--window", "32", "--calibration-windows", "6", "--
 
 
 @pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
-def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, mode):
+def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, texts, mode):
     """Several --eval texts are each reported (perplexity before and after, their ratio) with the worst ratio; the
-    first also under the single-text keys; the report says how the calibration was mixed (half the windows sampled
-    by SRC at --self-calibration 0.5); both paths agree on all of it, to float tolerance."""
+    first also under the single-text keys; the report says how the calibration was mixed (every --calibration window
+    kept, as many sampled by SRC added at --self-calibration 0.5); both paths agree on all of it, to float
+    tolerance."""
     from relational_hf.commands.main import main
 
-    src, prose, code = _source(tmp_path)
+    src, prose, code = texts
     args = [*COMMON, "--calibration", str(prose), "--eval", str(prose), "--eval", str(code), "--self-calibration", "0.5"]
     reports = {}
     for path in ("--stream", "--no-stream"):
@@ -190,10 +196,11 @@ def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, mode):
         assert main(["compress", str(src), str(out), *args, path]) == 0, capsys.readouterr().err
         summary = capsys.readouterr().out
         assert "prose.txt perplexity" in summary and "code.txt perplexity" in summary and "worst x" in summary
-        assert "3 windows of prose.txt and 3 SRC sampled itself" in summary
+        assert "6 windows of prose.txt and 6 SRC sampled itself" in summary
         reports[path] = json.loads((out / "compression_report.json").read_text())
     report = reports[mode]
-    assert report["calibration"]["self_windows"] == 3 and report["calibration"]["user_windows"] == 3
+    assert report["calibration"]["self_windows"] == 6 and report["calibration"]["user_windows"] == 6
+    assert report["calibration_windows"] == [12, 32]
     assert report["calibration"]["self_share"] == 0.5 and report["calibration"]["text"] == "prose.txt"
     texts = report["eval"]["texts"]
     assert set(texts) == {"prose.txt", "code.txt"}
@@ -209,12 +216,12 @@ def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, mode):
         )
 
 
-def test_cli_without_calibration_text_calibrates_on_src_s_own_text(tmp_path, capsys):
+def test_cli_without_calibration_text_calibrates_on_src_s_own_text(tmp_path, capsys, texts):
     """No --calibration: every calibration window is sampled by SRC (the built-in text is no real text); an explicit
     --self-calibration 0 keeps the built-in text; the two compressions differ."""
     from relational_hf.commands.main import main
 
-    src, prose, _ = _source(tmp_path)
+    src, prose, _ = texts
     assert main(["compress", str(src), str(tmp_path / "a"), *COMMON, "--eval", str(prose)]) == 0
     assert "6 windows SRC sampled itself" in capsys.readouterr().out
     own = json.loads((tmp_path / "a" / "compression_report.json").read_text())
@@ -235,10 +242,10 @@ def test_cli_without_calibration_text_calibrates_on_src_s_own_text(tmp_path, cap
         (["--eval", "{root}/missing.txt"], "missing.txt"),
     ],
 )
-def test_cli_refuses_bad_calibration_and_eval_arguments_in_one_line(tmp_path, capsys, extra, message):
+def test_cli_refuses_bad_calibration_and_eval_arguments_in_one_line(tmp_path, capsys, texts, extra, message):
     from relational_hf.commands.main import main
 
-    src, prose, _ = _source(tmp_path)
+    src, prose, _ = texts
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "prose.txt").write_text("x " * 400)
     extra = [e.format(prose=prose, other=tmp_path / "other", root=tmp_path) for e in extra]

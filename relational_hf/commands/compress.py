@@ -1,6 +1,7 @@
 """Compress a causal LM in relational coordinates and save it.
 
-    relational-hf compress SRC OUT --remove 0.25 [--calibration FILE] [--eval FILE] [--heal-steps N]
+    relational-hf compress SRC OUT --remove 0.25 [--calibration FILE] [--self-calibration SHARE] [--eval FILE ...]
+                                               [--heal-steps N]
                                                [--gauge free|pivot] [--stream | --no-stream] [--dtype D]
                                                [--max-shard-size S]
 
@@ -10,15 +11,18 @@ A local safetensors folder or GGUF file is compressed one decoder layer in memor
 dequantised one at a time, the result written shard by shard, stored in SRC's dtype unless --dtype (float32 for a
 quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
 unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
-The calibration text (--calibration, default: the project's built-in corpus; a .pt tensor of token ids also serves)
-is cut into --calibration-windows windows of --window tokens. The result is a relational checkpoint in the free gauge
+The calibration windows (--calibration-windows of --window tokens) mix the user's text (--calibration, a text file or
+a .pt tensor of token ids) with text SRC samples itself (--self-calibration, the share of windows it samples: half
+by default, all of them without --calibration), so that the compressed model stays close to SRC on text unlike the
+user's; the report's "calibration" says what was mixed. The result is a relational checkpoint in the free gauge
 (every map a plain weight, what inference reads fastest), or with --gauge pivot in the gauge-fixed form; --remove is
 counted in the gauge written.
 OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
 written beside it and moved into place when complete (`relational_hf.outputs`). A SRC without a tokenizer is
 compressed when every text comes as a .pt tensor of token ids; OUT then holds no tokenizer either. --eval reports
-perplexity before and after; when its windows are calibration windows too (the same file given twice), a warning and
-the summary say that the figure is not held out.
+perplexity before and after, for each text given (with the worst ratio when there are several: give text unlike
+the calibration's too); when its windows are calibration windows too (the same file given twice), a warning and the
+summary say that the figure is not held out.
 
 --heal-steps N repairs the compressed model with N LoRA steps. By default (--heal-loss kd) it distils from SRC: KL to
 SRC's next-token distributions on text SRC samples itself (--heal-samples rows of --heal-length tokens, seed
@@ -325,7 +329,7 @@ def run(args: CompressArguments) -> int:
 
 
 def _run(args: CompressArguments, lock) -> int:
-    from ..compress.calibration import approximate_parameters, resolve_self_share, self_windows_count
+    from ..compress.calibration import approximate_parameters, resolve_self_share
     from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
     from ..compress.eval import eval_table
     from ..jobs import compress_model
@@ -358,9 +362,8 @@ def _run(args: CompressArguments, lock) -> int:
         calibration_text: Path | str = Path(args.calibration)
     else:
         calibration_text, _, _ = load_texts(None, None, None, "text")
-    if self_share < 1.0:
-        n_user = args.calibration_windows - (self_windows_count(args.calibration_windows, self_share) if self_share else 0)
-        calibration = windows_of(calibration_text, tokenizer, args.window, n_user, "--calibration", vocab)
+    if self_share < 1.0:  # the user's windows, all kept: the sampled ones join them
+        calibration = windows_of(calibration_text, tokenizer, args.window, args.calibration_windows, "--calibration", vocab)
     evaluations = {
         eval_name(e): windows_of(Path(e), tokenizer, args.window, args.eval_windows, "--eval", vocab) for e in args.eval or []
     }

@@ -36,12 +36,14 @@ def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vo
 
 
 def sampled_calibration(args, model, tokenizer, user: torch.Tensor | None, share: float) -> tuple[torch.Tensor, dict]:
-    """The calibration windows with `share` of them sampled from `model` (`compress.calibration.mixed_calibration`),
-    and what was mixed (counts and the sampling's settings, the source's fingerprint included)."""
-    from ..compress.calibration import mixed_calibration, self_windows_count
+    """The calibration windows with text `model` samples itself (`compress.calibration.mixed_calibration`): the
+    user's windows all kept and sampled ones added to make `share` of the whole, or --calibration-windows sampled
+    windows without user windows; and what was mixed (counts and the sampling's settings, the source's fingerprint
+    included)."""
+    from ..compress.calibration import mixed_calibration
 
     tokenizer = None if isinstance(tokenizer, Exception) else tokenizer
-    n = args.calibration_windows if user is None else user.shape[0] + self_windows_count(args.calibration_windows, share)
+    n = args.calibration_windows if user is None else None
     windows, info = mixed_calibration(user, share, model, tokenizer, n=n, window=args.window, progress=True)
     return windows, {k: v for k, v in info.items() if k != "self_share"}
 

@@ -78,6 +78,15 @@ def self_windows_count(n: int, share: float) -> int:
     return min(k, n)
 
 
+def added_self_windows(n_user: int, share: float) -> int:
+    """How many sampled windows join `n_user` windows of the user's text so that they are `share` of the whole (the
+    user's windows all kept): round(n_user x share / (1 - share)), at least one when share > 0."""
+    share = check_share(share)
+    if share >= 1.0:
+        raise ValueError("a self share of 1 leaves no room for the user's windows: sample n windows instead")
+    return 0 if share == 0.0 else max(1, round(n_user * share / (1.0 - share)))
+
+
 def interleave(parts: list[torch.Tensor], shares: list[float] | None = None) -> torch.Tensor:
     """The rows of `parts` (each (n_i, T), the same T) in one tensor (sum n_i, T), in order within each part, spread so
     that every prefix holds each part in proportion to its size (or to `shares`): at each position the part furthest
@@ -132,15 +141,18 @@ def mixed_calibration(
     progress: bool = True,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Calibration windows (n, window): `share` of them sampled from `model` itself, the rest the first of `user`'s
-    windows (N, T), interleaved (`interleave`). n defaults to user's count, window to user's length (both needed
-    without `user`, i.e. share 1). `sampled` gives already sampled rows (at least the count needed, `window` long)
+    windows (N, T), interleaved (`interleave`). n defaults to every user window and as many sampled ones again as
+    make `share` of the whole (`added_self_windows`: the user's text loses no window to the mixture); a smaller n
+    replaces user windows by sampled ones. window defaults to user's length (n and window are needed without `user`,
+    i.e. share 1). `sampled` gives already sampled rows (at least the count needed, `window` long)
     instead of sampling. Returns (windows, settings): the share, each side's count and the sampling settings."""
     share = check_share(share)
     if user is not None and (not isinstance(user, torch.Tensor) or user.dim() != 2 or user.dtype != torch.long):
         raise ValueError("`user` must be token ids (N, T) as a LongTensor")
     if user is None and share < 1.0:
         raise ValueError("a self share below 1 needs the user's calibration windows")
-    n = n if n is not None else (user.shape[0] if user is not None else None)
+    if n is None and user is not None:
+        n = user.shape[0] + (added_self_windows(user.shape[0], share) if share < 1.0 else 0)
     window = window if window is not None else (user.shape[1] if user is not None else None)
     if not n or not window:
         raise ValueError("give `n` and `window` (the sampled windows' count and length) without user windows")
@@ -171,6 +183,7 @@ __all__ = [
     "AUTO_SELF_MAX_PARAMETERS",
     "DEFAULT_SELF_SEED",
     "DEFAULT_SELF_SHARE",
+    "added_self_windows",
     "check_share",
     "interleave",
     "approximate_parameters",
