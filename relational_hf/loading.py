@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, invalid_config_error
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +271,8 @@ def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = Fal
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise _hub_errors(source, err) from err
+    except Exception as err:
+        raise invalid_config_error(err, source.location) or err from None
 
 
 def warn_beyond_context(config, lengths: dict[str, int | None], what: str = "the model") -> list[str]:
@@ -306,10 +308,17 @@ def from_pretrained_checked(model_class, location: str, **kwargs):
     try:
         model, info = model_class.from_pretrained(location, output_loading_info=True, **kwargs)
     except RuntimeError as err:
-        if "size mismatch" not in str(err):
+        if "size mismatch" not in str(err) and "ignore_mismatched_sizes" not in str(err):
             raise
-        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-        raise ValueError(f"{location}: the weights do not match the model its config.json describes: {first}") from None
+        if is_safetensors_checkpoint(location):  # the one-line shape list the layer-by-layer readers give
+            from .shards import open_checkpoint
+
+            open_checkpoint(location, trust_remote_code=kwargs.get("trust_remote_code", False))
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), None)
+        raise ValueError(
+            f"{location}: the weights do not match the model its config.json describes"
+            + (f": {first}" if first else " (tensors of other shapes). Was config.json edited?")
+        ) from None
     prefix = getattr(model, "base_model_prefix", "") or ""
     same_architecture = type(model).__name__ in (getattr(model.config, "architectures", None) or [])
 
@@ -368,8 +377,26 @@ def load_model_from(
             )
     except (OSError, ValueError) as err:
         raise _hub_errors(source, err) from err
+    except Exception as err:
+        raise invalid_config_error(err, source.location) or err from None
+    check_finite_weights(model, source.location)
     logger.info("loaded %s from %s", type(model).__name__, source)
     return model.eval()
+
+
+def check_finite_weights(model: torch.nn.Module, where: object) -> None:
+    """`ValueError` naming the first weight (parameter) of `model` that holds a NaN or an
+    infinity, and how many: every result computed from such weights (a perplexity, a sampled text, a compression)
+    would be NaN or fail deep inside torch. Tensors on the meta device are skipped."""
+    for name, tensor in model.named_parameters():
+        if tensor.is_meta or not tensor.is_floating_point():
+            continue
+        bad = int((~torch.isfinite(tensor.detach())).sum())
+        if bad:
+            raise ValueError(
+                f"{where}: the weight {name} holds {bad:,} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of "
+                f"{tensor.numel():,}; the checkpoint is damaged: use an intact copy (re-download or re-save it)"
+            )
 
 
 #: A text every real tokenizer encodes to some ids (`usable_tokenizer`).
@@ -416,6 +443,7 @@ def load_tokenizer_from(source: ModelSource | str, *, trust_remote_code: bool = 
 
 __all__ = [
     "DTYPES",
+    "check_finite_weights",
     "ModelSource",
     "ModelSourceError",
     "ModelSourceNotFound",

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from .errors import invalid_config_error
+
 logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -341,7 +343,10 @@ def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False,
         reader = GGUFCheckpointReader(path, model, parsed)
     else:
         reader = CheckpointReader(path)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as err:
+            raise invalid_config_error(err, path) or err from None
         model = meta_model(config, trust_remote_code=trust_remote_code)
     if check:
         check_complete(model, reader)

@@ -125,6 +125,31 @@ def _broken_checkpoints(root: Path, f: dict[str, Path], tokenizer) -> None:
                 values.pop("layer_types", None)
                 config.write_text(json.dumps(values))
             f[f"{family}_{case}"] = folder
+    _damaged_checkpoints(root, f)
+
+
+def _damaged_checkpoints(root: Path, f: dict[str, Path]) -> None:
+    """A Llama checkpoint with a config field of the wrong type, one whose config's sizes disagree with its weights,
+    one with a NaN weight; a forged teacher-text file (the right format tag, no settings)."""
+    from safetensors.torch import load_file, save_file
+
+    from relational_hf.compress.distill import _FORMAT
+
+    whole = f["llama_whole"] = root / "llama_whole"
+    for case, field, value in (("two", "num_hidden_layers", "two"), ("wide", "intermediate_size", None)):
+        folder = root / f"llama_{case}"
+        shutil.copytree(whole, folder)
+        values = json.loads((folder / "config.json").read_text())
+        values[field] = value if value is not None else values[field] * 2
+        (folder / "config.json").write_text(json.dumps(values))
+        f[f"llama_{case}"] = folder
+    f["llama_nan"] = root / "llama_nan"
+    shutil.copytree(whole, f["llama_nan"])
+    tensors = load_file(f["llama_nan"] / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, f["llama_nan"] / "model.safetensors", metadata={"format": "pt"})
+    f["forged_text"] = root / "forged_text.safetensors"
+    save_file({"input_ids": torch.zeros(4, 16, dtype=torch.long)}, f["forged_text"], metadata={"format": _FORMAT})
 
 
 # bad input must be refused before training: any Trainer.train call fails the test (conftest); runs in a fresh cwd
@@ -343,7 +368,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-length 1", ["--heal-length", ">= 2"]),
     ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-loss mse", ["--heal-loss", "invalid choice"]),
     ("compress {model} {root}/c --remove 0.2 --heal-seed 3", ["--heal-seed", "--heal-steps"]),
-    ("compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-text {root}/none.safetensors", ["--heal-text", "no such file"]),
+    (
+        "compress {model} {root}/c --remove 0.2 --heal-steps 1 --heal-text {root}/none.safetensors",
+        ["--heal-text", "no such file"],
+    ),
     # --- export ---
     ("export {root}/missing_model {root}/e", ["missing_model", "no such file or directory"]),
     ("export {model} {foreign}", ["foreign", "not empty"]),
@@ -363,6 +391,37 @@ CASES: list[tuple[str, list[str]]] = [
     # a zeroed head: named by the streaming converter (the default for a local folder) as by the in-memory one
     (f"{CV} {{zeroed_head}} {{root}}/zh", ["layer 1, key/value head 0", "W_K rotary pair 0 is zero"]),
     (f"{CV} {{zeroed_head}} {{root}}/zhw --no-stream", ["layer 1, key/value head 0", "W_K rotary pair 0 is zero"]),
+]
+
+# --- damaged checkpoints and files: one line naming the file, the tensor or the field, and what to do ---
+CASES += [
+    ("evaluate {llama_two} --text {ids} --window 8", ["llama_two", "config.json", "num_hidden_layers", "'two'"]),
+    ("redundancy {llama_two}", ["llama_two", "config.json", "num_hidden_layers"]),
+    ("redundancy {llama_two} --no-stream", ["llama_two", "config.json", "num_hidden_layers"]),
+    ("convert {llama_two} {root}/cv_two", ["config.json", "num_hidden_layers"]),
+    (
+        "compress {llama_two} {root}/cp_two --remove 0.2 --calibration {text} --window 16",
+        ["config.json", "num_hidden_layers"],
+    ),
+    ("evaluate {llama_wide} --text {ids} --window 8", ["llama_wide", "other shapes", "mlp", "(config: ["]),
+    (
+        "finetune {llama_wide} --train-file {text} --block-size 16 --eval-blocks 1 --output-dir {root}/ft_wide",
+        ["llama_wide", "other shapes", "(config: ["],
+    ),
+    ("evaluate {llama_nan} --text {ids} --window 8", ["llama_nan", "model.layers.0.mlp.up_proj.weight", "NaN"]),
+    (
+        "compress {llama_nan} {root}/cp_nan --remove 0.2 --calibration {text} --window 16 --no-stream",
+        ["model.layers.0.mlp.up_proj.weight", "non-finite"],
+    ),
+    (
+        "compress {llama_nan} {root}/cp_nan2 --remove 0.2 --calibration {text} --window 16 --heal-steps 1",
+        ["model.layers.0.mlp.up_proj.weight", "non-finite"],
+    ),
+    (
+        "compress {llama_whole} {root}/cp_forged --remove 0.2 --calibration {text} --window 16 --heal-steps 1 "
+        "--heal-text {forged_text}",
+        ["--heal-text", "forged_text.safetensors", "settings"],
+    ),
 ]
 
 # --- checkpoints whose weights disagree with their config.json: every command that reads weights names the problem
@@ -511,3 +570,16 @@ def test_an_error_of_several_lines_is_printed_on_one(monkeypatch, capsys):
     assert cli.main(["redundancy", "x"]) == 2
     err = capsys.readouterr().err
     assert err == "relational-hf redundancy: error: first line; second line; third\n"
+
+
+def test_world_size_without_a_launcher_is_refused_before_any_work(files, monkeypatch, capsys):
+    """WORLD_SIZE=2 left in the environment without the variables a launcher sets: one line naming the variable and
+    how to launch (instead of waiting for ever for a peer that never comes); with them all set, no refusal."""
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["redundancy", str(files["model"]), "--meta"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "WORLD_SIZE=2" in last and "torchrun" in last and "RANK" in last
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.main(["redundancy", str(files["model"]), "--meta"]) == 0

@@ -55,7 +55,12 @@ class EvaluateOptions:
     window: Length = option(512, "tokens per evaluated window", metavar="T")
     windows: PositiveInt | None = option(None, "evaluate at most this many windows", metavar="N")
     batch_size: PositiveInt = option(4, "windows per forward pass", metavar="B")
-    json: str | None = option(None, "write the results to this JSON file", metavar="OUT")
+    json: str | None = option(
+        None,
+        "write the results as JSON: a file (replaced atomically; a symbolic link's target), or - / /dev/stdout / a "
+        "FIFO / a device, written through as a stream; checked before the evaluation",
+        metavar="OUT",
+    )
 
 
 @dataclass

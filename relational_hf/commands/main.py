@@ -21,7 +21,7 @@ import threading
 import time
 from types import ModuleType
 
-from ..errors import UsageError
+from ..errors import UsageError, invalid_config_error
 from .options import OptionsHelpFormatter
 
 #: the commands in the order `relational-hf --help` lists them (module name = command name)
@@ -196,12 +196,38 @@ def _terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+#: what torchrun and accelerate launch set beside WORLD_SIZE for every process they start
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launcher_environment() -> None:
+    """`UsageError` before any work when WORLD_SIZE asks for several processes but the other variables a launcher
+    sets are missing (a WORLD_SIZE left in the shell): the run would wait for ever for peers no launcher started."""
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return
+    try:
+        size = int(value)
+    except ValueError:
+        raise UsageError(
+            f"the environment variable WORLD_SIZE={value!r} is not a number of processes; unset it"
+        ) from None
+    missing = [name for name in LAUNCHER_VARIABLES if not os.environ.get(name)]
+    if size > 1 and missing:
+        raise UsageError(
+            f"the environment sets WORLD_SIZE={size} but not {', '.join(missing)}: no launcher started the other "
+            "processes, and the run would wait for them for ever. Unset WORLD_SIZE to run in one process, or launch "
+            f"with torchrun --nproc_per_node {size} (or accelerate launch --num_processes {size})"
+        )
+
+
 def _execute(name: str, namespace: argparse.Namespace, debug: bool) -> int:
     """Build the command's checked options from `namespace` and run it; user errors in one line (exit 2); Ctrl-C
     (exit 130) and SIGTERM (exit 143) unwind, so that the outputs' staging folders are removed."""
     module = command_module(name)
     set_cpu_threads()
     try:
+        check_launcher_environment()
         with _terminate_as_interrupt():
             code = module.run(module.Arguments.from_namespace(namespace))
     except REPORTED_ERRORS as err:
@@ -209,8 +235,16 @@ def _execute(name: str, namespace: argparse.Namespace, debug: bool) -> int:
             raise
         print(f"relational-hf {name}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # a config Transformers' strict validation refused, wherever it was read
+        config_error = invalid_config_error(err)
+        if config_error is None or debug:
+            raise
+        print(f"relational-hf {name}: error: {one_line(config_error)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as err:
-        print(f"relational-hf {name}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}", file=sys.stderr)
+        print(
+            f"relational-hf {name}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}", file=sys.stderr
+        )
         return 143 if isinstance(err, Terminated) else 130
     return code if isinstance(code, int) else 0
 

@@ -29,11 +29,18 @@ class RedundancyPaths:
 class RedundancyOptions:
     _argument_group_name = "report"
 
-    png: str | None = option(None, "write a bar chart of redundant dimensions by layer", metavar="PATH")
+    png: str | None = option(
+        None, "write a bar chart of redundant dimensions by layer (a path as for --json)", metavar="PATH"
+    )
     heatmap_dir: str | None = option(
         None, "write one head-to-head similarity heatmap (G_QK, G_VO) per layer into this folder", metavar="DIR"
     )
-    json: str | None = option(None, "write the full report as JSON", metavar="PATH")
+    json: str | None = option(
+        None,
+        "write the full report as JSON: a file (replaced atomically; a symbolic link's target), or - / /dev/stdout / "
+        "a FIFO / a device, written through as a stream; a socket or a directory is refused before any work",
+        metavar="PATH",
+    )
     meta: bool = option(False, "count from the config alone (weights on the meta device; no descriptors)")
     rank_tol: OpenFraction = option(1e-3, "relative tolerance of the effective rank (singular values > tol x largest)")
     no_descriptors: bool = option(False, "skip effective ranks and similarities")

@@ -111,7 +111,8 @@ class RunArguments:
     overwrite: bool = option(
         False,
         "allow an --output-dir that is not empty and was not written by relational-hf (finetune: also the model's "
-        "own folder, full fine-tuning only); its checkpoint files are replaced, other files kept",
+        "own folder, full fine-tuning only); its checkpoint files are replaced by the final save, other files kept "
+        "(also in trainer_state/). Without it, a clash is refused before training",
     )
     block_size: Length = option(128, "context length in tokens (>= 2)")
     batch_size: PositiveInt = option(16, "sequences per micro-batch and process")

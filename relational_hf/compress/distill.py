@@ -309,7 +309,15 @@ def load_teacher_text(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, 
         raise ValueError(f"{path} is not a readable teacher-text file ({err})") from None
     if ids.dim() != 2 or ids.shape[1] < 2:
         raise ValueError(f"{path}: teacher text must be ids (N, T >= 2), got shape {tuple(ids.shape)}")
-    return ids.long(), json.loads(meta["settings"])
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"{path}: teacher text must be integer token ids, got {str(ids.dtype).replace('torch.', '')}")
+    try:
+        settings = json.loads(meta["settings"])
+    except (KeyError, TypeError, ValueError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: its metadata holds no readable sampling settings (a forged or damaged file)")
+    return ids.long(), settings
 
 
 __all__ = [
