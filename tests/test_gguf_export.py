@@ -159,7 +159,7 @@ def test_outtypes_store_the_matrices_in_their_type_and_norms_in_f32(outtype, tmp
         else:
             assert t.tensor_type == want, t.name
     if outtype == "q8_0":
-        assert report.fallback_f16 == ["blk.1.ffn_down.weight"]  # width 24; width 40 of layer 0 too
+        assert report.fallback_f16 == ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]  # rows of 40 and 24
     assert out.stat().st_size < full.stat().st_size
     tolerance = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 2e-2}[outtype]
     assert relative_difference(reference_logits(out, IDS), plugin_logits(model, IDS)) < tolerance
@@ -229,6 +229,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_naming_the_field(overrides
         export_gguf(model, tmp_path / "out.gguf")
     _assert_no_file(tmp_path)
     _save(model, tmp_path / "src")
+    capsys.readouterr()  # the save's progress bars
     assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0], err
@@ -240,6 +241,7 @@ def test_a_non_relational_source_is_told_to_convert_first(tmp_path, capsys):
 
     LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2)).save_pretrained(tmp_path / "src")  # fmt: skip
+    capsys.readouterr()  # the save's progress bars
     assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "relational-hf convert" in err[0] and "llama" in err[0], err
