@@ -148,6 +148,12 @@ def _damaged_checkpoints(root: Path, f: dict[str, Path]) -> None:
     tensors = load_file(f["llama_nan"] / "model.safetensors")
     tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, f["llama_nan"] / "model.safetensors", metadata={"format": "pt"})
+    import socket
+
+    f["socket"] = root / "a_socket"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(f["socket"]))  # the socket's node stays after it is closed
+    listener.close()
     f["forged_text"] = root / "forged_text.safetensors"
     save_file({"input_ids": torch.zeros(4, 16, dtype=torch.long)}, f["forged_text"], metadata={"format": _FORMAT})
 
@@ -395,6 +401,10 @@ CASES: list[tuple[str, list[str]]] = [
 
 # --- damaged checkpoints and files: one line naming the file, the tensor or the field, and what to do ---
 CASES += [
+    ("evaluate {model} --text {ids} --window 8 --json {socket}", ["--json", "a_socket", "is a socket"]),
+    ("evaluate {model} --text {ids} --window 8 --json {a_dir}", ["--json", "is a directory"]),
+    ("evaluate {model} --text {ids} --window 8 --json {a_file}/r.json", ["--json", "not a directory"]),
+    ("redundancy {model} --png {socket}", ["--png", "is a socket"]),
     ("evaluate {llama_two} --text {ids} --window 8", ["llama_two", "config.json", "num_hidden_layers", "'two'"]),
     ("redundancy {llama_two}", ["llama_two", "config.json", "num_hidden_layers"]),
     ("redundancy {llama_two} --no-stream", ["llama_two", "config.json", "num_hidden_layers"]),
