@@ -52,7 +52,11 @@ def card_inputs(numbers: dict) -> tuple[list[dict], str | None]:
                     ("perplexity, the dense control after the same healing", "perplexity_after"),
                 )
             ]
-        return results, "\n\n".join(cards.compressed_figures(report, control))
+        blocks = cards.compressed_figures(report, control)
+        domains = HERE.parent / cards.DOMAINS_JSON
+        if numbers.get("domains") and domains.is_file():  # the card shows the benchmark's per-domain cells
+            blocks.append(cards.domain_figures(json.loads(domains.read_text(encoding="utf-8")), numbers["domains"]))
+        return results, "\n\n".join(b for b in blocks if b)
     raise ValueError(f"no card builder is known for {name!r}")
 
 

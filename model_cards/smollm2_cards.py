@@ -387,6 +387,45 @@ def compressed_figures(report: dict, control: dict | None = None) -> list[str]:
     return blocks
 
 
+#: The benchmark whose per-domain cells the compressed card shows (`domain_figures`), relative to the project root.
+DOMAINS_JSON = "benchmarks/results/compress_domains.json"
+
+
+def domain_figures(payload: dict, calibration_text: str = "wikitext") -> str:
+    """The card's per-domain block from a `benchmarks/compress.py` result measured on several domains: the dense
+    model's perplexity on each domain, then each relational cell's ratio to it, the card's own calibration (the
+    cell calibrated on `calibration_text`) first, and the worst of the four target domains."""
+    cells = payload.get("cells") or {}
+    dense = (cells.get("dense") or {}).get("domains") or {}
+    domains = payload.get("protocol", {}).get("domains") or {}
+    names = [n for n in domains if n in dense]
+    rows = [c for c in cells.values() if c.get("method") == "relational" and c.get("domain_ratios")]
+    rows.sort(key=lambda c: (c.get("calibration_text") != calibration_text, c.get("calibration_text", "")))
+    if not names or not rows:
+        return ""
+    texts = payload.get("protocol", {}).get("calibration_texts") or {}
+    lines = [
+        f"**By domain.** The same compression (`--remove {rows[0]['target']:g}`, the relational method's defaults) "
+        f"measured on {len(names)} unlike held-out domains, {domains[names[0]]['windows'][0]} windows of "
+        f"{domains[names[0]]['windows'][1]} tokens each (`{DOMAINS_JSON}`, `benchmarks/compress.py`); the first row "
+        "is this card's calibration, the others what another calibration text gives. Perplexity of the dense source, "
+        "then each compressed model's as a multiple of it:",
+        "",
+        "| | " + " | ".join(names) + " | worst of the first four |",
+        "| --- | " + " | ".join("---:" for _ in names) + " | ---: |",
+        "| dense source | " + " | ".join(f"{dense[n]:.2f}" for n in names) + " | |",
+    ]
+    for cell in rows:
+        r = cell["domain_ratios"]
+        label = texts.get(cell.get("calibration_text"), cell.get("calibration_text"))
+        lines.append(
+            f"| calibrated on {label} | " + " | ".join(f"x{r[n]:.2f}" if n in r else "-" for n in names)
+            + f" | x{r.get('worst', float('nan')):.2f} |"
+        )
+    lines += ["", "Domains: " + "; ".join(f"*{n}*: {domains[n]['what']}" for n in names) + "."]
+    return "\n".join(lines)
+
+
 #: What the card says of the texts of a `compress` report's perplexities (`--control` cards).
 TEXTS_NOTE = (
     "calibration_perplexity_*: on the calibration text (seen by the compression, and by the healing: its distillation "
@@ -478,6 +517,16 @@ def _speed_inputs(path: Path, report: dict, gauge: str) -> dict[str, Any]:
     return {"settings": {"speed": row}, "speed": figures}
 
 
+def _domain_blocks(calibration_text: str | None) -> list[str]:
+    """The per-domain block (`domain_figures`) of `DOMAINS_JSON` when asked for and measured."""
+    path = HERE.parent / DOMAINS_JSON
+    if not calibration_text:
+        return []
+    if not path.is_file():
+        raise SystemExit(f"--domains: {DOMAINS_JSON} does not exist: run benchmarks/compress.py --tag domains first")
+    return [domain_figures(json.loads(path.read_text(encoding="utf-8")), calibration_text)]
+
+
 def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     """The card of a compressed SmolLM2 checkpoint from its compress report (no re-measurement)."""
     from relational_hf.hub import build_model_card
@@ -515,13 +564,17 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         eval_results=results,
         parameter_table=tables,
         settings_title="Compression (from the compress report)",
-        figures="\n\n".join(compressed_figures(report, control["control"] if control else None)),
+        figures="\n\n".join(
+            [*compressed_figures(report, control["control"] if control else None), *_domain_blocks(args.domains)]
+        ),
     )
     numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
     if control is not None:
         numbers["control"] = control["control"]
     if speed is not None:
         numbers["speed"] = speed["speed"]
+    if args.domains:
+        numbers["domains"] = args.domains
     path = _write_card(card, Path(args.card_dir), COMPRESSED_NAME, numbers, folder if args.write_readme else None)
     print(f"{COMPRESSED_NAME}: card {path} from {report_path}")
     return numbers
@@ -550,6 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--speed", default=None,
         help="benchmarks/results/compress_speed_*.json that timed DIR's widths (--widths-from its report): the speed shown",
+    )  # fmt: skip
+    comp.add_argument(
+        "--domains", default=None, metavar="CALIBRATION",
+        help=f"show {DOMAINS_JSON}'s per-domain cells, this calibration text's first (e.g. wikitext, wikitext+added-self)",
     )  # fmt: skip
     comp.add_argument(
         "--compress-command",
