@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -244,7 +243,7 @@ def export_gguf(
     gguf = require_gguf()
 
     from ..errors import UsageError
-    from ..outputs.files import TAG, fsync_dir, reporting_disk_full
+    from ..outputs.files import TAG, fsync_dir, publish_file, reporting_disk_full
     from ..outputs.paths import file_target
 
     if outtype not in GGUF_OUTTYPES:
@@ -293,13 +292,7 @@ def export_gguf(
             for handle in writer.fout or []:
                 os.fsync(handle.fileno())
             writer.close()
-        if path.exists():
-            shutil.copymode(path, tmp)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        publish_file(tmp, path)
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()

@@ -116,18 +116,34 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
-        if path.exists():
-            shutil.copymode(path, tmp)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        publish_file(tmp, path)
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()
     fsync_dir(path.parent)
     return path
+
+
+def publish_file(tmp: Path, path: Path) -> None:
+    """Rename the finished temporary file `tmp` over `path`, with the mode `path` had (a new file: the umask's
+    default, not the temporary file's 0o600)."""
+    if path.exists():
+        shutil.copymode(path, tmp)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
+def remove_empty_folders(folder: Path) -> None:
+    """Remove every empty folder below `folder` (deepest first), never a file: a folder holding anything stays."""
+    for root, dirs, _names in os.walk(folder, topdown=False):
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

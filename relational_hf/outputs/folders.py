@@ -17,7 +17,15 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .entries import check_folder_entries, special_kind
-from .files import TAG, atomic_write_bytes, atomic_write_text, fingerprint, fsync_dir, reporting_disk_full
+from .files import (
+    TAG,
+    atomic_write_bytes,
+    atomic_write_text,
+    fingerprint,
+    fsync_dir,
+    remove_empty_folders,
+    reporting_disk_full,
+)
 from .lock import OutputLock
 from .lock import sibling as _sibling
 from .paths import check_writable_folder, file_target
@@ -391,12 +399,7 @@ def _retire(old: Path, out: Path) -> None:
             logger.warning("%s was written during the save; kept as %s", rel, target)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(path, target)
-    for root, dirs, _files_here in os.walk(old, topdown=False):
-        for name in dirs:
-            try:
-                os.rmdir(os.path.join(root, name))
-            except OSError:
-                pass
+    remove_empty_folders(old)
     try:
         old.rmdir()
     except OSError:

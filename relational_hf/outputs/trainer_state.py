@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 
 from ..errors import UsageError
-from .files import atomic_write_text, fingerprint
+from .files import atomic_write_text, fingerprint, remove_empty_folders
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,7 @@ def remove_checkpoint(folder: str | os.PathLike) -> bool:
     for rel in _ours(folder):
         (folder / rel).unlink(missing_ok=True)
     (folder / CHECKPOINT_MANIFEST).unlink(missing_ok=True)
-    for root, dirs, _names in os.walk(folder, topdown=False):
-        for name in dirs:
-            try:
-                os.rmdir(os.path.join(root, name))
-            except OSError:
-                pass
+    remove_empty_folders(folder)
     try:
         folder.rmdir()
     except OSError:
