@@ -24,10 +24,18 @@ from .base import (
 )
 from .gpt2 import GPT2Adapter
 from .llama import LlamaFamilyAdapter
+from .phi3 import Phi3Adapter
 from .relational import RelationalAdapter
+from .smollm3 import SmolLM3Adapter
 
 # Tried in order; the first whose `matches` accepts the model wins.
-ADAPTERS: list[type[ArchitectureAdapter]] = [RelationalAdapter, LlamaFamilyAdapter, GPT2Adapter]
+ADAPTERS: list[type[ArchitectureAdapter]] = [
+    RelationalAdapter,
+    LlamaFamilyAdapter,
+    GPT2Adapter,
+    SmolLM3Adapter,
+    Phi3Adapter,
+]
 
 
 def get_adapter(model: nn.Module) -> ArchitectureAdapter:

@@ -41,10 +41,12 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
             num_kv_heads=c.num_key_value_heads,
             qk_dim=qk_dim,
             head_dim=head_dim,
-            rotary_dim=qk_dim if c.position_encoding == "rope" else 0,
+            rotary_dim=qk_dim if attn.rope else 0,
             qk_gauge_fixed=isinstance(attn.k_proj, GaugeFixedLinear),
             vo_gauge_fixed=isinstance(attn.v_proj, GaugeFixedLinear),
             value_parallel_removal=c.value_parallel_removal,
+            q_norm=None if attn.q_norm is None else TensorSlot(attn.q_norm.weight),
+            k_norm=None if attn.k_norm is None else TensorSlot(attn.k_norm.weight),
         )
 
     def mlp_slots(self, layer: LayerRoles) -> MLPSlots:

@@ -65,7 +65,8 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
     pivot gauge does not exist. The streaming converter calls it on each layer as it is read."""
     adapter = get_adapter(model)
     h_kv, d_h = adapter.num_kv_heads(), adapter.head_dim()
-    rope = getattr(model.config, "position_encoding", "rope") != "none"
+    slots = adapter.attention_slots(layer)
+    rope = slots.rotary_dim > 0
     found: list[str] = []
     w = adapter.attention_weights(layer)
     gain = layer.attention_norm.weight.detach() if layer.attention_norm is not None else None
@@ -76,7 +77,9 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
 
     for h, rank in _rank_deficient(folded(w.v)):
         found.append(f"layer {index}, key/value head {h}: W_V block has rank {rank} < head_dim {d_h}")
-    if rope:
+    if slots.q_norm is not None:  # QK-norm: the QK pair is stored as it is, no pivot divides by W_K
+        pass
+    elif rope:
         half = d_h // 2
         nonzero = _nonzero_rows(w.k, gain).view(h_kv, d_h)  # rows of each key head with a non-zero entry
         for h, j in (~(nonzero[:, :half] | nonzero[:, half:])).nonzero().tolist():
@@ -85,7 +88,8 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
         for h, rank in _rank_deficient(folded(w.k)):
             found.append(f"layer {index}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
     mlp_gain = layer.mlp_norm.weight.detach() if layer.mlp_norm is not None else None
-    zero_units = (~_nonzero_rows(layer.mlp.up_proj.weight.detach(), mlp_gain)).nonzero().flatten().tolist()
+    up = adapter.mlp_slots(layer).up.get()
+    zero_units = (~_nonzero_rows(up, mlp_gain)).nonzero().flatten().tolist()
     if zero_units:
         shown = ", ".join(map(str, zero_units[:8])) + (", ..." if len(zero_units) > 8 else "")
         found.append(f"layer {index}: {len(zero_units)} SwiGLU unit(s) with a zero up-projection row ({shown})")

@@ -25,16 +25,16 @@ import torch
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from ..architectures import UnsupportedModelError, get_adapter
+from ..architectures import get_adapter
 from ..compress.slicing import SliceReport, slice_relational
 from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
+from .families import check_convertible, fixed_groups, relational_options
 from .preflight import ConversionError, check_pivot_gauge_exists
 
 logger = logging.getLogger(__name__)
 
-_FIXED_GROUPS = ("qk_gauge", "vo_gauge", "mlp_scale")
 
 
 @dataclass
@@ -124,13 +124,17 @@ def _token_id(value, vocab: int):
 
 
 def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | None = None) -> RelationalConfig:
-    """The RelationalConfig (pivot gauge, RoPE, full qk_rank) that represents a gain-folded Llama-family `model`."""
+    """The RelationalConfig (pivot gauge, RoPE, full qk_rank, the family's options: `families.relational_options`)
+    that represents a gain-folded Llama-family `model`."""
     adapter = get_adapter(model)
     c = model.config
-    layer = adapter.layers()[0]
-    attn = layer.attention
+    slots = adapter.attention_slots(adapter.layers()[0])
     vocab = c.vocab_size
+    rope = copy.deepcopy(dict(c.rope_parameters))
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors switch at the pretraining length, in both models
+        rope.setdefault("original_max_position_embeddings", getattr(c, "original_max_position_embeddings", None))
     return RelationalConfig(
+        **relational_options(model),
         vocab_size=vocab,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -140,12 +144,12 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
         head_dim=adapter.head_dim(),
         qk_rank=adapter.head_dim(),
         position_encoding="rope",
-        rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
+        rope_parameters=rope,
         max_position_embeddings=c.max_position_embeddings,
         gauge="pivot",
         pivot_scale=pivot_scale,
-        attention_bias=attn.q_proj.bias is not None,
-        attention_output_bias=attn.o_proj.bias is not None,
+        attention_bias=slots.q_bias is not None,
+        attention_output_bias=slots.o_bias is not None,
         hidden_act=c.hidden_act,
         tie_word_embeddings=tie,
         final_norm_gain=tie,
@@ -158,25 +162,7 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
 
 
 def _check_supported(model: nn.Module) -> None:
-    adapter = get_adapter(model)
-    name = type(model).__name__
-    if adapter.family != "llama" or adapter.output_head() is None:
-        raise UnsupportedModelError(f"unsupported: {name} (to_relational converts Llama, Mistral and Qwen2 causal LMs)")
-    layer = adapter.layers()[0]
-    attn, mlp = layer.attention, layer.mlp
-    if getattr(attn, "q_norm", None) is not None:
-        raise UnsupportedModelError(f"unsupported: {name} (QK-norm with per-dimension gains has no relational form)")
-    if mlp.up_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
-        raise UnsupportedModelError(f"unsupported: {name} (MLP biases; the relational SwiGLU has none)")
-    biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
-    if len(biases) > 1:
-        raise UnsupportedModelError(f"unsupported: {name} (q/k/v biases must be all present or all absent)")
-    if adapter.rotary_dim() != adapter.head_dim():
-        raise UnsupportedModelError(
-            f"unsupported: {name} (partial rotary: the relational model rotates all of qk_rank)"
-        )
-    if model.config.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-        raise UnsupportedModelError(f"unsupported: {name} (activation {model.config.hidden_act!r})")
+    check_convertible(model)
 
 
 def _new_relational(config: RelationalConfig) -> RelationalForCausalLM:
@@ -216,7 +202,10 @@ def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     model's own dtype and device (no copy)."""
     w = adapter.attention_weights(layer)
     mlp = adapter.mlp_slots(layer)
+    slots = adapter.attention_slots(layer)
+    norms = {} if slots.q_norm is None else {"q_norm": slots.q_norm.get(), "k_norm": slots.k_norm.get()}
     return {
+        **norms,
         "q": w.q,
         "k": w.k,
         "v": w.v,
@@ -258,7 +247,7 @@ def fold_layer_gains(
         for key in ("q", "k", "v"):
             attention[key] = _times_gain(tensors[key], g_attn, in_place)
         attention["o"] = tensors["o"].float()
-        for key in ("q_bias", "k_bias", "v_bias", "o_bias"):
+        for key in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
             if tensors.get(key) is not None:
                 attention[key] = tensors[key].float()
     if "up" in tensors:
@@ -456,8 +445,9 @@ def to_relational(
     groups, _ = symmetry_groups(model)
     removed: dict[str, int] = {}
     remaining: dict[str, int] = {}
+    fixed = fixed_groups(model)
     for g in groups:
-        bucket = removed if g.name in _FIXED_GROUPS else remaining
+        bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
     remaining.pop("norm_gain", None)  # folded away: the relational norms have no gain
     gains = (

@@ -52,8 +52,8 @@ from ..shards import (
     trim_heap,
 )
 from .preflight import layer_pivot_obstructions, raise_obstructions
+from .families import fixed_groups
 from .relational import (
-    _FIXED_GROUPS,
     ConversionError,
     ConversionReport,
     PhaseTimes,
@@ -208,8 +208,7 @@ def stream_to_relational(
         dst_modules = {id(m): n for n, m in target.named_modules()}
         with times("embedding_head"):
             emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
-        with no_init_weights():
-            layer = RelationalDecoderLayer(rconfig, 0).float().eval()
+        layers: dict[bool, nn.Module] = {}  # one target layer per structure (with or without rotary), reused
         generator = torch.Generator().manual_seed(0)
         buffers: dict[str, torch.Tensor] = {}  # the fp32 source tensors, reused layer after layer
         src_rotary = _rotary(source) if verify else None
@@ -225,6 +224,10 @@ def stream_to_relational(
                     reference = _layer_outputs(block, hidden, src_rotary)
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer consumes them as it goes
+            if rconfig.layer_rope(i) not in layers:
+                with no_init_weights():
+                    layers[rconfig.layer_rope(i)] = RelationalDecoderLayer(rconfig, i).float().eval()
+            layer = layers[rconfig.layer_rope(i)]
             convert_layer(layer, tensors, times, consume=True)
             if i in verify:
                 with times("check_forward"):
@@ -240,7 +243,7 @@ def stream_to_relational(
                 for key, tensor in layer.state_dict().items():
                     emit(f"{dst_prefixes[i]}.{key}", tensor)
             trim_heap()
-        del layer
+        del layer, layers
         with times("embedding_head"):
             final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
             g_final = reader.get([final_key])[final_key]
@@ -392,8 +395,9 @@ def _report(source, target, tie: bool, worst, length: int, tolerance: float, not
     groups, _ = symmetry_groups(source)
     removed: dict[str, int] = {}
     remaining: dict[str, int] = {}
+    fixed = fixed_groups(source)
     for g in groups:
-        bucket = removed if g.name in _FIXED_GROUPS else remaining
+        bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
     remaining.pop("norm_gain", None)
     gain_final = adapter.final_norm().weight

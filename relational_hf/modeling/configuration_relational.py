@@ -160,6 +160,13 @@ class RelationalConfig(PreTrainedConfig):
         layer_value_ranks: optional per-layer value widths r_v (VO rank per key/value head; W_V is d x r_v and each
             query head's W_O is r_v x d), each <= head_dim. None: head_dim everywhere.
         layer_intermediate_sizes: optional per-layer SwiGLU widths, each >= 1. None: intermediate_size everywhere.
+        qk_norm: per-head RMS normalisation of queries and keys before the rotary embedding, each followed by a gain
+            vector of qk_rank values shared by all heads (Qwen3). The norm breaks the QK gauge down to rotations (on
+            the rotary pairs whose q and k gains are equal), so W_Q and W_K are stored as they are, in either gauge,
+            and a layer's QK width cannot be truncated (`layer_qk_ranks` must be None).
+        rope_layers: optional per-layer rotary switch (one bool per layer; False: the layer attends without
+            positions, its QK gauge is GL(qk_rank), as SmolLM3's no-rope layers). None: every layer follows
+            `position_encoding`. Needs position_encoding='rope'.
     """
 
     model_type = "relational-transformer"
@@ -194,6 +201,8 @@ class RelationalConfig(PreTrainedConfig):
     layer_qk_ranks: list[int] | None = None
     layer_value_ranks: list[int] | None = None
     layer_intermediate_sizes: list[int] | None = None
+    qk_norm: bool = False
+    rope_layers: list[bool] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -263,6 +272,31 @@ class RelationalConfig(PreTrainedConfig):
                     raise ValueError(f"`{name}[{i}]` must be an integer in {allowed}, got {v!r}")
                 if name == "layer_qk_ranks" and self.position_encoding == "rope" and v % 2 != 0:
                     raise ValueError(f"`{name}[{i}]` must be even with position_encoding='rope', got {v}")
+
+    def validate_layer_options(self) -> None:
+        """Per-layer rotary switches and QK-norm: consistent with the positions and the per-layer QK widths."""
+        if self.rope_layers is not None:
+            values = self.rope_layers
+            if not isinstance(values, list) or len(values) != self.num_hidden_layers:
+                raise ValueError(
+                    f"`rope_layers` must be a list of {self.num_hidden_layers} booleans (one per layer), got {values!r}"
+                )
+            if not all(isinstance(v, bool) for v in values):
+                raise ValueError(f"`rope_layers` must hold only True or False, got {values!r}")
+            if self.position_encoding != "rope":
+                raise ValueError("`rope_layers` needs position_encoding='rope' (it switches rotary off per layer)")
+        if self.qk_norm and self.layer_qk_ranks is not None:
+            if any(v != self.qk_rank for v in self.layer_qk_ranks):
+                raise ValueError(
+                    "`layer_qk_ranks` must be None with qk_norm=True: the per-head QK-norm normalises over all qk_rank "
+                    "coordinates, so a narrower QK width is not the same function"
+                )
+
+    def layer_rope(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` applies the rotary embedding (`position_encoding`, `rope_layers`)."""
+        if self.position_encoding != "rope":
+            return False
+        return True if self.rope_layers is None else self.rope_layers[layer_idx]
 
     def layer_qk_rank(self, layer_idx: int) -> int:
         """QK width r_l of layer `layer_idx` (`layer_qk_ranks`, default qk_rank)."""

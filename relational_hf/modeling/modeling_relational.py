@@ -250,12 +250,15 @@ class RelationalAttention(nn.Module):
         self.scaling = self.qk_rank**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.rope = config.position_encoding == "rope"
+        self.rope = config.layer_rope(layer_idx)
         self.value_parallel_removal = config.value_parallel_removal
         d, r, dh = config.hidden_size, self.qk_rank, self.head_dim
         pivot = config.gauge == "pivot"
         self.q_proj = nn.Linear(d, self.num_heads * r, bias=config.attention_bias)
-        if pivot:
+        # per-head QK-norm (gains of r values shared by the heads): only rotations survive, W_K stays a plain map
+        self.q_norm = RelationalRMSNorm(config.rms_norm_eps, r) if config.qk_norm else None
+        self.k_norm = RelationalRMSNorm(config.rms_norm_eps, r) if config.qk_norm else None
+        if pivot and not config.qk_norm:
             self.k_proj = GaugeFixedLinear(
                 d,
                 self.num_kv_heads * r,
@@ -299,7 +302,10 @@ class RelationalAttention(nn.Module):
         bq, bk, bv = weights.get("q_bias"), weights.get("k_bias"), weights.get("v_bias")
         scale = self.config.pivot_scale
         free = fix_gauge and self.config.gauge == "free"
-        if isinstance(self.k_proj, GaugeFixedLinear) or free:
+        for key in ("q_norm", "k_norm"):  # QK-norm gains, stored as given (the QK pair then keeps its own gauge)
+            if getattr(self, key) is not None:
+                getattr(self, key).weight.copy_(weights[key])
+        if isinstance(self.k_proj, GaugeFixedLinear) or (free and self.q_norm is None):
             q, k, bq, bk, idx, val = qk_to_pivot_gauge(
                 q, k, bq, bk, num_kv_heads=self.num_kv_heads, rank=self.qk_rank, rope=self.rope, scale=scale
             )
@@ -323,6 +329,8 @@ class RelationalAttention(nn.Module):
             out[key] = full_weight(module)
             if module.bias is not None:
                 out[f"{key}_bias"] = module.bias
+        if self.q_norm is not None:
+            out["q_norm"], out["k_norm"] = self.q_norm.weight, self.k_norm.weight
         return out
 
     def rotary_layout(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -368,6 +376,9 @@ class RelationalAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]  # (B, T)
         query, key = self.q_proj(hidden_states), self.k_proj(hidden_states)  # (B, T, H r), (B, T, H_kv r)
+        if self.q_norm is not None:  # per head, before the rotary embedding
+            query = self.q_norm(query.unflatten(-1, (-1, self.qk_rank))).flatten(-2)
+            key = self.k_norm(key.unflatten(-1, (-1, self.qk_rank))).flatten(-2)
         if self.rope:
             cos, sin = position_embeddings
             layout, plain = self.rotary_layout(cos.device)
