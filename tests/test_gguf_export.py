@@ -167,13 +167,14 @@ def test_outtypes_store_the_matrices_in_their_type_and_norms_in_f32(outtype, tmp
 
 def test_the_byte_level_tokenizer_becomes_gguf_vocabulary(tmp_path):
     """`relational-hf train`'s byte-level tokenizer: 259 tokens in id order, the 3 specials as control tokens, one
-    merge that never applies (GGUF holds no empty array, llama.cpp needs the key), special ids, no BOS added."""
+    merge that never applies (GGUF holds no empty array, llama.cpp needs the key), special ids, no BOS added; the
+    pre-tokenizer smollm (any split gives one token a byte, and its detokenizer keeps the spaces Transformers keeps)."""
     tokenizer = byte_level_tokenizer()
     out = tmp_path / "bytes.gguf"
     export_gguf(_case("pivot-gqa-tied"), out, outtype="f32", tokenizer=tokenizer)
     meta = fields(gguf.GGUFReader(str(out)))
     vocab = {i: t for t, i in tokenizer.get_vocab().items()}
-    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt2"
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
     assert meta["tokenizer.ggml.tokens"] == [vocab[i] for i in range(VOCAB)]
     assert meta["tokenizer.ggml.token_type"] == [CONTROL] * 3 + [NORMAL] * 256
     assert meta["tokenizer.ggml.merges"] == [NEVER_MERGE]
@@ -204,7 +205,7 @@ def test_smollm2s_bpe_tokenizer_becomes_gguf_vocabulary(smollm2_dir, tmp_path):
     special = {t["id"] for t in spec["added_tokens"] if t["special"]}
     types = meta["tokenizer.ggml.token_type"]
     assert {i for i, t in enumerate(types) if t == CONTROL} == special and USER_DEFINED not in types
-    assert meta["tokenizer.ggml.pre"] == "gpt2"  # this checkpoint's ByteLevel split (the GPT-2 expression)
+    assert meta["tokenizer.ggml.pre"] == "gpt-2"  # this checkpoint's ByteLevel split (the GPT-2 expression)
     assert meta["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
     assert meta["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
     assert meta["tokenizer.chat_template"] == tokenizer.chat_template

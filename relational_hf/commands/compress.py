@@ -196,6 +196,13 @@ class CompressOptions:
         metavar="N",
     )
     refine_lr: OpenFraction | None = option(None, "learning rate of --refine-epochs (default: 3e-4)", metavar="LR")
+    width_multiple: PositiveInt | None = option(
+        None,
+        "every SwiGLU width the plan narrows a multiple of N, the stored budget still met: 256 lets llama.cpp's "
+        "K-quants (e.g. Q4_K_M) take the compressed down maps in `export --to gguf --quantize`, 32 its other block "
+        "types (QK and value widths are padded to the head width in GGUF, so they need none)",
+        metavar="N",
+    )
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
     gauge: Literal["free", "pivot"] | None = option(
         None,
@@ -309,6 +316,8 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
     if args.gauge is not None and args.method != "relational":
         raise UsageError("--gauge applies to --method relational (the slice method writes the pivot gauge)")
+    if args.width_multiple and args.method != "relational":
+        raise UsageError("--width-multiple sets the widths of --method relational (the slice method keeps every unit)")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
     args.stream = args.stream_chosen()
@@ -432,7 +441,8 @@ def _run(args: CompressArguments, lock) -> int:
         {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
          "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
          "refine_epochs": args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
-         **({"refit_prior": args.refit_prior} if args.refit_prior else {})}
+         **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
+         **({"width_multiple": args.width_multiple} if args.width_multiple else {})}
         if args.method == "relational"
         else {}
     )
@@ -526,6 +536,7 @@ def _run_streamed(
         mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
         refine_epochs=args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
         **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
+        **({"width_multiple": args.width_multiple} if args.width_multiple else {}),
         **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
         report_extra={"source": str(args.src), "calibration": calibration_info}
         | ({"eval_file": next(iter(evaluations))} if evaluations else {}),

@@ -3,7 +3,7 @@ remote code.
 
     relational-hf export SRC OUT --to llama
     relational-hf export SRC OUT --to free
-    relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0]
+    relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0] [--quantize Q4_K_M]
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
 against the relational model's logits in fp32 before anything is written. `--to free` keeps the relational
@@ -47,6 +47,12 @@ class ExportOptions:
     outtype: Literal["f32", "f16", "bf16", "q8_0"] = option(
         "f16", "with --to gguf: the type of the weight matrices (q8_0: rows not a multiple of 32 long stay f16)"
     )
+    quantize: str | None = option(
+        None,
+        "with --to gguf: quantise the file with llama.cpp's own quantiser to this type (e.g. Q4_K_M, Q8_0; needs the "
+        "gguf extra); written from --outtype f16, or f32/bf16 when given",
+        metavar="TYPE",
+    )
     tolerance: PositiveFloat = option(1e-4, "max |logit difference| accepted (fp32)")
     trust_remote_code: bool = option(False, "passed to from_pretrained")
 
@@ -65,6 +71,10 @@ def run(args: ExportArguments) -> int:
     from ..outputs import OutputLock, check_new_output
 
     args.src = check_model_argument(args.src, "SRC")
+    if args.quantize is not None and args.to != "gguf":
+        from ..errors import UsageError
+
+        raise UsageError(f"--quantize {args.quantize} applies to --to gguf only (nothing was written)")
     if args.to == "gguf":
         from .export_gguf import run_gguf
 

@@ -8,8 +8,12 @@ by the rule of `relational_hf.outputs.paths` and locked against a second writer;
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import secrets
 import sys
+from pathlib import Path
+
+from ..convert import gguf_runtime
 
 
 def run_gguf(args) -> int:
@@ -22,6 +26,7 @@ def run_gguf(args) -> int:
     from ..shards import is_safetensors_checkpoint
 
     require_gguf()
+    quantize_type = _check_quantize(args)
     source = resolve_model_source(args.src)
     if source.gguf_file is not None:
         raise GGUFExportError(
@@ -47,19 +52,68 @@ def run_gguf(args) -> int:
             model = source.location  # read a decoder layer at a time
         else:
             model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
-        report = export_gguf(
-            model,
-            target.path,
-            outtype=args.outtype,
-            tokenizer=tokenizer,
-            config=config,
-            trust_remote_code=args.trust_remote_code,
-        )
+        export = dict(outtype=args.outtype, tokenizer=tokenizer, config=config, trust_remote_code=args.trust_remote_code)
+        if quantize_type is None:
+            report = export_gguf(model, target.path, **export)
+        else:
+            report = _export_quantized(model, target.path, quantize_type, export)
     sys.stdout.write(report.to_markdown())
     sys.stdout.write(f"saved {report.path} (runs in llama.cpp: llama-cli -m {report.path})\n")
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not gguf_runtime.available():
         sys.stdout.write(
-            "llama-cpp-python is not installed: pip install 'relational-hf[gguf]' runs the file from Python "
-            "(llama_cpp.Llama) and the checks of tests/test_gguf_llama_cpp.py\n"
+            f"llama.cpp is not installed here, so the file was not run: {gguf_runtime.INSTALL_HINT} runs it from "
+            "Python (relational_hf.convert.gguf_runtime) and the checks of tests/test_gguf_llama_cpp.py\n"
         )
     return 0
+
+
+def _check_quantize(args) -> str | None:
+    """The llama.cpp type of --quantize, upper-cased; refused in one line before any work when it is unknown, when
+    llama.cpp is not installed, or when --outtype is already quantised."""
+    from ..convert.gguf_layout import GGUFExportError
+
+    if args.quantize is None:
+        return None
+    name = args.quantize.upper()
+    if name not in gguf_runtime.FILE_TYPES:
+        raise GGUFExportError(
+            f"--quantize {args.quantize}: unknown llama.cpp type; choose one of {', '.join(gguf_runtime.FILE_TYPES)}"
+        )
+    if args.outtype == "q8_0":
+        raise GGUFExportError("--quantize quantises from --outtype f32, f16 or bf16, not from q8_0")
+    if not gguf_runtime.available():
+        raise GGUFExportError(f"--quantize {name} runs llama.cpp's quantiser, which is not installed: {gguf_runtime.INSTALL_HINT}")
+    return name
+
+
+def _export_quantized(model, path: Path, file_type: str, export: dict):
+    """Export at --outtype to a temporary sibling, quantise it with llama.cpp into a second one, rename that over
+    `path`; the report names the tensors llama.cpp could not give `file_type` (rows not a multiple of its block)."""
+    from ..convert.gguf_export import export_gguf
+    from ..convert.gguf_layout import gguf_layout, tensor_shapes
+    from ..outputs.files import TAG, fsync_dir, publish_file
+
+    stem = f".{path.name}.{TAG}-tmp-{secrets.token_hex(4)}"
+    plain, quantized = path.with_name(stem + ".src"), path.with_name(stem)
+    try:
+        report = export_gguf(model, plain, **export)
+        gguf_runtime.quantize(plain, quantized, file_type)
+        publish_file(quantized, path)
+    finally:
+        for tmp in (plain, quantized):
+            if os.path.lexists(tmp):
+                tmp.unlink()
+    fsync_dir(path.parent)
+    block = gguf_runtime.BLOCK_SIZES[file_type]
+    layout = gguf_layout(export["config"] if export.get("config") is not None else model.config)
+    short = sorted({s[-1] for _, s in tensor_shapes(layout) if len(s) > 1 and s[-1] % block})
+    report.outtype = f"{file_type} (llama.cpp's quantiser, from {report.outtype})"
+    report.path, report.file_bytes = str(path), path.stat().st_size
+    if short:
+        widths = set(layout.feed_forward)
+        mlp = sorted(w for w in short if w in widths)
+        report.notes.append(
+            f"rows of length {short} are not multiples of {block}: llama.cpp keeps those tensors in a fallback type"
+            + (f"; `compress --width-multiple {block}` makes the MLP widths {mlp} multiples of it" if mlp else "")
+        )
+    return report

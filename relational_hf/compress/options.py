@@ -37,6 +37,9 @@ class LowRankOptions:
     min_qk_pairs: int = 2
     min_vo_rank: int = 4
     min_mlp_units: int = 64
+    # every kept SwiGLU width a multiple of this (None: mlp_step's grid): 256 lets llama.cpp's K-quants take the
+    # compressed down maps, 32 its other block types (`budget.mlp_width_grid`)
+    width_multiple: int | None = None
     plan_windows: int = 8  # calibration windows used to measure the error curves
     batch_size: int = 4
     # MLP down-projection refit target: "dense" (the dense model's next hidden states: also absorbs the error of all

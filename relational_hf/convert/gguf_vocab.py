@@ -6,10 +6,12 @@ tokens; user-defined for other added tokens; unused for embedding rows past the 
 right" strings by rank, the pre-tokenizer llama.cpp must apply, the special ids, whether a BOS/EOS is added, and the
 chat template. Two tokenizer kinds have an exact llama.cpp form and are taken:
 
-- GPT-2-style byte-level BPE (SmolLM2's): a `ByteLevel` pre-tokenizer with the GPT-2 split (llama.cpp pre `gpt2`),
+- GPT-2-style byte-level BPE (SmolLM2's): a `ByteLevel` pre-tokenizer with the GPT-2 split (llama.cpp pre `gpt-2`),
   or individual digits split off first (`Digits` then `ByteLevel`: llama.cpp pre `smollm`);
 - the byte-level tokenizer of `relational-hf train` (`relational_hf.lm.data.byte_level_tokenizer`): one token per
-  byte and no merges, so no split of the text changes its ids (pre `gpt2`). GGUF cannot store an empty array and
+  byte and no merges, so no split of the text changes its ids (pre `smollm`: llama.cpp's `gpt-2` would also remove
+  the space before "'s", "'ve" ... when it turns ids back into text, which Transformers does not do for this
+  tokenizer; `smollm` does not). GGUF cannot store an empty array and
   llama.cpp needs the merges key, so one merge that can never apply is written: its left part is two symbols long,
   which only an earlier merge could make.
 
@@ -80,7 +82,7 @@ def _pre_tokenizer(spec: dict | None, has_merges: bool) -> str:
 
     if spec is not None and byte_level(spec):
         if spec.get("use_regex", True) or not has_merges:
-            return "gpt2"
+            return "gpt-2"
     if spec is not None and spec.get("type") == "Sequence":
         parts = spec.get("pretokenizers") or []
         if (
@@ -135,6 +137,9 @@ def gguf_vocabulary(tokenizer, vocab_size: int) -> GGUFVocabulary:
         )
     merges = _merges(model.get("merges") or [])
     pre = _pre_tokenizer(spec.get("pre_tokenizer"), bool(merges))
+    cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    if pre == "gpt-2" and not merges:
+        pre = "smollm"  # one token a byte: any split gives the same ids, and smollm's detokenizer cleans no spaces
     vocab = dict(model.get("vocab") or {})
     added = {t["id"]: t for t in spec.get("added_tokens") or []}
     size = max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])
@@ -168,6 +173,11 @@ def gguf_vocabulary(tokenizer, vocab_size: int) -> GGUFVocabulary:
         add_eos=_adds(tokenizer, special.get("eos"), False),
         chat_template=template if isinstance(template, str) else None,
     )
+    if pre == "gpt-2" and not cleans:
+        out.notes.append(
+            "llama.cpp's gpt-2 detokenizer removes the space before \"'s\", \"'ve\" ... where this tokenizer keeps it "
+            "(clean_up_tokenization_spaces=False); the token ids are the same"
+        )
     if unused:
         out.notes.append(f"{unused} embedding rows past the tokenizer's tokens written as unused tokens [PADi]")
     return out
