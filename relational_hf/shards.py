@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .errors import invalid_config_error
+from .renaming import renamed_names
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +323,11 @@ def check_complete(model: nn.Module, reader: CheckpointReader) -> None:
         for label, keys in (("missing tensors", missing), ("unexpected tensors", unexpected), ("other shapes", shapes))
         if keys
     ]
+    if problems and renamed_names(model, reader)[1]:  # tensors Transformers splits, fuses or stacks while loading
+        raise ValueError(
+            f"{reader.path}: Transformers converts some tensors of this checkpoint while loading (e.g. "
+            f"{renamed_names(model, reader)[1][0]}): no layer-by-layer reader reads them; load the whole model instead"
+        )
     if problems:
         raise ValueError(
             f"{reader.path}: the weights do not match the model its config.json describes; {'; '.join(problems)}. "
@@ -355,8 +361,10 @@ def open_checkpoint(path: str | os.PathLike, *, trust_remote_code: bool = False,
 
 def checkpoint_names(model: nn.Module, reader: CheckpointReader, prefix: str = "") -> dict[str, str]:
     """state_dict name (under `prefix`) -> checkpoint name, for the model's persistent tensors under `prefix`,
-    accepting checkpoints saved without the base-model prefix (e.g. "layers.0..." for "model.layers.0...")."""
+    accepting checkpoints saved without the base-model prefix (e.g. "layers.0..." for "model.layers.0...") and
+    the names Transformers renames while loading (`renamed_names`: GPT-NeoX saves its head as "embed_out")."""
     base = getattr(model, "base_model_prefix", "") or ""
+    renamed = renamed_names(model, reader)[0]
     out = {}
     module = model.get_submodule(prefix) if prefix else model
     for local in module.state_dict(keep_vars=True):
@@ -365,6 +373,8 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader, prefix: str = "
             out[local] = full
         elif base and full.startswith(base + ".") and full[len(base) + 1 :] in reader:
             out[local] = full[len(base) + 1 :]
+        elif full in renamed:
+            out[local] = renamed[full]
     return out
 
 

@@ -24,6 +24,7 @@ ORDER = (
     "errors",  # UsageError, the one error a user can fix, for every layer above
     "_lazy",  # lazy_exports: package names imported on first read
     "outputs",  # everything a command writes: owned output folders, staging, atomic files, tokenizers
+    "renaming",  # the names Transformers gives checkpoint tensors while loading (its conversion mappings)
     "shards",  # safetensors checkpoints read and written a tensor / a layer at a time
     "pretrained",  # the offline SmolLM2 checkpoint and GGUF -> plain models
     "loading",  # model sources (directories, Hub ids, GGUF files)
