@@ -222,6 +222,8 @@ def _assert_no_file(folder):
         (dict(position_encoding="none"), "position_encoding"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}), "rope_type"),
+        (dict(qk_norm=True), "qk_norm"),
+        (dict(rope_layers=[True, False]), "rope_layers"),
     ],
 )
 def test_what_gguf_cannot_hold_is_refused_in_one_line_naming_the_field(overrides, field, tmp_path, capsys):
@@ -235,6 +237,28 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_naming_the_field(overrides
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0], err
     _assert_no_file(tmp_path)
+
+
+def test_every_option_of_the_architecture_is_mapped_or_refused(monkeypatch):
+    """A field the relational config gains later is never exported as if it were absent: set away from its default,
+    any field outside the layout's mapped set is refused by name (a stand-in field added to the class here)."""
+    import dataclasses
+
+    from relational_hf.convert.gguf_layout import MAPPED_FIELDS, gguf_refusal
+
+    own = set(RelationalConfig.__annotations__)
+    assert MAPPED_FIELDS <= own, MAPPED_FIELDS - own
+    config = RelationalConfig(**CASE_BASE)
+    assert gguf_refusal(config) is None
+    fields = dataclasses.fields(RelationalConfig)
+    extra = dataclasses.field(default=False)
+    extra.name, extra.type, extra._field_type = "future_option", bool, dataclasses._FIELD
+    monkeypatch.setattr(RelationalConfig, "__dataclass_fields__", {**{f.name: f for f in fields}, "future_option": extra})
+    monkeypatch.setitem(RelationalConfig.__annotations__, "future_option", bool)
+    object.__setattr__(config, "future_option", True)
+    assert "future_option=True" in gguf_refusal(config)
+    object.__setattr__(config, "future_option", False)
+    assert gguf_refusal(config) is None
 
 
 def test_a_non_relational_source_is_told_to_convert_first(tmp_path, capsys):
@@ -286,3 +310,21 @@ def test_the_command_streams_a_folder_and_replaces_out_atomically(tmp_path, caps
         export_gguf(src, out, outtype="f16", tokenizer=byte_level_tokenizer(), on_tensor=fail_half_way)
     assert out.read_bytes() == written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "src"]
+
+
+def test_without_llama_cpp_the_export_works_and_quantize_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    """Where llama.cpp is not installed, `--to gguf` still writes the file and says how to install llama.cpp to run
+    it; `--quantize` (llama.cpp's quantiser) is refused in one line naming the extra, before anything is written."""
+    from relational_hf.convert import gguf_runtime
+
+    monkeypatch.setattr(gguf_runtime, "available", lambda: False)
+    src = _save(_case("pivot-gqa-tied"), tmp_path / "src")
+    capsys.readouterr()
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(src), str(out), "--to", "gguf", "--quantize", "Q4_K_M"]) == 2
+    err = capsys.readouterr().err
+    assert "relational-hf[gguf]" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    assert main(["export", str(src), str(out), "--to", "gguf"]) == 0
+    assert "relational-hf[gguf]" in capsys.readouterr().out and out.stat().st_size > 0
+    assert main(["export", str(src), str(tmp_path / "plain"), "--quantize", "Q8_0"]) == 2
+    assert "--to gguf" in capsys.readouterr().err

@@ -66,6 +66,44 @@ def gguf_refusal(config) -> str | None:
         )
     if config.hidden_act != "silu":
         return f"hidden_act={config.hidden_act!r} has no GGUF form: llama.cpp's llama and deci gate with SiLU"
+    return _unmapped_option(config)
+
+
+#: The relational config's own fields the GGUF layout maps (or that do not change the function). Any other field of
+#: the config class set away from its default is refused by name: an option added to the architecture later is never
+#: exported as if it were absent.
+MAPPED_FIELDS = frozenset(
+    {
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "qk_rank", "position_encoding", "rope_parameters", "max_position_embeddings",
+        "gauge", "pivot_scale", "attention_bias", "attention_output_bias", "value_parallel_removal", "hidden_act",
+        "tie_word_embeddings", "final_norm_gain", "initializer_range", "rms_norm_eps", "attention_dropout", "use_cache",
+        "pad_token_id", "bos_token_id", "eos_token_id", "layer_qk_ranks", "layer_value_ranks",
+        "layer_intermediate_sizes",
+    }
+)  # fmt: skip
+
+#: why the options llama.cpp's `llama` / `deci` cannot hold are refused (others: a generic line naming the field)
+_UNMAPPED_REASONS = {
+    "qk_norm": "llama.cpp's llama and deci normalise no query or key (its qwen3 architecture does; not exported yet)",
+    "rope_layers": "llama.cpp's llama and deci rotate in every layer (layers without rotary are not exported yet)",
+}
+
+
+def _unmapped_option(config) -> str | None:
+    import dataclasses
+
+    cls = type(config)
+    if not dataclasses.is_dataclass(cls):
+        return None
+    for field in dataclasses.fields(cls):
+        if field.name not in getattr(cls, "__annotations__", {}) or field.name in MAPPED_FIELDS:
+            continue  # the base class's bookkeeping, or a field the layout maps
+        default = field.default if field.default is not dataclasses.MISSING else None
+        value = getattr(config, field.name, default)
+        if value != default and not (field.name == "rope_layers" and value is not None and all(value)):
+            reason = _UNMAPPED_REASONS.get(field.name, "the GGUF export does not map this option")
+            return f"{field.name}={value!r} has no GGUF form: {reason}"
     return None
 
 

@@ -1,0 +1,119 @@
+"""Healing across domains, with its dense control: does a short repair of the compressed model hold on text unlike
+its healing text, and what does the same repair do to the dense model?
+
+The compressed model is the one `gguf.py` makes with the CLI's defaults (`relational-hf compress SRC OUT --remove
+0.25 --calibration CAL.pt`, SmolLM2-135M-Instruct, 128 WikiText-2 windows plus 64 windows the source samples itself),
+the dense model its exact conversion (`relational-hf convert`). Both are healed the way `compress --heal-steps 200`
+heals (`relational_hf.training.heal.heal`, its defaults: LoRA rank 16, distillation from the dense model, KL of the
+next-token distributions) on text the dense model samples itself (`compress.distill.teacher_text`, the CLI's
+default healing text: 256 samples of 256 tokens, seed 0, half of them chat), and measured on the five domains of
+`domains.py` (12 held-out windows of 512 tokens each, the windows of `gguf.py`) before and after: ratio to the
+dense model's unhealed perplexity and the worst of the four target domains.
+
+    python benchmarks/gguf.py --prepare-only    # the texts and checkpoints, once
+    python benchmarks/heal_domains.py           # about 35 minutes on 2 cores
+
+Writes results/heal_domains.json and heal_domains.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, save_figure, write_json
+from domains import DOMAINS, TARGET_DOMAINS, ratios
+
+
+def _load(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
+    from relational_hf.compress.eval import perplexity_on_windows
+
+    return {d: perplexity_on_windows(model, w) for d, w in windows.items()}
+
+
+def heal_text(workdir: Path, teacher) -> torch.Tensor:
+    """The CLI's default healing text (cached in workdir as heal_text.safetensors)."""
+    from transformers import AutoTokenizer
+
+    from relational_hf.compress.distill import load_teacher_text, save_teacher_text, teacher_text
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    path = workdir / "heal_text.safetensors"
+    if path.exists():
+        return load_teacher_text(path)[0]
+    ids, settings = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()))
+    save_teacher_text(path, ids, settings)
+    return ids
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["ratio_to_dense"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(rows)
+    for i, (name, cells) in enumerate(rows.items()):
+        ax.bar([j + (i - 1.5) * width for j in range(len(DOMAINS))], [cells[d] for d in DOMAINS], width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.6, color="r", lw=0.8, ls="--", label="target: worst of four <= x1.6")
+    ax.set_xticks(range(len(DOMAINS)), DOMAINS)
+    ax.set_ylabel("perplexity / dense (unhealed)")
+    ax.set_title("SmolLM2-135M at 25% fewer stored parameters: healed (200 steps) and not, dense control", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=RESULTS / "gguf_runs" / "full")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    from relational_hf.training.heal import heal
+
+    windows = {d: torch.load(args.workdir / "texts" / f"{d}.pt") for d in DOMAINS}
+    dense = _load(args.workdir / "dense")
+    text = heal_text(args.workdir, dense)
+    perplexity = {"dense": _measure(dense, windows)}
+    reports = {}
+    for name, folder in (("compressed", args.workdir / "compressed"), ("dense", args.workdir / "dense")):
+        model = _load(folder)
+        if name == "compressed":
+            perplexity["compressed"] = _measure(model, windows)
+        started = time.perf_counter()
+        healed, report = heal(model, text, steps=args.steps, loss="kd", teacher=dense, progress=True)
+        report["wall_seconds"] = time.perf_counter() - started
+        reports[name] = report
+        perplexity[f"{name}, healed"] = _measure(healed, windows)
+        del model, healed
+    base = perplexity["dense"]
+    table = {name: {d: p[d] / base[d] for d in DOMAINS} for name, p in perplexity.items() if name != "dense"}
+    payload = {
+        "steps": args.steps,
+        "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
+        "perplexity": perplexity,
+        "ratio_to_dense": table,
+        "worst_of_four": {name: ratios(p, base, TARGET_DOMAINS) for name, p in perplexity.items() if name != "dense"},
+        "heal": reports,
+    }
+    write_json("heal_domains", payload)
+    plot(payload, RESULTS / "heal_domains.png")
+    for name, cells in table.items():
+        print(name, " ".join(f"{d} x{cells[d]:.2f}" for d in DOMAINS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
