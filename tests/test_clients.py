@@ -69,6 +69,13 @@ def expected(checkpoints) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(paths["llama"])
     llama = pipeline_outputs(pipeline("text-generation", model=str(paths["llama"]), device="cpu"))
     assert llama["ids"] == greedy_ids(models["llama"], tokenizer)
+    # the premise of comparing greedy choices: along the source's continuations, each chosen token leads the next by
+    # 100 times more than the conversion's rounding (about 1e-6 of the logit scale)
+    for prompt, ids in zip(PROMPTS, llama["ids"]):
+        with torch.no_grad():
+            logits = models["llama"](torch.tensor([ids])).logits[0, len(tokenizer(prompt).input_ids) - 1 : -1]
+        top = logits.topk(2, dim=-1).values
+        assert (top[:, 0] - top[:, 1]).min().item() > 1e-4 * logits.abs().max().item()
     compressed_ids = greedy_ids(models["compressed"], tokenizer)
     return {
         "exact": llama,
