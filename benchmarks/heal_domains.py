@@ -1,16 +1,16 @@
 """Healing across domains, with its dense control: does a short repair of the compressed model hold on text unlike
 its healing text, and what does the same repair do to the dense model?
 
-The compressed model is the one `gguf.py` makes with the CLI's defaults (`relational-hf compress SRC OUT --remove
+The compressed model is the one `gguf_llamacpp.py` makes with the CLI's defaults (`relational-hf compress SRC OUT --remove
 0.25 --calibration CAL.pt`, SmolLM2-135M-Instruct, 128 WikiText-2 windows plus 64 windows the source samples itself),
 the dense model its exact conversion (`relational-hf convert`). Both are healed the way `compress --heal-steps 200`
 heals (`relational_hf.training.heal.heal`, its defaults: LoRA rank 16, distillation from the dense model, KL of the
 next-token distributions) on text the dense model samples itself (`compress.distill.teacher_text`, the CLI's
 default healing text: 256 samples of 256 tokens, seed 0, half of them chat), and measured on the five domains of
-`domains.py` (12 held-out windows of 512 tokens each, the windows of `gguf.py`) before and after: ratio to the
+`domains.py` (12 held-out windows of 512 tokens each, the windows of `gguf_llamacpp.py`) before and after: ratio to the
 dense model's unhealed perplexity and the worst of the four target domains.
 
-    python benchmarks/gguf.py --prepare-only    # the texts and checkpoints, once
+    python benchmarks/gguf_llamacpp.py --prepare-only    # the texts and checkpoints, once
     python benchmarks/heal_domains.py           # about 35 minutes on 2 cores
 
 Writes results/heal_domains.json and heal_domains.png.

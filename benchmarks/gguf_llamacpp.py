@@ -17,11 +17,12 @@ Targets (issue: out of the plugin): the exact conversion in llama.cpp within 0.5
 compressed model's llama.cpp/plugin perplexity ratio within 1% of 1; compressed decode >= 1.2x dense decode in
 llama.cpp at every type; the compressed Q4_K_M file <= 0.78x the dense Q4_K_M file.
 
-    python benchmarks/gguf.py                  # everything (the two compressions take most of an hour on 2 cores)
-    python benchmarks/gguf.py --prepare-only   # texts and checkpoints only (llama.cpp not needed)
-    python benchmarks/gguf.py --quick          # 2 layers, 5% removed, short windows: the pipeline in minutes
+    python benchmarks/gguf_llamacpp.py                  # everything (the two compressions take most of an hour on 2 cores)
+    python benchmarks/gguf_llamacpp.py --prepare-only   # texts and checkpoints only (llama.cpp not needed)
+    python benchmarks/gguf_llamacpp.py --quick          # 2 layers, 5% removed, short windows: the pipeline in minutes
 
-Writes results/gguf.json and gguf.png (gguf_quick.* with --quick).
+Writes results/gguf.json and gguf.png (gguf_quick.* with --quick). (The script is not called gguf.py: run from
+this folder it would stand in for the `gguf` package.)
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def _cli(*args: str, log: Path) -> None:
     """Run `relational-hf ARGS` as its own process (what a user runs), its output kept in `log`."""
     command = [sys.executable, "-m", "relational_hf.commands", *args]
     with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, check=False, cwd=Path(__file__).resolve().parents[1]
+        ).returncode
     if code != 0:
         raise SystemExit(f"relational-hf {' '.join(args)} failed ({code}); see {log}")
 
@@ -70,20 +73,21 @@ def texts(workdir: Path, window: int, n_cal: int, n_eval: int, quick: bool, doma
 
 
 def checkpoints(
-    workdir: Path, files: dict[str, Path], quick: bool, domains: list[str], window: int, n_eval: int
+    workdir: Path, files: dict[str, Path], quick: bool, domains: list[str], window: int, n_eval: int,
+    models: tuple[str, ...] = MODELS,
 ) -> dict[str, Path]:
-    """dense (exact conversion) and the two compressions, each made once by the CLI."""
+    """dense (exact conversion) and the compressions among `models`, each made once by the CLI."""
     from relational_hf.pretrained import smollm2_checkpoint
 
     src = str(smollm2_checkpoint())
     if quick:
         src = str(_two_layers(workdir, src))
-    out = {name: workdir / name for name in MODELS}
+    out = {name: workdir / name for name in models}
     if not (out["dense"] / "config.json").exists():
         _cli("convert", src, str(out["dense"]), log=workdir / "dense.log")
     evals = [a for d in domains for a in ("--eval", str(files[d]))]
     for name, extra in (("compressed", []), ("compressed-w256", ["--width-multiple", "256"])):
-        if (out[name] / "config.json").exists():
+        if name not in out or (out[name] / "config.json").exists():
             continue
         started = time.perf_counter()
         _cli(
@@ -158,18 +162,18 @@ def llama_cpp_measures(ggufs, files, domains, window: int, decode: int, rounds: 
     return result
 
 
-def summarise(measures: dict, plugin: dict, domains: list[str]) -> dict:
+def summarise(measures: dict, plugin: dict, domains: list[str], models: tuple[str, ...] = MODELS) -> dict:
     """The issue's four targets, from the measures."""
     first = domains[0]
     cells = {}
-    for name in MODELS:
+    for name in models:
         ratio = measures[f"{name}/F16"]["perplexity"][first] / plugin[name][first]
         cells[f"{name}: llama.cpp F16 / plugin perplexity ({first})"] = ratio
     targets = {
         "exact conversion within 0.5% of the plugin (F16)": abs(cells[f"dense: llama.cpp F16 / plugin perplexity ({first})"] - 1) <= 0.005,
         "compressed llama.cpp/plugin within 1% (F16)": abs(cells[f"compressed: llama.cpp F16 / plugin perplexity ({first})"] - 1) <= 0.01,
     }
-    for name in ("compressed", "compressed-w256"):
+    for name in [m for m in models if m != "dense"]:
         speed = {t: measures[f"{name}/{t}"]["decode_tokens_per_s"] / measures[f"dense/{t}"]["decode_tokens_per_s"] for t in TYPES}
         cells[f"{name}: decode speed / dense"] = speed
         targets[f"{name}: decode >= 1.2x dense at every type"] = all(v >= 1.2 for v in speed.values())
@@ -185,11 +189,11 @@ def plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measures, first = payload["llama_cpp"], payload["domains"][0]
+    measures, first, models = payload["llama_cpp"], payload["domains"][0], payload["models"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    width = 0.8 / len(MODELS)
-    for i, name in enumerate(MODELS):
-        xs = [j + (i - 1) * width for j in range(len(TYPES))]
+    width = 0.8 / len(models)
+    for i, name in enumerate(models):
+        xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(TYPES))]
         cells = [measures[f"{name}/{t}"] for t in TYPES]
         axes[0].bar(xs, [c["file_mib"] for c in cells], width, label=name)
         axes[1].bar(xs, [c["decode_tokens_per_s"] for c in cells], width, label=name)
@@ -201,7 +205,8 @@ def plot(payload: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[2].axhline(payload["plugin_perplexity"]["dense"][first], color="k", lw=0.8, ls="--", label="dense, plugin fp32")
     axes[2].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct in llama.cpp: dense and 25% fewer stored parameters, one exporter", fontsize=11)
+    what = "first 2 layers, 5%" if payload.get("quick") else "25%"
+    fig.suptitle(f"SmolLM2-135M-Instruct in llama.cpp: dense and {what} fewer stored parameters, one exporter", fontsize=11)
     save_figure(fig, path)
 
 
@@ -215,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=DOMAINS)
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds (every file in each)")
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), choices=MODELS, help="which checkpoints (dense is always one)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -222,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir / ("quick" if args.quick else "full")
     workdir.mkdir(parents=True, exist_ok=True)
     files = texts(workdir, window, n_cal, n_eval, args.quick, args.domains)
-    ckpts = checkpoints(workdir, files, args.quick, args.domains, window, n_eval)
+    models = tuple(m for m in MODELS if m in args.models or m == "dense")
+    ckpts = checkpoints(workdir, files, args.quick, args.domains, window, n_eval, models)
     if args.prepare_only:
         return 0
     from relational_hf.convert import gguf_runtime
@@ -234,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     measures = llama_cpp_measures(ggufs, files, args.domains, window, args.decode_tokens, args.rounds)
     reports = {
         n: json.loads((ckpts[n] / "compression_report.json").read_text())
-        for n in MODELS
+        for n in models
         if (ckpts[n] / "compression_report.json").exists()
     }
     payload = {
+        "quick": args.quick,
+        "models": list(models),
         "llama_cpp": measures,
         "plugin_perplexity": plugin,
         "domains": args.domains,
@@ -249,11 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": load_average(),
         "stored_parameters": {n: r.get("parameters_after") for n, r in reports.items()},
         "compress_seconds": {
-            n: float((workdir / f"{n}.seconds").read_text()) for n in MODELS if (workdir / f"{n}.seconds").exists()
+            n: float((workdir / f"{n}.seconds").read_text()) for n in models if (workdir / f"{n}.seconds").exists()
         },
         "widths": {n: r.get("widths") for n, r in reports.items()},
     }
-    payload |= summarise(measures, plugin, args.domains)
+    payload |= summarise(measures, plugin, args.domains, models)
     name = "gguf_quick" if args.quick else "gguf"
     path = write_json(name, payload)
     plot(payload, RESULTS / f"{name}.png")
