@@ -26,7 +26,7 @@ def orbit_dimensions_fixed(config: RelationalConfig) -> dict[str, int]:
     qk = vo = mlp = 0
     for i in range(L):  # per-layer widths (layer_qk_ranks, ...) default to the global ones
         r, dh = config.layer_qk_rank(i), config.layer_value_rank(i)
-        qk += hkv * (r if config.position_encoding == "rope" else r * r)
+        qk += 0 if config.qk_norm else hkv * (r if config.layer_rope(i) else r * r)  # QK-norm: QK stored as it is
         vo += 0 if config.value_parallel_removal else hkv * dh * dh
         mlp += config.layer_intermediate_size(i)
     return {"qk": qk, "vo": vo, "mlp": mlp}
@@ -46,6 +46,8 @@ def relational_parameter_count(config: RelationalConfig) -> int:
             layer += h * r + hkv * r + hkv * dh
         if config.attention_output_bias:
             layer += d
+        if config.qk_norm:
+            layer += 2 * r  # the query and key gains
         layers += layer
     total = V * d * (1 if config.tie_word_embeddings else 2) + layers + (d if config.final_norm_gain else 0)
     return total - sum(orbit_dimensions_fixed(config).values())

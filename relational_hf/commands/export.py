@@ -3,6 +3,7 @@ remote code.
 
     relational-hf export SRC OUT --to llama
     relational-hf export SRC OUT --to free
+    relational-hf export SRC OUT --to qwen3 | smollm3 | phi3
     relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0] [--quantize Q4_K_M]
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
@@ -39,10 +40,10 @@ class ExportPaths:
 class ExportOptions:
     _argument_group_name = "export"
 
-    to: Literal["llama", "free", "gguf"] = option(
+    to: Literal["llama", "free", "gguf", "qwen3", "smollm3", "phi3"] = option(
         "llama",
         "llama: a plain Llama checkpoint; free: the relational model with full maps, for inference; gguf: one GGUF "
-        "file for llama.cpp",
+        "file for llama.cpp; qwen3, smollm3, phi3: that family's Transformers class (uniform widths)",
     )
     outtype: Literal["f32", "f16", "bf16", "q8_0"] = option(
         "f16", "with --to gguf: the type of the weight matrices (q8_0: rows not a multiple of 32 long stay f16)"
@@ -96,7 +97,7 @@ def _run(args: ExportArguments, lock, source) -> int:
         sys.stderr.write(f"no tokenizer found at {args.src}; {args.out} has none\n")
     report = export_checkpoint(model, args.out, to=args.to, tokenizer=tokenizer, tolerance=args.tolerance, lock=lock)
     sys.stdout.write(report.to_markdown())
-    if args.to == "llama":
+    if args.to != "free":
         sys.stdout.write(f"saved {args.out} (loads with AutoModelForCausalLM, no plugin, no remote code)\n")
     else:
         sys.stdout.write(f"saved {args.out} (a relational checkpoint in the free gauge: loads with AutoModelForCausalLM)\n")

@@ -17,13 +17,16 @@ KINDS = ("qk", "vo", "mlp")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> int:
-    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge."""
+def layer_kind_parameters(config: RelationalConfig, kind: str, width: int, layer: int | None = None) -> int:
+    """Stored parameters of one layer's `kind` at `width` (qk: r, vo: r_v, mlp: d_ff), pivot or free gauge; `layer`
+    (default: a layer with the model's positions) decides rotary or not (`RelationalConfig.rope_layers`). With
+    QK-norm the QK pair is stored as it is, with its two gain vectors."""
     d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     pivot = config.gauge == "pivot"
-    rope = config.position_encoding == "rope"
+    rope = config.position_encoding == "rope" if layer is None else config.layer_rope(layer)
     if kind == "qk":
-        n = (h + hkv) * width * d - (hkv * (width if rope else width * width) if pivot else 0)
+        fixed = 0 if not pivot or config.qk_norm else hkv * (width if rope else width * width)
+        n = (h + hkv) * width * d - fixed + (2 * width if config.qk_norm else 0)
         return n + ((h + hkv) * width if config.attention_bias else 0)
     if kind == "vo":
         n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
@@ -31,6 +34,12 @@ def layer_kind_parameters(config: RelationalConfig, kind: str, width: int) -> in
     if kind == "mlp":
         return 3 * d * width - (width if pivot else 0)
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
+
+
+def qk_truncatable(config: RelationalConfig, layer: int) -> bool:
+    """Whether layer `layer`'s QK width can be truncated (whole rotary pairs): rotary positions and no QK-norm (the
+    per-head norm is over all qk_rank coordinates, so a narrower QK form is another function: it keeps its width)."""
+    return config.layer_rope(layer) and not config.qk_norm
 
 
 def in_gauge(config: RelationalConfig, gauge: str | None) -> RelationalConfig:
@@ -95,20 +104,33 @@ def width_grid(width: int, step: int, smallest: int) -> range:
     return range(width - step, smallest - 1, -step)
 
 
+def mlp_width_grid(width: int, opts) -> list[int]:
+    """Candidate SwiGLU widths below `width` (`opts`: `compress.lowrank.LowRankOptions`): `width_grid`'s, or with
+    `opts.width_multiple` N the multiples of N below `width` in steps of at least `mlp_step`, down to
+    `min_mlp_units` (at least N). A compressed model's SwiGLU widths are the only rows llama.cpp sees at their own
+    length (QK and value widths are padded to the head width in GGUF), and its K-quants need rows of 256."""
+    multiple = getattr(opts, "width_multiple", None)
+    if not multiple:
+        return list(width_grid(width, opts.mlp_step, opts.min_mlp_units))
+    step = multiple * max(1, -(-opts.mlp_step // multiple))
+    top = (width - 1) // multiple * multiple
+    smallest = max(multiple, opts.min_mlp_units)
+    return list(range(top, smallest - 1, -step))
+
+
 def check_budget(config: RelationalConfig, budget: int, fixed: int, opts) -> None:
     """ValueError before any work when even the narrowest widths the planner may choose (the grids' smallest,
     `opts.kinds` only; `opts`: `compress.lowrank.LowRankOptions`) store more than `budget` with the `fixed` parameters outside the truncated maps."""
-    rope = config.position_encoding == "rope"
     narrowest = fixed
     for li in range(config.num_hidden_layers):
         r, rv, f = config.layer_qk_rank(li), config.layer_value_rank(li), config.layer_intermediate_size(li)
-        if "qk" in opts.kinds and rope:
+        if "qk" in opts.kinds and qk_truncatable(config, li):
             r = min([r, *(2 * kp for kp in width_grid(r // 2, opts.qk_step, opts.min_qk_pairs))])
         if "vo" in opts.kinds:
             rv = min([rv, *width_grid(rv, opts.vo_step, opts.min_vo_rank)])
         if "mlp" in opts.kinds:
-            f = min([f, *width_grid(f, opts.mlp_step, opts.min_mlp_units)])
-        narrowest += sum(layer_kind_parameters(config, k, w) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
+            f = min([f, *mlp_width_grid(f, opts)])
+        narrowest += sum(layer_kind_parameters(config, k, w, li) for k, w in (("qk", r), ("vo", rv), ("mlp", f)))
     if narrowest > budget:
         raise ValueError(
             f"the narrowest widths store {narrowest:,} parameters ({fixed:,} of them in the embedding, head and norms, "
@@ -119,9 +141,9 @@ def check_budget(config: RelationalConfig, budget: int, fixed: int, opts) -> Non
 def fixed_parameters(config: RelationalConfig, total: int) -> int:
     """Of a relational model of `config` storing `total` parameters, those outside the truncated maps."""
     return total - sum(
-        layer_kind_parameters(config, "qk", config.layer_qk_rank(li))
-        + layer_kind_parameters(config, "vo", config.layer_value_rank(li))
-        + layer_kind_parameters(config, "mlp", config.layer_intermediate_size(li))
+        layer_kind_parameters(config, "qk", config.layer_qk_rank(li), li)
+        + layer_kind_parameters(config, "vo", config.layer_value_rank(li), li)
+        + layer_kind_parameters(config, "mlp", config.layer_intermediate_size(li), li)
         for li in range(config.num_hidden_layers)
     )
 
@@ -133,7 +155,9 @@ __all__ = [
     "fixed_parameters",
     "in_gauge",
     "layer_kind_parameters",
+    "qk_truncatable",
     "plan_widths",
+    "mlp_width_grid",
     "width_grid",
 ]
 

@@ -50,7 +50,9 @@ from .budget import (
     fixed_parameters,
     in_gauge,
     layer_kind_parameters,
+    mlp_width_grid,
     plan_widths,
+    qk_truncatable,
     width_grid,
 )
 from .options import SENSITIVITIES, LowRankOptions, LowRankResult, _check  # noqa: F401  (public here too)
@@ -97,6 +99,11 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
         return pairs.detach().clone()
     device = next(attn.parameters()).device
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
+
+
+def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The per-head QK-norms of a relational attention (`RelationalConfig.qk_norm`), None without them."""
+    return None if getattr(attn, "q_norm", None) is None else (attn.q_norm, attn.k_norm)
 
 
 def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
@@ -177,16 +184,19 @@ def layer_error_curves(
     release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
     its memory is not held twice)."""
     _require_resolved(opts)
-    cos, sin = positions[0], positions[1]
-    rope = config.position_encoding == "rope"
+    attn, mlp = layer.self_attn, layer.mlp
+    li = attn.layer_idx
+    rope = attn.rope
+    cos, sin = (positions[0], positions[1]) if rope else (None, None)
     fisher = opts.sensitivity == "fisher"
     metric = metric or {"attn": None, "mlp": None}
-    attn, mlp = layer.self_attn, layer.mlp
     x = layer.input_layernorm(h)
     w = {k: v.detach() for k, v in attn.full_weights().items()}
     pairs = _pair_index_of(attn)
     nh, nkv = attn.num_heads, attn.num_kv_heads
-    base, mixed = _attention_output(x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True)
+    base, mixed = _attention_output(
+        x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True, qk_norm=_qk_norms(attn)
+    )
     h_mid = h + base
     xm = layer.post_attention_layernorm(h_mid)
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
@@ -202,8 +212,8 @@ def layer_error_curves(
     cov = flat_x.T @ flat_x
     r, rv, f = attn.qk_rank, attn.head_dim, m["down"].shape[1]
     # QK: drop the least important pairs, measure the attention output change
-    qk_opts = [WidthOption(r, layer_kind_parameters(config, "qk", r), 0.0)]
-    if "qk" in opts.kinds and rope:
+    qk_opts = [WidthOption(r, layer_kind_parameters(config, "qk", r, li), 0.0)]
+    if "qk" in opts.kinds and qk_truncatable(config, li):
         scores = qk_pair_scores(
             w["q"], w["k"], w.get("q_bias"), w.get("k_bias"), cov, flat_x.sum(0), flat_x.shape[0], num_kv_heads=nkv
         )
@@ -226,7 +236,7 @@ def layer_error_curves(
                 err = 0.5 * float(proj.double().pow(2).sum()) / back.shape[0]
             else:
                 err = _weighted_energy(F.linear(delta.reshape(*delta.shape[:2], -1), w["o"]), tw)
-            qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp), err / scale))
+            qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp, li), err / scale))
         del back
     vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
     if "vo" in opts.kinds:
@@ -266,7 +276,7 @@ def layer_error_curves(
             curve = mlp_error_curve(gram, cross, y_energy, None, opts.ridge)
         del gram, cross, zf
         full = float(curve[-1])  # what the refit cannot explain even with every unit (regularisation)
-        for units in width_grid(f, opts.mlp_step, opts.min_mlp_units):
+        for units in mlp_width_grid(f, opts):
             err = max(float(curve[units - 1]) - full, 0.0) / scale
             mlp_opts.append(WidthOption(units, layer_kind_parameters(config, "mlp", units), err))
     return {"qk": qk_opts, "vo": vo_opts, "mlp": mlp_opts}, h_out
@@ -316,7 +326,7 @@ def plan(
     in `config.gauge` (the gauge the compression writes); recorded in `result`."""
     n_layers = config.num_hidden_layers
     options = {
-        (li, kind): [WidthOption(o.width, layer_kind_parameters(config, kind, o.width), o.error) for o in candidates]
+        (li, kind): [WidthOption(o.width, layer_kind_parameters(config, kind, o.width, li), o.error) for o in candidates]
         for (li, kind), candidates in curves.options.items()
     }
     choice = plan_widths(options, budget - fixed)
@@ -396,9 +406,10 @@ def compress_layer(
     receives the refit chosen on held-back windows (`LowRankOptions.refit_holdout`)."""
     _require_resolved(opts)
     cos, sin, mask, pos = positions
-    rope = cos is not None
-    metric = metric or {"attn": None, "mlp": None}
     attn, mlp = layer.self_attn, layer.mlp
+    rope = cos is not None and attn.rope
+    cos, sin = (cos, sin) if rope else (None, None)
+    metric = metric or {"attn": None, "mlp": None}
     n, t, d = h.shape
 
     def run_layer(block, hidden):
@@ -431,7 +442,8 @@ def compress_layer(
             for s in _batches(n, opts.batch_size):
                 xb = layer.input_layernorm(h[s])
                 _, mixed = _attention_output(
-                    xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True
+                    xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True,
+                    qk_norm=_qk_norms(attn),
                 )
                 grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
         w["v"], w["o"], bv, _ = vo_truncate(

@@ -344,13 +344,17 @@ def mlp_error_curve(
 
 def _attention_output(
     x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-    *, num_heads: int, num_kv_heads: int, return_values: bool = False,
+    *, num_heads: int, num_kv_heads: int, return_values: bool = False, qk_norm: tuple | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of full Linear-layout weights w (q, k, v, o, biases) on normalised inputs x (B, T, d); the
     rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
-    `return_values` also the mixed values O before W_O (B, T, H, r_v)."""
+    `return_values` also the mixed values O before W_O (B, T, H, r_v). `qk_norm`: the (query, key) per-head norms
+    applied before the rotary embedding (`RelationalConfig.qk_norm`)."""
     b, t, _ = x.shape
     q, k, v = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
+    if qk_norm is not None:
+        r = k.shape[-1] // num_kv_heads
+        q, k = (norm(y.unflatten(-1, (-1, r))).flatten(-2) for norm, y in zip(qk_norm, (q, k), strict=True))
     out = _mix(q, k, v, pairs, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads)
     result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
     return (result, out) if return_values else result

@@ -50,7 +50,7 @@ from .relational import float64_logit_difference, max_logit_difference
 
 logger = logging.getLogger(__name__)
 
-EXPORT_TARGETS = ("llama", "free")
+EXPORT_TARGETS = ("llama", "free", "qwen3", "smollm3", "phi3")
 
 
 class ExportError(ValueError):
@@ -87,7 +87,7 @@ class ExportReport:
             + (f", {self.padding_zeros:,} zeros of padding" if self.padding_zeros else "")
             + ")",
             f"- head width {self.head_dim} (QK rank {self.qk_rank}, value width {self.value_head_dim})"
-            if self.target == "llama"
+            if self.target != "free"
             else "- every per-layer width, thin key and rotary pair kept; every map a full Linear",
             f"- max |logit difference| on random tokens (fp32, length {self.verified_sequence_length}): "
             f"{self.max_logit_difference:.3g}",
@@ -113,6 +113,10 @@ def _check_exportable(model: nn.Module) -> None:
             f"position_encoding={c.position_encoding!r} has no Llama equivalent: a Llama rotates every query/key "
             "coordinate with RoPE"
         )
+    if c.qk_norm:
+        raise ExportError("qk_norm=True (per-head QK-norm) has no Llama equivalent: export --to qwen3 holds it")
+    if c.rope_layers is not None and not all(c.rope_layers):
+        raise ExportError("layers without rotary (rope_layers) have no Llama equivalent: export --to smollm3 holds them")
     with torch.device("meta"), no_init_weights():
         reference = RelationalForCausalLM(copy.deepcopy(c))
     expected = set(reference.state_dict())
@@ -383,7 +387,8 @@ def export_checkpoint(
     tolerance: float = 1e-4,
     lock=None,
 ) -> ExportReport:
-    """Export `model` (`to_llama`, or `to_free_gauge` for `to="free"`) and write it to the new or empty folder `out`
+    """Export `model` (`to_llama`, `to_free_gauge` for `to="free"`, `export_families.to_family` for "qwen3",
+    "smollm3", "phi3") and write it to the new or empty folder `out`
     with `tokenizer` (if given)
     and `export_report.json`, through `relational_hf.outputs.write_new_output` (staged beside, moved into place when
     complete; `lock`: the caller's `OutputLock` on `out`): an interrupted export leaves nothing that looks like a
@@ -393,8 +398,13 @@ def export_checkpoint(
     if to not in EXPORT_TARGETS:
         raise ExportError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}")
     check_new_output(out, "OUT")
-    convert = to_free_gauge if to == "free" else to_llama
-    exported, report = convert(model, tolerance=tolerance, return_report=True)
+    if to in ("llama", "free"):
+        convert = to_free_gauge if to == "free" else to_llama
+        exported, report = convert(model, tolerance=tolerance, return_report=True)
+    else:
+        from .export_families import to_family
+
+        exported, report = to_family(model, to, tolerance=tolerance)
 
     def write(folder: Path) -> None:
         exported.save_pretrained(folder)

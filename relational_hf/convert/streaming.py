@@ -51,8 +51,8 @@ from ..shards import (
     release,
     trim_heap,
 )
-from .preflight import layer_pivot_obstructions, raise_obstructions
 from .families import fixed_groups
+from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     ConversionError,
     ConversionReport,
@@ -153,6 +153,7 @@ def stream_to_relational(
     _check_supported(source)
     check_complete(source, reader)
     materialize_small(source, reader)
+    dimensions = _group_dimensions(source)
     adapter = get_adapter(source)
     tie = adapter.head_tied()
     rconfig = relational_config_for(source, tie=tie, pivot_scale=pivot_scale)
@@ -261,7 +262,7 @@ def stream_to_relational(
                 f"streamed tensors do not match RelationalForCausalLM's parameters (e.g. {mismatch[0]!r})"
             )
         writer.finish(sum(p.numel() for p in target.parameters()))
-        report = _report(source, target, tie, results["worst"], length, tolerance, notes)
+        report = _report(source, target, tie, results["worst"], length, tolerance, notes, dimensions)
         _write_metadata(target, rconfig, write_dtype, stage)
         if copy_tokenizer:
             _copy_tokenizer(src, stage, trust_remote_code)
@@ -388,10 +389,11 @@ class LlamaCheckpointLayers:
             yield "lm_head.weight", self._reader.shape(self._head_key), blocks
 
 
-def _report(source, target, tie: bool, worst, length: int, tolerance: float, notes: list[str]) -> ConversionReport:
+def _group_dimensions(source) -> tuple[dict[str, int], dict[str, int]]:
+    """(removed, remaining) orbit dimensions by group, counted while the source's small tensors (norm gains, QK-norm
+    gains, biases) are loaded: the layers release theirs as they are converted."""
     from ..symmetry.groups import symmetry_groups
 
-    adapter = get_adapter(source)
     groups, _ = symmetry_groups(source)
     removed: dict[str, int] = {}
     remaining: dict[str, int] = {}
@@ -400,6 +402,12 @@ def _report(source, target, tie: bool, worst, length: int, tolerance: float, not
         bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
     remaining.pop("norm_gain", None)
+    return removed, remaining
+
+
+def _report(source, target, tie, worst, length, tolerance, notes, dimensions) -> ConversionReport:
+    adapter = get_adapter(source)
+    removed, remaining = dimensions
     gain_final = adapter.final_norm().weight
     gains = (
         sum(norm.weight.numel() for layer in adapter.layers() for norm in (layer.attention_norm, layer.mlp_norm))
