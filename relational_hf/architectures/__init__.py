@@ -22,8 +22,11 @@ from .base import (
     TensorSlot,
     UnsupportedModelError,
 )
+from .gemma3 import Gemma3Adapter
 from .gpt2 import GPT2Adapter
+from .gpt_neox import GPTNeoXAdapter
 from .llama import LlamaFamilyAdapter
+from .near import missing_feature
 from .phi3 import Phi3Adapter
 from .relational import RelationalAdapter
 from .smollm3 import SmolLM3Adapter
@@ -35,6 +38,8 @@ ADAPTERS: list[type[ArchitectureAdapter]] = [
     GPT2Adapter,
     SmolLM3Adapter,
     Phi3Adapter,
+    GPTNeoXAdapter,
+    Gemma3Adapter,
 ]
 
 
@@ -46,7 +51,9 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     for adapter_cls in ADAPTERS:
         if adapter_cls.matches(base):
             return adapter_cls(base)
-    raise UnsupportedModelError(f"unsupported: {type(base).__name__} (no architecture adapter matches it)")
+    feature = missing_feature(base)
+    reason = "no architecture adapter matches it" + ("" if feature is None else f": {feature}")
+    raise UnsupportedModelError(f"unsupported: {type(base).__name__} ({reason})")
 
 
 __all__ = [
