@@ -309,3 +309,16 @@ def assert_trainer_projection_and_suppression(model, tmp: Path) -> None:
     model.load_state_dict(start)
     assert drift["update"] < 0.2 * drift["none"], drift
     assert 0 < logs["update"]["parallel_suppression"] <= 0.1
+
+
+def assert_slice(source) -> None:
+    """`to_relational(slice_fraction=0.25)` (what `convert --slice` runs): the residual width shrinks by a quarter
+    and the sliced model stores exactly what its report and the closed form of its config say."""
+    from relational_hf.convert import to_relational
+    from relational_hf.params import relational_parameter_count
+
+    calibration = token_ids(batch=8, length=32, seed=3)
+    sliced, report = to_relational(source, slice_fraction=0.25, calibration_data=calibration, return_report=True)
+    assert sliced.config.hidden_size == source.config.hidden_size * 3 // 4
+    assert stored(sliced) == report.slicing.parameters_after == relational_parameter_count(sliced.config)
+    assert torch.isfinite(sliced(token_ids()).logits).all()

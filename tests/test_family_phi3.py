@@ -24,6 +24,7 @@ from family_helpers import (
     assert_finetune,
     assert_random_symmetry_keeps_logits,
     assert_redundancy_commands,
+    assert_slice,
     assert_trainer_projection_and_suppression,
     convert_both_ways,
     error_line,
@@ -165,3 +166,7 @@ def test_partial_rotary_checkpoint_is_refused_by_convert_in_one_line(tmp_path, c
     save(phi3(partial_rotary_factor=0.5), tmp_path / "src")
     _, err = run(["convert", tmp_path / "src", tmp_path / "out"], capsys, code=2)
     assert "partial rotary" in error_line(err) and not (tmp_path / "out").exists()
+
+
+def test_convert_with_slicing_keeps_an_honest_count(source):
+    assert_slice(source)

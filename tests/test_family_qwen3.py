@@ -27,6 +27,7 @@ from family_helpers import (
     assert_random_symmetry_keeps_logits,
     assert_redundancy_commands,
     assert_remote_code_load,
+    assert_slice,
     assert_trainer_projection_and_suppression,
     convert_both_ways,
     error_line,
@@ -192,3 +193,7 @@ def test_finetune_converted_and_source_with_projection(checkpoint, converted, tm
     assert tuned.config.qk_norm
     assert_finetune(converted, tmp_path, capsys, "lora", "--method", "lora", "--merge")
     assert_finetune(checkpoint, tmp_path, capsys, "projected", "--projection", "update")
+
+
+def test_convert_with_slicing_keeps_an_honest_count(source):
+    assert_slice(source)

@@ -24,6 +24,7 @@ from family_helpers import (
     assert_random_symmetry_keeps_logits,
     assert_redundancy_commands,
     assert_remote_code_load,
+    assert_slice,
     assert_trainer_projection_and_suppression,
     convert_both_ways,
     error_line,
@@ -163,3 +164,7 @@ def test_mlp_biases_are_refused_in_one_line(tmp_path, capsys):
         _, err = run(argv, capsys, code=2)
         assert "MLP biases" in error_line(err)
     assert not (tmp_path / "out").exists() and not (tmp_path / "o2").exists()
+
+
+def test_convert_with_slicing_keeps_an_honest_count(source):
+    assert_slice(source)

@@ -178,7 +178,7 @@ def slice_relational(
     for ls, ld in zip(src.layers(), dst.layers(), strict=True):
         w = ls.attention.full_weights()
         new = {"q": readers(w["q"]), "k": readers(w["k"]), "v": readers(w["v"]), "o": writers(w["o"])}
-        for key in ("q_bias", "k_bias", "v_bias"):
+        for key in ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):  # head-space tensors: not rotated
             if key in w:
                 new[key] = w[key].double()
         if "o_bias" in w:
