@@ -197,3 +197,22 @@ def test_finetune_converted_and_source_with_projection(checkpoint, converted, tm
 
 def test_convert_with_slicing_keeps_an_honest_count(source):
     assert_slice(source)
+
+
+def test_qk_norm_option_is_validated_in_one_line():
+    from relational_hf import RelationalConfig
+
+    base = dict(vocab_size=16, hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"`layer_qk_ranks` must be None with qk_norm=True"):
+        RelationalConfig(**base, qk_norm=True, layer_qk_ranks=[8, 4])
+    with pytest.raises(ValueError, match="qk_norm"):
+        RelationalConfig(**base, qk_norm="yes")
+    config = RelationalConfig(**base, qk_norm=True)
+    with pytest.raises(ValueError, match="qk_norm"):
+        config.qk_norm = 1
+
+
+def test_projected_finetuning_of_the_converted_model(converted, tmp_path, capsys):
+    """The QK pair of a QK-normed relational model is stored free: its rotations and the gain exchange are what the
+    projection keeps the updates horizontal to."""
+    assert_finetune(converted, tmp_path, capsys, "projected_relational", "--projection", "update")

@@ -168,3 +168,17 @@ def test_mlp_biases_are_refused_in_one_line(tmp_path, capsys):
 
 def test_convert_with_slicing_keeps_an_honest_count(source):
     assert_slice(source)
+
+
+def test_rope_layers_option_is_validated_in_one_line():
+    from relational_hf import RelationalConfig
+
+    base = dict(vocab_size=16, hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"`rope_layers` must be a list of 2 booleans"):
+        RelationalConfig(**base, rope_layers=[True])
+    with pytest.raises(ValueError, match=r"rope_layers.*\[1, 0\]"):
+        RelationalConfig(**base, rope_layers=[1, 0])
+    with pytest.raises(ValueError, match=r"`rope_layers` needs position_encoding='rope'"):
+        RelationalConfig(**base, rope_layers=[True, False], position_encoding="none")
+    config = RelationalConfig(**base, rope_layers=[True, False])
+    assert [config.layer_rope(i) for i in range(2)] == [True, False]
