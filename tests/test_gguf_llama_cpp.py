@@ -131,8 +131,9 @@ def test_llama_cpp_tokenizes_like_smollm2s_tokenizer(smollm2_dir, tmp_path):
 
 
 def test_export_command_quantizes_with_llama_cpp(tmp_path, capsys):
-    """`export --to gguf --quantize Q8_0` writes the llama.cpp-quantised file (smaller than f16, predicting like
-    the plugin) and nothing else in the folder; an unknown type is refused in one line before anything is written."""
+    """`export --to gguf --quantize Q8_0` writes the llama.cpp-quantised file (predicting like the plugin) and nothing
+    else in the folder, and names the SwiGLU widths its block does not divide with the --width-multiple that would;
+    an unknown type is refused in one line before anything is written."""
     from relational_hf.commands.main import main
 
     model = tiny_case("pivot-per-layer-widths")
@@ -145,7 +146,9 @@ def test_export_command_quantizes_with_llama_cpp(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Q4_K_M" in err and len(err.strip().splitlines()) == 1 and not out.exists()
     assert main(["export", str(src), str(out), "--to", "gguf", "--quantize", "Q8_0"]) == 0
-    assert "Q8_0 (llama.cpp's quantiser" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Q8_0 (llama.cpp's quantiser" in printed
+    assert "rows of length [24, 40]" in printed and "--width-multiple 32` makes the SwiGLU widths [24, 40]" in printed
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.gguf"]
     with gguf_runtime.LlamaCpp(out, n_ctx=64) as llm:
         logits = torch.from_numpy(llm.logits(PROMPT)).double()

@@ -110,10 +110,11 @@ def _export_quantized(model, path: Path, file_type: str, export: dict):
     report.outtype = f"{file_type} (llama.cpp's quantiser, from {report.outtype})"
     report.path, report.file_bytes = str(path), path.stat().st_size
     if short:
-        widths = set(layout.feed_forward)
-        mlp = sorted(w for w in short if w in widths)
+        mlp = sorted(w for w in short if w in set(layout.feed_forward) and w != layout.hidden_size)
+        fixed = sorted(w for w in short if w not in mlp)
         report.notes.append(
             f"rows of length {short} are not multiples of {block}: llama.cpp keeps those tensors in a fallback type"
-            + (f"; `compress --width-multiple {block}` makes the MLP widths {mlp} multiples of it" if mlp else "")
+            + (f" (the model width {layout.hidden_size}, which no option changes)" if layout.hidden_size in fixed else "")
+            + (f"; `compress --width-multiple {block}` makes the SwiGLU widths {mlp} multiples of it" if mlp else "")
         )
     return report
