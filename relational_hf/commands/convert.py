@@ -1,4 +1,5 @@
-"""Convert a Llama / Mistral / Qwen2 checkpoint into a relational one: exact, or sliced (principal gauge).
+"""Convert a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 checkpoint into a relational one: exact, or sliced
+(principal gauge).
 
     relational-hf convert SRC OUT [--slice F --calibration FILE] [--stream | --no-stream] [--dtype D]
 
@@ -34,12 +35,14 @@ from .options import (
     positional,
 )
 
-HELP = "convert a Llama/Mistral/Qwen2 checkpoint into a relational one (exact, or sliced)"
+HELP = "convert a Llama/Mistral/Qwen2/Qwen3/SmolLM3/Phi-3 checkpoint into a relational one (exact, or sliced)"
 
 
 @dataclass
 class ConvertPaths:
-    src: str = positional("Hub id, local checkpoint or GGUF file of a Llama / Mistral / Qwen2 causal LM", "SRC")
+    src: str = positional(
+        "Hub id, local checkpoint or GGUF file of a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 causal LM", "SRC"
+    )
     out: str = positional("output folder for the relational checkpoint (new or empty)", "OUT")
 
 

@@ -1,4 +1,5 @@
-"""Exact conversion of Llama-family checkpoints (Llama, Mistral, Qwen2) into relational models in the pivot gauge.
+"""Exact conversion of Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3: `convert.families`)
+into relational models in the pivot gauge.
 
 Steps (DESIGN.md 2.2, 4): fold every RMSNorm gain into the maps that read it (q/k/v, gate/up, the head), keep the
 gain-free norms, then let the relational modules move each QK pair, VO pair and SwiGLU to the pivot gauge
@@ -379,7 +380,8 @@ def to_relational(
     verify_data: torch.Tensor | None = None,
     return_report: bool = False,
 ):
-    """Convert a Llama / Mistral / Qwen2 causal LM into a `RelationalForCausalLM` in the pivot gauge.
+    """Convert a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 causal LM into a `RelationalForCausalLM` in the
+    pivot gauge (what each family needs and what stays free: `relational_hf.convert.families`).
 
     Exact stage: norm gains folded into their readers (W diag(g)), QK pairs (RoPE, any rope_parameters, GQA, q/k/v
     biases), VO pairs and SwiGLU scales moved to the pivot gauge; the final norm gain folds into an untied head and
