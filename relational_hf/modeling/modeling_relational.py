@@ -304,6 +304,8 @@ class RelationalAttention(nn.Module):
         free = fix_gauge and self.config.gauge == "free"
         for key in ("q_norm", "k_norm"):  # QK-norm gains, stored as given (the QK pair then keeps its own gauge)
             if getattr(self, key) is not None:
+                if key not in weights:
+                    raise ValueError(f"set_full_weights: a QK-normed attention (qk_norm=True) needs the {key!r} gains")
                 getattr(self, key).weight.copy_(weights[key])
         if isinstance(self.k_proj, GaugeFixedLinear) or (free and self.q_norm is None):
             q, k, bq, bk, idx, val = qk_to_pivot_gauge(
