@@ -81,6 +81,7 @@ EXPECTED = {
         "value_bias_fold": L * D,
         "norm_gain": 2 * L * D,
         "layernorm_bias_shift": 2 * L * D,
+        "reader_centring_translation": L * (3 * D + 4 * D),  # reader rows + u (1/g): c_attn and c_fc outputs
         "centring_translation": L * ((D + 1) + (4 * D + 1)) + 64,  # writer columns + biases, wpe rows
         "residual_rotation": (D - 1) * (D - 2) // 2,
     },  # O(d-1): rotations fixing the all-ones direction
@@ -101,7 +102,6 @@ EXPECTED = {
     "relational_pivot": {"residual_rotation": O_D},
     "relational_pivot_vpr": {"vo_gauge": L * H * (1 + DH * (DH - 1) // 2), "residual_rotation": O_D},
 }
-
 
 
 @pytest.mark.parametrize("name", ALL)

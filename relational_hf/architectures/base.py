@@ -16,7 +16,7 @@ class UnsupportedModelError(ValueError):
 @dataclass
 class LayerRoles:
     """The modules of one decoder layer by role. `attention` returns (output after W_O, weights); `mlp` returns the
-    MLP update; `block` maps the layer input to the layer output; norms are None where the family has none."""
+    MLP output; `block` maps the layer input to the layer output; norms are None where the family has none."""
 
     index: int
     block: nn.Module
@@ -24,6 +24,12 @@ class LayerRoles:
     mlp: nn.Module
     attention_norm: nn.Module | None
     mlp_norm: nn.Module | None
+    #: the attention and the MLP both read the layer input and their updates are summed (GPT-NeoX, GPT-J)
+    parallel: bool = False
+    #: norms applied to the sublayer's output before it is added to the stream (Gemma 2/3's sandwich norms); the
+    #: residual update is then their output
+    attention_post_norm: nn.Module | None = None
+    mlp_post_norm: nn.Module | None = None
 
 
 @dataclass
@@ -56,10 +62,15 @@ class TensorSlot:
 
     param: nn.Parameter
     view: Callable[[torch.Tensor], torch.Tensor] = _identity
+    #: the view is per head, (H, w, d) for a weight or (H, w) for a bias, because the role's rows interleave with
+    #: other roles' rows in a fused tensor (GPT-NeoX's query_key_value: q, k, v of head 0, then of head 1, ...):
+    #: `get` merges the heads into the Linear layout (a copy), and writers reshape to the view
+    per_head: bool = False
 
     def get(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """The view of `tensor` (default: the parameter itself, detached)."""
-        return self.view(self.param.detach() if tensor is None else tensor)
+        """The view of `tensor` (default: the parameter itself, detached) in Linear layout (out x in)."""
+        view = self.view(self.param.detach() if tensor is None else tensor)
+        return view.flatten(0, 1) if self.per_head else view
 
 
 @dataclass
@@ -89,6 +100,8 @@ class AttentionSlots:
     #: per-dimension gains of a QK-norm applied per head before RoPE (Qwen3): (r,) each, shared by all heads
     q_norm: TensorSlot | None = None
     k_norm: TensorSlot | None = None
+    #: the QK-norm multiplies by gain + offset (Gemma 3: 1 + w)
+    qk_norm_offset: float = 0.0
 
 
 @dataclass
@@ -115,11 +128,13 @@ class MLPSlots:
 @dataclass
 class NormSlots:
     """A normalisation's parameters: per-dimension gain and bias (None where absent: gain-free RMS norm).
-    `centring`: the norm subtracts the mean over the hidden dimension (LayerNorm)."""
+    `centring`: the norm subtracts the mean over the hidden dimension (LayerNorm); `offset`: see below."""
 
     gain: TensorSlot | None = None
     bias: TensorSlot | None = None
     centring: bool = False
+    #: the norm multiplies by gain + offset (Gemma stores w and scales by 1 + w: offset 1)
+    offset: float = 0.0
 
 
 class ArchitectureAdapter:
@@ -127,6 +142,9 @@ class ArchitectureAdapter:
 
     #: human-readable family name
     family: str = "abstract"
+    #: the features of the family's forward pass that the relational architecture cannot hold yet (None: none); the
+    #: converter refuses the family in one line naming them
+    relational_obstruction: str | None = None
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

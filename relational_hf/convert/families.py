@@ -37,6 +37,8 @@ def _unsupported(model: nn.Module, feature: str) -> UnsupportedModelError:
 def check_convertible(model: nn.Module) -> None:
     """Raise `UnsupportedModelError` ("unsupported: <class> (<feature>)") when `model` has no exact relational form."""
     adapter = get_adapter(model)
+    if adapter.relational_obstruction is not None:  # the adapter names what has no relational form yet
+        raise _unsupported(model, f"{adapter.relational_obstruction}: no relational form yet")
     if adapter.family not in CONVERTIBLE_FAMILIES or adapter.output_head() is None:
         raise _unsupported(model, "to_relational converts Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Phi-3 causal LMs")
     config = model.config

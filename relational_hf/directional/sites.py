@@ -235,9 +235,10 @@ def _residual_hooks(stack: ExitStack, roles: LayerRoles, sites: Sequence[str], f
         return None if new is None else replace_main_output(output, h + new)
 
     # z = the residual entering the sublayer: the input of its pre-norm (the sublayer's own input without one)
+    # y = what enters the stream: the sublayer's output, or that of its post-norm (sandwich norms)
     pairs = (
-        ("residual_attention", roles.attention_norm or roles.attention, roles.attention),
-        ("residual_mlp", roles.mlp_norm or roles.mlp, roles.mlp),
+        ("residual_attention", roles.attention_norm or roles.attention, roles.attention_post_norm or roles.attention),
+        ("residual_mlp", roles.mlp_norm or roles.mlp, roles.mlp_post_norm or roles.mlp),
     )
     for site, reader, writer in pairs:
         if site in sites:

@@ -30,13 +30,16 @@ from ..architectures import get_adapter
 from ..modeling import RelationalConfig
 from .algebra import Degeneracy
 from .groups import (
+    CentringBiasExchange,
     CentringTranslation,
     KeyBiasShift,
     LayerNormBiasShift,
     MLPScale,
     NormGain,
+    ParallelBiasExchange,
     QKGauge,
     QKNormGainExchange,
+    ReaderCentringTranslation,
     ResidualRotation,
     SymmetryGroup,
     ValueBiasFold,
@@ -51,6 +54,9 @@ _ORDER = (
     KeyBiasShift,
     ValueBiasFold,
     NormGain,
+    ReaderCentringTranslation,  # after the gains are folded (w = 1): reader rows orthogonal to the all-ones vector
+    CentringBiasExchange,
+    ParallelBiasExchange,
     CentringTranslation,
     ResidualRotation,
     MLPScale,

@@ -5,7 +5,8 @@ One file per family of groups; every name is importable from here (`from relatio
                   (`Algebra`);
 - `heads`         `QKGauge`, `VOGauge`, `QKNormGainExchange` (head-space gauges);
 - `scaling`       `NormGain`, `MLPScale` (tori of positive scalings);
-- `translations`  `KeyBiasShift`, `ValueBiasFold`, `LayerNormBiasShift`, `CentringTranslation`;
+- `translations`  `KeyBiasShift`, `ValueBiasFold`, `LayerNormBiasShift`, `CentringTranslation`,
+                  `ReaderCentringTranslation`, `CentringBiasExchange`, `ParallelBiasExchange`;
 - `residual`      `ResidualRotation` and the `ResidualReader`s it acts through;
 - `builder`       `symmetry_groups(model)`: which groups hold for a model, and notes on what breaks the others.
 """
@@ -15,18 +16,29 @@ from .builder import symmetry_groups
 from .heads import QKGauge, QKNormGainExchange, VOGauge
 from .residual import ResidualReader, ResidualRotation
 from .scaling import MLPScale, NormGain
-from .translations import CentringTranslation, KeyBiasShift, LayerNormBiasShift, ValueBiasFold
+from .translations import (
+    CentringBiasExchange,
+    CentringTranslation,
+    KeyBiasShift,
+    LayerNormBiasShift,
+    ParallelBiasExchange,
+    ReaderCentringTranslation,
+    ValueBiasFold,
+)
 
 __all__ = [
     "Algebra",
+    "CentringBiasExchange",
     "CentringTranslation",
     "KeyBiasShift",
     "LayerNormBiasShift",
     "MLPScale",
     "NormGain",
+    "ParallelBiasExchange",
     "ParamDict",
     "QKGauge",
     "QKNormGainExchange",
+    "ReaderCentringTranslation",
     "ResidualReader",
     "ResidualRotation",
     "SymmetryGroup",

@@ -40,25 +40,28 @@ def _read(slot: TensorSlot, src: ParamDict | None, dtype: torch.dtype = torch.fl
     tensor of a sharded parameter, `sharding.full_tensor`) or of the vector `src`, in `dtype` (float64 for finite
     actions and canonical forms)."""
     if src is None:
-        return slot.view(full_tensor(slot.param)).to(dtype, copy=True)
-    return slot.view(src[id(slot.param)]).to(dtype)
+        return slot.get(full_tensor(slot.param)).to(dtype, copy=True)
+    return slot.get(src[id(slot.param)]).to(dtype)
 
 
 def _write(slot: TensorSlot, value: torch.Tensor, out: ParamDict | None) -> None:
-    """Set the live parameter's view to `value` (out None) or add `value` into the vector `out`."""
+    """Set the live parameter's view to `value` (out None) or add `value` into the vector `out` (`value` in Linear
+    layout; reshaped to a per-head view)."""
     if out is None:
         target = slot.view(slot.param.data)
-        target.copy_(value.to(target.dtype))
+        target.copy_(value.to(target.dtype).reshape(target.shape))
     else:
         target = slot.view(out[id(slot.param)])
-        target.add_(value.to(target.dtype))
+        target.add_(value.to(target.dtype).reshape(target.shape))
 
 
 def _add_product(slot: TensorSlot, a: torch.Tensor, b: torch.Tensor, out: ParamDict, alpha: float = 1.0) -> None:
     """Add alpha * a * b (broadcasting) into the vector `out` at the slot's view, without a temporary where the
     dtypes agree."""
     target = slot.view(out[id(slot.param)])
-    if a.dtype == target.dtype and b.dtype == target.dtype:
+    if slot.per_head:
+        target.add_((alpha * a * b).to(target.dtype).reshape(target.shape))
+    elif a.dtype == target.dtype and b.dtype == target.dtype:
         target.addcmul_(a, b, value=alpha)
     else:
         target.add_((alpha * a * b).to(target.dtype))

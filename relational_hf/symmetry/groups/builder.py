@@ -20,15 +20,15 @@ from .base import SymmetryGroup, _is_meta
 from .heads import QKGauge, QKNormGainExchange, VOGauge
 from .residual import ResidualReader, ResidualRotation
 from .scaling import MLPScale, NormGain
-from .translations import CentringTranslation, KeyBiasShift, LayerNormBiasShift, ValueBiasFold
-
-
-def _value_clusters(values: torch.Tensor) -> list[list[int]]:
-    """Coordinates grouped by equal value (a diagonal gain's commutant is block diagonal on these)."""
-    groups: dict[float, list[int]] = {}
-    for i, v in enumerate(full_tensor(values).double().cpu().tolist()):
-        groups.setdefault(v, []).append(i)
-    return sorted(groups.values(), key=lambda c: c[0])
+from .translations import (
+    CentringBiasExchange,
+    CentringTranslation,
+    KeyBiasShift,
+    LayerNormBiasShift,
+    ParallelBiasExchange,
+    ReaderCentringTranslation,
+    ValueBiasFold,
+)
 
 
 def _qk_algebra(
@@ -95,6 +95,8 @@ class _GroupBuilder:
         self.clusters: list[list[int]] | None = None
         self.translation_columns: dict[int, list[TensorSlot]] = {}
         self.translation_vectors: dict[int, list[TensorSlot]] = {}
+        #: gains of the norms between sublayers and the stream (the rotation must commute with each)
+        self.post_gains: list[TensorSlot] = []
 
     def note_once(self, layer: int, note: str) -> None:
         """A note that holds for every layer, recorded at layer 0."""
@@ -112,7 +114,12 @@ class _GroupBuilder:
         attention_readers = [(att.q, att.q_bias), (att.k, att.k_bias), (att.v, att.v_bias)]
         self.add_norm(layer.index, "attention_norm", layer.attention_norm, attention_readers)
         self.add_norm(layer.index, "mlp_norm", layer.mlp_norm, mlp.readers())
-        self.add_writers(layer.index, att, mlp)
+        exchange = layer.parallel and att.o_bias is not None and mlp.down_bias is not None
+        if exchange:  # only b_O + b_down reaches the stream
+            self.groups.append(ParallelBiasExchange(layer.index, att.o_bias, mlp.down_bias))
+        for post in (layer.attention_post_norm, layer.mlp_post_norm):
+            self.add_post_norm(post)
+        self.add_writers(layer.index, att, mlp, skip_down_bias=exchange)
 
     def add_qk(self, i: int, att: AttentionSlots) -> None:
         if att.qk_gauge_fixed:
@@ -122,7 +129,9 @@ class _GroupBuilder:
             if alg.dimension() > 0:
                 self.groups.append(QKGauge(i, att, alg, desc, key_bias_free=_key_bias_free(att)))
             if att.q_norm is not None:
-                self.groups.append(QKNormGainExchange(i, att.q_norm, att.k_norm, att.rotary_dim))
+                self.groups.append(
+                    QKNormGainExchange(i, att.q_norm, att.k_norm, att.rotary_dim, offset=att.qk_norm_offset)
+                )
                 self.note_once(
                     i,
                     "QK-norm: the per-head scale of W_Q/W_K is a symmetry only up to the norm's epsilon, "
@@ -130,6 +139,10 @@ class _GroupBuilder:
                 )
         if _key_bias_free(att):
             self.groups.append(KeyBiasShift(i, att.k_bias))
+        elif _key_bias_free(att, partial=True):  # the non-rotated coordinates of each key head
+            r, rot = att.qk_dim, att.rotary_dim
+            index = torch.arange(att.num_kv_heads * r).view(-1, r)[:, rot:].reshape(-1)
+            self.groups.append(KeyBiasShift(i, att.k_bias, index))
 
     def add_vo(self, i: int, att: AttentionSlots) -> None:
         if att.vo_gauge_fixed:
@@ -153,16 +166,41 @@ class _GroupBuilder:
         present = [(w, b) for w, b in maps if w is not None]
         if ns.gain is not None:
             self.groups.append(NormGain(i, f"layers.{i}.{tag}_gain", ns, present))
-        if ns.bias is not None:
-            if any(b is None for _, b in present):
-                raise UnsupportedModelError(
-                    f"unsupported: {type(self.adapter.model).__name__} (a norm bias read by maps without biases)"
-                )
+        biased = all(b is not None for _, b in present)
+        if ns.bias is not None and biased:
             self.groups.append(LayerNormBiasShift(i, f"layers.{i}.{tag}_bias_shift", ns.bias, present))
-        self.readers.append(ResidualReader(ns.gain, ns.bias, present))
+        if ns.centring:
+            self.add_centring_readers(i, f"layers.{i}.{tag}", ns, present)
+        self.readers.append(ResidualReader(ns.gain, ns.bias, present, ns.offset))
 
-    def add_writers(self, i: int, att: AttentionSlots, mlp: MLPSlots) -> None:
-        """The layer's maps into the residual stream (rotated on their output side) and their biases (rows)."""
+    def add_centring_readers(self, i: int | None, tag: str, ns, present) -> None:
+        """The symmetries of the readers of a mean-centring norm: every map with a bias (every map, without a norm
+        bias) may add u (1/g)^T to its weight; a norm bias read by some map without a bias exchanges with them."""
+        free = [(w, b) for w, b in present if b is not None or ns.bias is None]
+        if free:
+            self.groups.append(
+                ReaderCentringTranslation(i, f"{tag}_reader_centring", ns.gain, ns.bias, free, ns.offset)
+            )
+        if ns.bias is not None and len(free) < len(present):
+            key = f"{tag}_centring_bias_exchange"
+            self.groups.append(CentringBiasExchange(i, key, ns.gain, ns.bias, present, ns.offset))
+
+    def add_post_norm(self, norm: nn.Module | None) -> None:
+        """A norm between a sublayer and the stream (sandwich norm): its output enters the stream, so a residual
+        rotation must commute with its gain (rotate only among coordinates of equal gain)."""
+        ns = self.adapter.norm_slots(norm)
+        if norm is None:
+            return
+        if ns.bias is not None or ns.centring:
+            raise UnsupportedModelError(
+                f"unsupported: {type(self.adapter.model).__name__} (a post-sublayer norm with a bias or centring)"
+            )
+        if ns.gain is not None:
+            self.post_gains.append(ns.gain)
+
+    def add_writers(self, i: int, att: AttentionSlots, mlp: MLPSlots, skip_down_bias: bool = False) -> None:
+        """The layer's maps into the residual stream (rotated on their output side) and their biases (rows).
+        `skip_down_bias`: the down bias's centring translation is already spanned by the parallel exchange."""
         columns = self.translation_columns.setdefault(i, [])
         vectors = self.translation_vectors.setdefault(i, [])
         for weight, bias in ((att.o, att.o_bias), (mlp.down, mlp.down_bias)):
@@ -171,7 +209,8 @@ class _GroupBuilder:
                 columns.append(weight)
             if bias is not None:
                 self.rows.append(bias)
-                vectors.append(bias)
+                if not (skip_down_bias and bias is mlp.down_bias):
+                    vectors.append(bias)
 
     # --- the end of the stack ----------------------------------------------------------------------------------
     def add_final_norm_and_head(self) -> None:
@@ -182,15 +221,15 @@ class _GroupBuilder:
         if not self.adapter.head_tied():
             if final.gain is not None:
                 self.groups.append(NormGain(None, "final_norm_gain", final, [(head, None)]))
-            if final.bias is not None:
-                self.rows.append(final.bias)  # no head bias to absorb it: it rotates with the stream
-                self.clusters = _gain_clusters(final.gain, self.notes)  # so the gains must commute
-            else:
-                self.readers.append(ResidualReader(final.gain, None, [(head, None)]))
+            if final.centring:
+                self.add_centring_readers(None, "final_norm", final, [(head, None)])
+            # a final bias with no head bias to absorb it moves with the rotation (ResidualReader.moves_bias)
+            self.readers.append(ResidualReader(final.gain, final.bias, [(head, None)], final.offset))
+            self.clusters = _gain_clusters(self.post_gains, self.notes)
             return
         if final.gain is not None:
             self.notes.append("final norm gain not foldable: the output head is tied to the embedding")
-            self.clusters = _gain_clusters(final.gain, self.notes)
+        self.clusters = _gain_clusters(self.post_gains + ([final.gain] if final.gain is not None else []), self.notes)
         if final.bias is not None:
             self.rows.append(final.bias)
 
@@ -241,18 +280,28 @@ class _GroupBuilder:
             self.groups.append(residual)
 
 
-def _key_bias_free(att: AttentionSlots) -> bool:
-    """The key bias cancels in the softmax: no rotary positions (which would rotate it per position), no QK-norm."""
-    return att.k_bias is not None and att.rotary_dim == 0 and att.q_norm is None and not att.qk_gauge_fixed
+def _key_bias_free(att: AttentionSlots, partial: bool = False) -> bool:
+    """The key bias cancels in the softmax: no rotary positions (which would rotate it per position), no QK-norm.
+    `partial`: with partial rotary, its non-rotated coordinates cancel."""
+    rotary = 0 < att.rotary_dim < att.qk_dim if partial else att.rotary_dim == 0
+    return att.k_bias is not None and rotary and att.q_norm is None and not att.qk_gauge_fixed
 
 
-def _gain_clusters(gain: TensorSlot | None, notes: list[str]) -> list[list[int]] | None:
-    if gain is None:
+def _gain_clusters(gains: list[TensorSlot], notes: list[str]) -> list[list[int]] | None:
+    """The coordinates on which every gain of `gains` is constant (the finest common refinement of their clusters of
+    equal values): a residual rotation must commute with each of them. None: no constraint."""
+    if not gains:
         return None
-    if _is_meta(gain.param):
-        notes.append("final norm gain not materialised (meta device): assumed constant (as initialised)")
+    if any(_is_meta(g.param) for g in gains):
+        also = "" if len(gains) == 1 else ", nor the sandwich norms' gains"
+        notes.append(f"final norm gain not materialised (meta device){also}: assumed constant (as initialised)")
         return None
-    clusters = _value_clusters(gain.param)
+    keys = torch.stack([full_tensor(g.param).double().cpu() for g in gains], 1)  # (d, gains)
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(keys.tolist()):
+        groups.setdefault(tuple(row), []).append(i)
+    clusters = sorted(groups.values(), key=lambda c: c[0])
     if len(clusters) > 1:
-        notes.append(f"residual rotation reduced to the commutant of the final gain ({len(clusters)} distinct values)")
+        what = "final gain" if len(gains) == 1 else f"{len(gains)} gains in front of the stream"
+        notes.append(f"residual rotation reduced to the commutant of the {what} ({len(clusters)} distinct values)")
     return clusters

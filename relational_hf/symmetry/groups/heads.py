@@ -248,8 +248,11 @@ class QKNormGainExchange(_DiagonalScaling):
 
     name = "qk_norm_gain_exchange"
 
-    def __init__(self, layer: int, q_gain: TensorSlot, k_gain: TensorSlot, rotary_dim: int) -> None:
+    def __init__(
+        self, layer: int, q_gain: TensorSlot, k_gain: TensorSlot, rotary_dim: int, offset: float = 0.0
+    ) -> None:
         r = q_gain.param.shape[0]
+        self.offset = offset  # the norms scale by gain + offset (Gemma 3: 1 + w)
         super().__init__(
             layer, f"layers.{layer}.{self.name}", "g_q -> g_q c, g_k -> g_k / c, c constant per rotary pair"
         )
@@ -273,28 +276,28 @@ class QKNormGainExchange(_DiagonalScaling):
 
     def vertical(self, x: Algebra, out: ParamDict) -> None:
         c = self._expand(x[0])
-        _write(self.q_gain, self._live(self.q_gain) * c, out)
-        _write(self.k_gain, -self._live(self.k_gain) * c, out)
+        _write(self.q_gain, (self._live(self.q_gain) + self.offset) * c, out)
+        _write(self.k_gain, -(self._live(self.k_gain) + self.offset) * c, out)
 
     def adjoint(self, delta: ParamDict) -> Algebra:
-        gq, gk = self._live(self.q_gain), self._live(self.k_gain)
+        gq, gk = self._live(self.q_gain) + self.offset, self._live(self.k_gain) + self.offset
         return [self._reduce(gq * self._get(self.q_gain, delta) - gk * self._get(self.k_gain, delta))]
 
     def prepare(
         self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
     ) -> None:
         super().prepare(eps, dtype, params)
-        gq, gk = self._live(self.q_gain), self._live(self.k_gain)
+        gq, gk = self._live(self.q_gain) + self.offset, self._live(self.k_gain) + self.offset
         diag = self._reduce(gq * gq + gk * gk)
         self._set_diagonal(diag, eps)
 
     def act(self, element: torch.Tensor) -> None:
-        c = self._expand(self._on(element))
-        _write(self.q_gain, _read(self.q_gain, None) * c, None)
-        _write(self.k_gain, _read(self.k_gain, None) / c, None)
+        c, o = self._expand(self._on(element)), self.offset
+        _write(self.q_gain, (_read(self.q_gain, None) + o) * c - o, None)
+        _write(self.k_gain, (_read(self.k_gain, None) + o) / c - o, None)
 
     def canonicalize(self) -> list[Degeneracy]:
-        gq, gk = _read(self.q_gain, None), _read(self.k_gain, None)
+        gq, gk = _read(self.q_gain, None) + self.offset, _read(self.k_gain, None) + self.offset
         nq, nk = self._reduce(gq * gq).sqrt(), self._reduce(gk * gk).sqrt()
         ok = (nq > 0) & (nk > 0)
         c = torch.where(ok, (nk / nq.where(ok, 1.0)).sqrt(), 1.0)

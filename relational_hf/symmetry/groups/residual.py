@@ -23,12 +23,20 @@ from .base import Algebra, ParamDict, SymmetryGroup, _read, _write
 
 
 class ResidualReader:
-    """Maps that read the residual stream through one normalisation: y = n(x) diag(g) + b, then y W^T + c."""
+    """Maps that read the residual stream through one normalisation: y = n(x) diag(g + offset) + b, then y W^T + c.
+    Under a rotation R the maps become W D R D^-1 (D = diag(g + offset)); the norm bias b stays and the map biases
+    absorb the change, c + (W - W') b, unless some map has no bias: then b itself moves to b D^-1 R D
+    (`moves_bias`), which keeps every y W^T."""
 
     def __init__(
-        self, gain: TensorSlot | None, bias: TensorSlot | None, maps: list[tuple[TensorSlot, TensorSlot | None]]
+        self,
+        gain: TensorSlot | None,
+        bias: TensorSlot | None,
+        maps: list[tuple[TensorSlot, TensorSlot | None]],
+        offset: float = 0.0,
     ) -> None:
-        self.gain, self.bias, self.maps = gain, bias, maps
+        self.gain, self.bias, self.maps, self.offset = gain, bias, maps, offset
+        self.moves_bias = bias is not None and any(c is None for _, c in maps)
 
 
 class ResidualRotation(SymmetryGroup):
@@ -95,7 +103,9 @@ class ResidualRotation(SymmetryGroup):
         return p @ (skew(y) * mask) @ p
 
     def _gain(self, rd: ResidualReader) -> torch.Tensor:
-        return torch.ones(self.d, dtype=self._dtype, device=self.device) if rd.gain is None else self._live(rd.gain)
+        if rd.gain is None:
+            return torch.ones(self.d, dtype=self._dtype, device=self.device)
+        return self._live(rd.gain) + rd.offset
 
     def _bias(self, rd: ResidualReader) -> torch.Tensor | None:
         return None if rd.bias is None else self._live(rd.bias)
@@ -108,10 +118,12 @@ class ResidualRotation(SymmetryGroup):
             _write(s, -(om @ self._live(s)), out)
         for rd in self.readers:
             g, b = self._gain(rd), self._bias(rd)
+            if rd.moves_bias:
+                _write(rd.bias, ((b / g) @ om) * g, out)
             for w, c in rd.maps:
                 dw = ((self._live(w) * g) @ om) / g
                 _write(w, dw, out)
-                if c is not None and b is not None:
+                if c is not None and b is not None and not rd.moves_bias:
                     _write(c, -(dw @ b), out)
 
     def adjoint(self, delta: ParamDict) -> Algebra:
@@ -122,10 +134,12 @@ class ResidualRotation(SymmetryGroup):
             y = y - self._get(s, delta) @ self._live(s).T
         for rd in self.readers:
             g, b = self._gain(rd), self._bias(rd)
+            if rd.moves_bias:
+                y = y + torch.outer(b / g, self._get(rd.bias, delta) * g)
             for w, c in rd.maps:
                 wg = self._live(w) * g
                 y = y + wg.T @ (self._get(w, delta) / g)
-                if c is not None and b is not None:
+                if c is not None and b is not None and not rd.moves_bias:
                     y = y - torch.outer(wg.T @ self._get(c, delta), b / g)
         return [self.project(y)]
 
@@ -161,11 +175,13 @@ class ResidualRotation(SymmetryGroup):
             _write(s, rot.T @ _read(s, None), None)
         for rd in self.readers:
             g, b = self._gain(rd), self._bias(rd)
+            if rd.moves_bias:
+                _write(rd.bias, ((b / g) @ rot) * g, None)
             for w, c in rd.maps:
                 old = _read(w, None)
                 new = ((old * g) @ rot) / g
                 _write(w, new, None)
-                if c is not None and b is not None:
+                if c is not None and b is not None and not rd.moves_bias:
                     _write(c, _read(c, None) + (old - new) @ b, None)
 
     def principal_gauge(

@@ -26,6 +26,10 @@ class NormGain(_DiagonalScaling):
         super().__init__(layer, key, "g -> g c, reader columns / c (d per foldable norm)")
         assert norm.gain is not None
         self.gain, self.bias, self.readers = norm.gain, norm.bias, [w for w, _ in readers]
+        self.offset = norm.offset  # the norm scales by gain + offset: that product is what the group scales
+
+    def _g(self) -> torch.Tensor:
+        return self._live(self.gain) + self.offset
 
     def dimension(self) -> int:
         return self.gain.param.shape[0]
@@ -35,14 +39,14 @@ class NormGain(_DiagonalScaling):
 
     def vertical(self, x: Algebra, out: ParamDict) -> None:
         c = x[0]
-        _write(self.gain, self._live(self.gain) * c, out)
+        _write(self.gain, self._g() * c, out)
         if self.bias is not None:
             _write(self.bias, self._live(self.bias) * c, out)
         for w in self.readers:
             _add_product(w, self._live(w), c, out, -1.0)
 
     def adjoint(self, delta: ParamDict) -> Algebra:
-        y = self._live(self.gain) * self._get(self.gain, delta)
+        y = self._g() * self._get(self.gain, delta)
         if self.bias is not None:
             y = y + self._live(self.bias) * self._get(self.bias, delta)
         for w in self.readers:
@@ -53,7 +57,7 @@ class NormGain(_DiagonalScaling):
         self, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.float64, params: ParamDict | None = None
     ) -> None:
         super().prepare(eps, dtype, params)
-        diag = self._live(self.gain) ** 2
+        diag = self._g() ** 2
         if self.bias is not None:
             diag = diag + self._live(self.bias) ** 2
         for w in self.readers:
@@ -62,15 +66,15 @@ class NormGain(_DiagonalScaling):
 
     def act(self, element: torch.Tensor) -> None:
         c = self._on(element)
-        _write(self.gain, _read(self.gain, None) * c, None)
+        _write(self.gain, (_read(self.gain, None) + self.offset) * c - self.offset, None)
         if self.bias is not None:
             _write(self.bias, _read(self.bias, None) * c, None)
         for w in self.readers:
             _write(w, _read(w, None) / c, None)
 
     def canonicalize(self) -> list[Degeneracy]:
-        g = _read(self.gain, None)
-        self.act(torch.where(g != 0, 1.0 / g.where(g != 0, 1.0), 1.0))  # fold: g -> 1
+        g = _read(self.gain, None) + self.offset
+        self.act(torch.where(g != 0, 1.0 / g.where(g != 0, 1.0), 1.0))  # fold: g (+ offset) -> 1
         return []
 
 

@@ -1,0 +1,89 @@
+"""Checks shared by the per-family test modules (tests/test_family_*.py): random norm gains and biases, a random
+element of every counted group, and the dimension of the symmetry orbit measured numerically (the null space of the
+Jacobian of the logits with respect to every parameter, in float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from relational_hf.symmetry import apply_random_symmetry, redundancy_report
+
+#: an eager attention kernel with its softmax in the inputs' dtype (Transformers' eager kernels take the softmax in
+#: float32, which would blur the float64 null space by 1e-8)
+EXACT_ATTENTION = "relational_hf_tests_exact"
+
+
+def _exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    weights = scores.softmax(-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(EXACT_ATTENTION, _exact_attention)
+AttentionMaskInterface.register(EXACT_ATTENTION, eager_mask)  # additive float masks, as eager kernels take
+
+
+@torch.no_grad()
+def randomize_gains_and_biases(model: nn.Module, seed: int = 1, scale: float = 0.3) -> nn.Module:
+    """Every one-dimensional parameter (norm gains, QK-norm gains, biases) moved by a random amount: gains and biases
+    at their initial 1 / 0 would hide folding mistakes."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.ndim == 1:
+            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model
+
+
+@torch.no_grad()
+def nonlinear_weights(model: nn.Module, seed: int = 2) -> nn.Module:
+    """Every matrix redrawn at unit scale (std 1 / sqrt(fan-in)): at the usual 0.02 a tiny model runs in the nearly
+    linear range of its activations and softmax, where many directions are almost null and the measured null space
+    is blurred."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.ndim == 2:
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) / p.shape[1] ** 0.5)
+    return model
+
+
+def largest_logit_change_under_random_symmetry(model: nn.Module, ids: torch.Tensor, seed: int = 7) -> float:
+    """max |logits(g . theta) - logits(theta)| for a random element g of every counted group (all at once); asserts
+    that g really moves the parameters."""
+    before = model(ids).logits
+    moved = apply_random_symmetry(copy.deepcopy(model), torch.Generator().manual_seed(seed), scale=0.5)
+    raw = max((a - b).abs().max().item() for a, b in zip(model.parameters(), moved.parameters(), strict=True))
+    assert raw > 1e-2, "the group element must actually move the stored parameters"
+    return (moved(ids).logits - before).abs().max().item()
+
+
+def measured_orbit_dimension(model: nn.Module, vocab: int, length: int, rows: int = 32) -> tuple[int, float]:
+    """(nullity of the Jacobian d logits / d theta, its gap in decades): float64, on `rows` random rows of `length`
+    tokens that hold every token id, so no embedding row is trivially free. The rank is where the singular values
+    drop the most (a clean null space drops by many decades)."""
+    model = copy.deepcopy(model).double().eval()
+    model.set_attn_implementation(EXACT_ATTENTION)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, length), generator=generator)
+    ids.view(-1)[:vocab] = torch.arange(vocab)
+    jac = jacrev(lambda p: functional_call(model, p, (ids,)).logits.reshape(-1))(params)
+    matrix = torch.cat([j.reshape(j.shape[0], -1) for j in jac.values()], 1)
+    s = torch.linalg.svdvals(matrix)
+    logs = (s / s[0]).clamp_min(1e-300).log10()
+    drops = logs[:-1] - logs[1:]
+    rank = int(drops.argmax()) + 1
+    return matrix.shape[1] - rank, float(drops.max())
+
+
+def counted_dimension(model: nn.Module) -> int:
+    return redundancy_report(model, descriptors=False).redundant_dimensions
