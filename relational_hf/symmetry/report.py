@@ -255,6 +255,7 @@ def redundancy_report_from_checkpoint(
     from tqdm.auto import tqdm
 
     from ..shards import (
+        check_complete,
         materialize,
         materialize_small,
         open_checkpoint,
@@ -262,7 +263,9 @@ def redundancy_report_from_checkpoint(
         trim_heap,
     )
 
-    reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code)
+    reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code, check=False)
+    get_adapter(model)  # a family no adapter knows is named before the checkpoint's layout is checked
+    check_complete(model, reader)
     materialize_small(model, reader)
     groups, notes = symmetry_groups(model)
     entries = [GroupEntry(g.key, g.name, g.layer, g.dimension(), g.description) for g in groups]
