@@ -173,7 +173,7 @@ def _restricted(rotation: ResidualRotation, names: set[str], by_id: dict[int, st
             continue
         if len(maps) != len(rd.maps) or any(s is not None and not inside(s) for s in (rd.gain, rd.bias)):
             raise UnsupportedModelError("cannot stream the residual rotation: a norm is read from another part")
-        readers.append(ResidualReader(rd.gain, rd.bias, maps))
+        readers.append(ResidualReader(rd.gain, rd.bias, maps, rd.offset))
     if not (rows or writers or readers):
         return None
     return ResidualRotation(rotation.d, rows, writers, readers, rotation.clusters, rotation.centring)
