@@ -201,7 +201,7 @@ def assert_remote_code_load(folder: Path, tmp: Path, source, ids: torch.Tensor) 
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed") -> torch.nn.Module:
+def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed", *extra) -> torch.nn.Module:
     """`compress --remove 0.1`: the saved model stores exactly what the report says and the closed form of its config
     (every layer's maps as `layer_kind_parameters` counts them), keeps a tied head tied, loads with
     AutoModelForCausalLM and generates."""
@@ -210,7 +210,7 @@ def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed") -> t
 
     out = tmp / name
     argv = ["compress", src, out, "--remove", 0.1, "--calibration", text_file(tmp), "--window", 32]
-    run([*argv, "--calibration-windows", 4, "--eval-windows", 2], capsys)
+    run([*argv, "--calibration-windows", 4, "--eval-windows", 2, *extra], capsys)
     report = json.loads((out / "compression_report.json").read_text())
     model = load(out)
     c = model.config

@@ -158,8 +158,10 @@ def test_converted_model_generates_with_its_cache_like_without(converted):
 def test_compress_keeps_every_qk_form_at_full_width(checkpoint, converted, tmp_path, capsys):
     """QK-norm normalises over the whole head width: no narrower QK form is the same function, so compression keeps
     every QK width (and says so in the config: no per-layer QK ranks below qk_rank) and shrinks VO and the MLP."""
-    for name, src in (("from_source", checkpoint), ("from_relational", converted)):
-        model = assert_compress(src, tmp_path, capsys, name)
+    cases = (("from_source", checkpoint), ("from_relational", converted), ("streamed_pivot", checkpoint))
+    for name, src in cases:
+        extra = ("--stream", "--gauge", "pivot") if name == "streamed_pivot" else ()
+        model = assert_compress(src, tmp_path, capsys, name, *extra)
         c = model.config
         assert c.qk_norm and all(c.layer_qk_rank(i) == c.qk_rank for i in range(c.num_hidden_layers))
 

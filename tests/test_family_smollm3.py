@@ -124,8 +124,10 @@ def test_converted_model_generates_with_its_cache_like_without(converted):
 
 def test_compress_narrows_only_the_rotary_layers_qk_forms(checkpoint, converted, tmp_path, capsys):
     """Whole rotary pairs are removed where there are any; the layer without rotary keeps its QK width."""
-    for name, src in (("from_source", checkpoint), ("from_relational", converted)):
-        model = assert_compress(src, tmp_path, capsys, name)
+    cases = (("from_source", checkpoint), ("from_relational", converted), ("streamed_pivot", checkpoint))
+    for name, src in cases:
+        extra = ("--stream", "--gauge", "pivot") if name == "streamed_pivot" else ()
+        model = assert_compress(src, tmp_path, capsys, name, *extra)
         assert model.config.rope_layers == ROPE
         assert model.config.layer_qk_rank(1) == model.config.qk_rank
 
