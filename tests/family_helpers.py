@@ -226,6 +226,7 @@ def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed", *ext
     ids = token_ids(batch=1, length=5)
     out_ids = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out_ids.shape == (1, 8)
+    model.compression_report = report
     return model
 
 

@@ -164,6 +164,8 @@ def test_compress_keeps_every_qk_form_at_full_width(checkpoint, converted, tmp_p
         model = assert_compress(src, tmp_path, capsys, name, *extra)
         c = model.config
         assert c.qk_norm and all(c.layer_qk_rank(i) == c.qk_rank for i in range(c.num_hidden_layers))
+        kept = model.compression_report["qk_kept_full"]  # and the report says why
+        assert sorted(kept) == ["0", "1", "2"] and all("QK-norm" in why for why in kept.values())
 
 
 def test_export_to_qwen3_keeps_the_function_and_llama_is_refused(source, converted, tmp_path, capsys):

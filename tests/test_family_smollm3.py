@@ -130,6 +130,7 @@ def test_compress_narrows_only_the_rotary_layers_qk_forms(checkpoint, converted,
         model = assert_compress(src, tmp_path, capsys, name, *extra)
         assert model.config.rope_layers == ROPE
         assert model.config.layer_qk_rank(1) == model.config.qk_rank
+        assert list(model.compression_report["qk_kept_full"]) == ["1"]
 
 
 def test_export_to_smollm3_keeps_the_function_and_llama_is_refused(source, converted, tmp_path, capsys):

@@ -42,6 +42,16 @@ def qk_truncatable(config: RelationalConfig, layer: int) -> bool:
     return config.layer_rope(layer) and not config.qk_norm
 
 
+def qk_kept_full(config: RelationalConfig) -> dict[str, str]:
+    """Layer index -> why its QK form keeps its full width, for the layers `qk_truncatable` excludes."""
+    why = (
+        "QK-norm normalises over the whole head: no narrower QK form is the same function"
+        if config.qk_norm
+        else "no rotary positions: the QK rank is removed a rotary pair at a time"
+    )
+    return {str(li): why for li in range(config.num_hidden_layers) if not qk_truncatable(config, li)}
+
+
 def in_gauge(config: RelationalConfig, gauge: str | None) -> RelationalConfig:
     """`config` with `gauge` (a copy when it changes; None: as it is): the counts above follow `config.gauge`, so the
     budget of a compression is counted in the gauge it writes."""
@@ -155,6 +165,7 @@ __all__ = [
     "fixed_parameters",
     "in_gauge",
     "layer_kind_parameters",
+    "qk_kept_full",
     "qk_truncatable",
     "plan_widths",
     "mlp_width_grid",

@@ -52,6 +52,7 @@ from .budget import (
     layer_kind_parameters,
     mlp_width_grid,
     plan_widths,
+    qk_kept_full,
     qk_truncatable,
     width_grid,
 )
@@ -63,6 +64,7 @@ from .truncation import (  # noqa: F401  (public here too)
     _mix,
     _mixed_grams,
     _pair_coordinates,
+    _qk_norms,
     _sqrt_psd,
     _vo_errors,
     _vo_factors,
@@ -99,11 +101,6 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
         return pairs.detach().clone()
     device = next(attn.parameters()).device
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
-
-
-def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """The per-head QK-norms of a relational attention (`RelationalConfig.qk_norm`), None without them."""
-    return None if getattr(attn, "q_norm", None) is None else (attn.q_norm, attn.k_norm)
 
 
 def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
@@ -332,6 +329,7 @@ def plan(
     choice = plan_widths(options, budget - fixed)
     widths = {kind: [choice[(li, kind)].width for li in range(n_layers)] for kind in KINDS}
     result.widths = widths
+    result.qk_kept_full = qk_kept_full(config)
     result.planned_parameters = fixed + sum(o.parameters for o in choice.values())
     logger.info("planned widths: %s", widths)
     return widths

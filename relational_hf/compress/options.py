@@ -145,6 +145,8 @@ class LowRankResult:
     compress_seconds: float = 0.0
     # per layer, with refit_holdout: the refit chosen (`choose_refit`); with refine_epochs: the refinement's record
     refits: list[dict[str, float]] = field(default_factory=list)
+    # layer index -> why its QK form keeps its full width (QK-norm over the whole head, or no rotary pairs to remove)
+    qk_kept_full: dict[str, str] = field(default_factory=dict)
 
 
 def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOptions) -> None:

@@ -342,6 +342,11 @@ def mlp_error_curve(
     return (y_energy - explained).clamp_min(0.0)
 
 
+def _qk_norms(attn: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The per-head QK-norms of a relational attention (`RelationalConfig.qk_norm`), None without them."""
+    return None if getattr(attn, "q_norm", None) is None else (attn.q_norm, attn.k_norm)
+
+
 def _attention_output(
     x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
     *, num_heads: int, num_kv_heads: int, return_values: bool = False, qk_norm: tuple | None = None,

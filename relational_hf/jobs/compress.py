@@ -180,6 +180,8 @@ def compress_model(
         report["compress_seconds"] = round(result.compress_seconds, 2)
         if result.refits:
             report["refits"] = result.refits
+        if result.qk_kept_full:
+            report["qk_kept_full"] = result.qk_kept_full
         report["options"] = opts.as_report(rel.config, calibration)
     report["calibration_perplexity_before"] = ppl_before
     report["calibration_perplexity_after"] = perplexity(out, probe)
@@ -323,6 +325,7 @@ the report; options: the fields of
             plan_seconds=round(result.plan_seconds, 2),
             compress_seconds=round(result.compress_seconds, 2),
             **({"refits": result.refits} if result.refits else {}),
+            **({"qk_kept_full": result.qk_kept_full} if result.qk_kept_full else {}),
             options=opts.as_report(source.config, calibration),
             **streamed,
         )
