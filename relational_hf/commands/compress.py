@@ -343,6 +343,7 @@ def _run(args: CompressArguments, lock) -> int:
     from ..compress.calibration import approximate_parameters, resolve_self_share
     from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
     from ..compress.eval import eval_table
+    from ..convert.preflight import refuse_without_relational_form
     from ..jobs import compress_model
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
@@ -363,6 +364,7 @@ def _run(args: CompressArguments, lock) -> int:
         tokenizer = err
     lengths = {"--window": args.window, "--heal-length": args.heal_length}
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
+    refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code)  # before sampling any text
     warn_beyond_context(config, lengths, "SRC")
     vocab = config.get_text_config().vocab_size
     self_share, why = resolve_self_share(

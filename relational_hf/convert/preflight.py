@@ -117,3 +117,20 @@ def raise_obstructions(found: list[str]) -> None:
 def check_pivot_gauge_exists(model: nn.Module) -> None:
     """Raise `ConversionError` naming every layer and head where the pivot gauge does not exist."""
     raise_obstructions(pivot_gauge_obstructions(model))
+
+
+def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -> None:
+    """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
+    when the family's adapter names features the relational architecture cannot hold yet (GPT-2, GPT-NeoX, Gemma 3):
+    commands that convert refuse such a model before any work. Other families pass (their own checks follow)."""
+    from ..architectures import UnsupportedModelError
+    from ..shards import meta_model
+
+    try:
+        adapter = get_adapter(meta_model(config, trust_remote_code=trust_remote_code))
+    except (UnsupportedModelError, ValueError, KeyError):  # no adapter, or no causal LM: refused where it is loaded
+        return
+    if adapter.relational_obstruction is not None:
+        raise UnsupportedModelError(
+            f"unsupported: {type(adapter.model).__name__} ({adapter.relational_obstruction}: no relational form yet)"
+        )
