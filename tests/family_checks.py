@@ -87,3 +87,80 @@ def measured_orbit_dimension(model: nn.Module, vocab: int, length: int, rows: in
 
 def counted_dimension(model: nn.Module) -> int:
     return redundancy_report(model, descriptors=False).redundant_dimensions
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """`relational-hf ARGV` in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from relational_hf.commands import main as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_refused_in_one_line(command: str, argv: list[str], *features: str) -> None:
+    """`relational-hf COMMAND ARGV` exits 2 with one error line naming every feature, and writes no output folder."""
+    code, _, err = run_cli([command, *argv])
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"relational-hf {command}: error: unsupported: "), err
+    for feature in features:
+        assert feature in lines[0], lines[0]
+
+
+def site_updates(model: nn.Module, ids: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """The update y every residual site reads, per (site, layer), in one forward pass."""
+    from relational_hf.directional.sites import tap_sites
+
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def record(site, layer, y, z):
+        seen[(site, layer)] = y.detach().clone()
+
+    with torch.no_grad(), tap_sites(model, ("residual_attention", "residual_mlp", "block"), record):
+        model(ids)
+    return seen
+
+
+def train_projected_and_suppressed(model: nn.Module, tmp_path, vocab: int, site: str = "value") -> dict:
+    """Four steps of RelationalTrainer with projected updates and parallel suppression at `site`; the last log."""
+    from relational_hf.training import RelationalTrainer, RelationalTrainingArguments
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (16, 12), generator=generator)]
+    args = RelationalTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4, learning_rate=1e-2, logging_steps=4,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, symmetry_projection="update",
+        parallel_suppression_coef=0.3, parallel_suppression_site=site,
+    )  # fmt: skip
+    trainer = RelationalTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.optimizer.optimizer.projected_steps == 4
+    return [entry for entry in trainer.state.log_history if "loss" in entry][-1]
+
+
+def projected_update_is_horizontal(model: nn.Module, seed: int = 5) -> float:
+    """The largest |xi^T(h)| / |xi^T(delta)| over the groups for a random update delta and its horizontal part h
+    (`UpdateProjector.split` solved tightly, the groups the Trainer projects: all but the residual rotation): h has no
+    component along their orbits."""
+    from relational_hf.symmetry import symmetry_groups
+    from relational_hf.symmetry.projection import UpdateProjector
+
+    model = model.double()
+    generator = torch.Generator().manual_seed(seed)
+    update = {n: torch.randn(p.shape, generator=generator, dtype=torch.float64) for n, p in model.named_parameters()}
+    _, horizontal = UpdateProjector(model, tol=1e-12, max_iter=300).split(update)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups, _ = symmetry_groups(model)
+    worst = 0.0
+    for g in groups:
+        if g.name == "residual_rotation":
+            continue
+        own = {id(s.param) for s in g.slots()}
+        before = torch.cat([t.reshape(-1) for t in g.adjoint({k: update[by_id[k]] for k in own})]).norm()
+        after = torch.cat([t.reshape(-1) for t in g.adjoint({k: horizontal[by_id[k]] for k in own})]).norm()
+        worst = max(worst, float(after / before))
+    return worst
