@@ -143,7 +143,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
 
 def test_incomplete_or_unsupported_checkpoints_are_refused(tmp_path, capsys):
     from safetensors.torch import save_file
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM  # a family no adapter knows (GPT-NeoX has one now)
 
     model = perturb(build("llama"))
     model.save_pretrained(tmp_path / "cut")
@@ -151,11 +151,11 @@ def test_incomplete_or_unsupported_checkpoints_are_refused(tmp_path, capsys):
     save_file(state, str(tmp_path / "cut" / "model.safetensors"), metadata={"format": "pt"})
     line = _error(capsys, ["canonicalize", str(tmp_path / "cut"), str(tmp_path / "o1")])
     assert "layers.1.mlp.down_proj.weight" in line and "missing" in line
-    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                           intermediate_size=64)  # fmt: skip
-    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
-    line = _error(capsys, ["canonicalize", str(tmp_path / "neox"), str(tmp_path / "o2")])
-    assert "unsupported" in line and "GPTNeoX" in line
+    config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                       word_embed_proj_dim=32, max_position_embeddings=64)  # fmt: skip
+    OPTForCausalLM(config).save_pretrained(tmp_path / "family")
+    line = _error(capsys, ["canonicalize", str(tmp_path / "family"), str(tmp_path / "o2")])
+    assert "unsupported" in line and "OPT" in line
     assert not any(p.name.startswith("o") or ".partial" in p.name for p in tmp_path.iterdir())
 
 

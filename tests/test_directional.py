@@ -10,8 +10,6 @@ from conftest import corpus_or_skip
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -295,14 +293,17 @@ def test_hooks_are_removed_when_the_forward_pass_fails():
 
 
 def test_unsupported_model_and_bad_site_names_raise_clear_errors():
-    neox = GPTNeoXForCausalLM(
-        GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    from transformers import OPTConfig, OPTForCausalLM  # a family no adapter knows (GPT-NeoX has one now)
+
+    opt = OPTForCausalLM(
+        OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                  word_embed_proj_dim=32, max_position_embeddings=64)  # fmt: skip
     )
     ids = torch.randint(0, 64, (1, 5))
-    with pytest.raises(UnsupportedModelError, match="unsupported: GPTNeoXForCausalLM"):
-        decompose(neox, ids)
+    with pytest.raises(UnsupportedModelError, match="unsupported: OPTForCausalLM"):
+        decompose(opt, ids)
     with pytest.raises(UnsupportedModelError, match="unsupported"):
-        with scale_components(neox, "value", parallel=0.0):
+        with scale_components(opt, "value", parallel=0.0):
             pass
     model = tiny_llama()
     with pytest.raises(ValueError, match="allowed sites: residual_attention, residual_mlp, block, value"):
