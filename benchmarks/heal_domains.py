@@ -64,7 +64,7 @@ def plot(payload: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(rows)
     for i, (name, cells) in enumerate(rows.items()):
-        ax.bar([j + (i - 1.5) * width for j in range(len(DOMAINS))], [cells[d] for d in DOMAINS], width, label=name)
+        ax.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(DOMAINS))], [cells[d] for d in DOMAINS], width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.6, color="r", lw=0.8, ls="--", label="target: worst of four <= x1.6")
     ax.set_xticks(range(len(DOMAINS)), DOMAINS)
