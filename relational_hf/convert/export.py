@@ -57,6 +57,19 @@ class ExportError(ValueError):
     """A relational model that has no exact form in the requested architecture, or an export that failed its check."""
 
 
+def verified_logit_difference(source, exported, config, verify_length: int, tolerance: float) -> tuple[float, float | None]:
+    """(max |logit difference| between `source` and `exported` on random ids, the float32 figure it replaced or
+    None): when float32 misses `tolerance`, float64 copies tell rounding from a real error, and a float64 figure
+    within it is returned instead. One home for the check every export runs before it writes anything."""
+    length = min(verify_length, config.max_position_embeddings)
+    diff = max_logit_difference(source, exported, vocab_size=config.vocab_size, length=length)
+    if not diff <= tolerance:
+        again = float64_logit_difference(source, exported, vocab_size=config.vocab_size, length=length)
+        if again is not None and again[0] <= tolerance:
+            return again[0], diff
+    return diff, None
+
+
 @dataclass
 class ExportReport:
     """What `to_llama` wrote and checked: stored parameters before and after (the Llama stores the gauge
@@ -281,13 +294,7 @@ def to_llama(
         llama.lm_head.weight.copy_(source.lm_head.weight)
     if getattr(source, "generation_config", None) is not None:
         llama.generation_config = copy.deepcopy(source.generation_config)
-    length = min(verify_length, c.max_position_embeddings)
-    diff = max_logit_difference(source, llama, vocab_size=c.vocab_size, length=length)
-    rounding = None
-    if not diff <= tolerance:  # float32 rounding or a real error: float64 copies tell them apart
-        again = float64_logit_difference(source, llama, vocab_size=c.vocab_size, length=length)
-        if again is not None and again[0] <= tolerance:
-            rounding, diff = diff, again[0]
+    diff, rounding = verified_logit_difference(source, llama, c, verify_length, tolerance)
     source.train(was_training)
     report = ExportReport(
         target="llama",
@@ -298,7 +305,7 @@ def to_llama(
         value_head_dim=dh,
         padding_zeros=zeros_added,
         max_logit_difference=diff,
-        verified_sequence_length=length,
+        verified_sequence_length=min(verify_length, c.max_position_embeddings),
     )
     if rank < width:
         report.notes.append(
@@ -351,14 +358,8 @@ def to_free_gauge(
         free.tie_weights()
     if getattr(source, "generation_config", None) is not None:
         free.generation_config = copy.deepcopy(source.generation_config)
-    length = min(verify_length, c.max_position_embeddings)
-    diff = max_logit_difference(source, free, vocab_size=c.vocab_size, length=length)
-    notes = []
-    if not diff <= tolerance:  # float32 rounding or a real error: float64 copies tell them apart
-        again = float64_logit_difference(source, free, vocab_size=c.vocab_size, length=length)
-        if again is not None and again[0] <= tolerance:
-            notes.append(f"float32 logits differed by {diff:.3g} (rounding); verified in float64: {again[0]:.3g}")
-            diff = again[0]
+    diff, rounding = verified_logit_difference(source, free, c, verify_length, tolerance)
+    notes = [] if rounding is None else [f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}"]
     source.train(was_training)
     if not diff <= tolerance:
         raise ExportError(f"the free-gauge model's logits differ from the relational model's by {diff:.3g} > {tolerance:g}")
@@ -371,7 +372,7 @@ def to_free_gauge(
         value_head_dim=c.head_dim,
         padding_zeros=0,
         max_logit_difference=diff,
-        verified_sequence_length=length,
+        verified_sequence_length=min(verify_length, c.max_position_embeddings),
         notes=notes,
     )
     logger.info("free gauge: %s parameters, max logit difference %.3g", f"{report.exported_parameters:,}", diff)

@@ -19,7 +19,6 @@ from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalForCausalLM
 from ..params import stored_parameters
-from .relational import float64_logit_difference, max_logit_difference
 
 #: family name -> (config class, model class)
 FAMILY_CLASSES = {
@@ -121,7 +120,7 @@ def _copy_layers(source: RelationalForCausalLM, target: nn.Module, family: str) 
 def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_length: int = 16):
     """(the `target` family's causal LM with the same function, ExportReport); `ExportError` in one line for a model
     that does not fit the family's class or fails the logit check (fp32, float64 where rounding misses it)."""
-    from .export import ExportError, ExportReport
+    from .export import ExportError, ExportReport, verified_logit_difference
 
     if target not in FAMILY_CLASSES:
         raise ExportError(f"--to must be one of {tuple(FAMILY_CLASSES)} here, got {target!r}")
@@ -144,14 +143,8 @@ def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_
             exported.lm_head.weight.copy_(source.lm_head.weight)
     if getattr(source, "generation_config", None) is not None:
         exported.generation_config = copy.deepcopy(source.generation_config)
-    length = min(verify_length, c.max_position_embeddings)
-    diff = max_logit_difference(source, exported, vocab_size=c.vocab_size, length=length)
-    notes = []
-    if not diff <= tolerance:  # float32 rounding or a real error: float64 copies tell them apart
-        again = float64_logit_difference(source, exported, vocab_size=c.vocab_size, length=length)
-        if again is not None and again[0] <= tolerance:
-            notes.append(f"float32 logits differed by {diff:.3g} (rounding); verified in float64: {again[0]:.3g}")
-            diff = again[0]
+    diff, rounding = verified_logit_difference(source, exported, c, verify_length, tolerance)
+    notes = [] if rounding is None else [f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}"]
     source.train(was_training)
     if not diff <= tolerance:
         raise ExportError(f"exported {target} model's logits differ from the relational model's by {diff:.3g}")
@@ -164,7 +157,7 @@ def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_
         value_head_dim=c.head_dim,
         padding_zeros=0,
         max_logit_difference=diff,
-        verified_sequence_length=length,
+        verified_sequence_length=min(verify_length, c.max_position_embeddings),
         notes=notes,
     )
     return exported, report
