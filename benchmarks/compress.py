@@ -220,7 +220,8 @@ def calibration_windows(name: str, model, tokenizer, wikitext: torch.Tensor, cac
     sampled = None
     if path.is_file():
         sampled, settings = load_teacher_text(path)
-        if settings.get("source") != model_fingerprint(model) or sampled.shape != (n, window):
+        stale = settings.get("source") != model_fingerprint(model) or settings.get("prompts", "generic") != "calibration"
+        if stale or sampled.shape != (n, window):
             sampled = None
     if sampled is None:
         sampled, settings = sampled_calibration(model, tokenizer, n=n, window=window)

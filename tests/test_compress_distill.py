@@ -98,6 +98,35 @@ def test_teacher_text_is_reproducible_in_its_seed():
             generate_teacher_text(model, tokenizer, progress=False, **{name: value})
 
 
+def test_teacher_text_prompt_sets_seed_their_rows_and_are_named_in_the_settings():
+    """Chat-seeded rows start from a request of the prompt set given (default: the generic prompts), never from
+    another set's; the calibration sampler uses the calibration prompts, disjoint from the generic ones (the chat text
+    the benchmarks evaluate on), and the settings name the set so that a cached text of another set is not reused;
+    an empty or non-string prompt set is refused in one line."""
+    from relational_hf.compress.calibration import sampled_calibration
+    from relational_hf.compress.distill import CALIBRATION_PROMPTS, GENERIC_PROMPTS
+
+    tokenizer = _chat_tokenizer()
+    model = _llama(vocab=len(tokenizer))
+    assert not set(CALIBRATION_PROMPTS) & set(GENERIC_PROMPTS)
+    mine = ("Write a limerick about a cat.", "List three rivers.")
+    ids, settings = teacher_text(
+        model, tokenizer, samples=8, length=160, seed=2, batch_size=8, chat_share=1.0, progress=False, prompts=mine,
+    )  # fmt: skip
+    texts = [tokenizer.decode(row) for row in ids]
+    assert all(any(f"<user>{p}</user>" in t for p in mine) for t in texts)
+    assert settings["prompts"].startswith("custom-")
+    _, generic = teacher_text(model, tokenizer, samples=2, length=160, seed=2, chat_share=1.0, progress=False)
+    assert generic["prompts"] == "generic"
+    own, own_settings = sampled_calibration(model, tokenizer, n=6, window=160, seed=2, progress=False)
+    chat_rows = [tokenizer.decode(row) for row in own if "<user>" in tokenizer.decode(row[:12])]
+    assert len(chat_rows) == 3 and own_settings["prompts"] == "calibration"
+    assert all(any(f"<user>{p}</user>" in t for p in CALIBRATION_PROMPTS) for t in chat_rows)
+    for bad in ((), "one string", ("ok", "")):
+        with pytest.raises(ValueError, match="prompts"):
+            generate_teacher_text(model, tokenizer, samples=2, length=40, progress=False, prompts=bad)
+
+
 def test_teacher_text_follows_the_model_through_padding_and_cache():
     """With a near-deterministic model (logits x 1000: sampling is greedy decoding) every row, whatever its seed
     length in a left-padded batch, equals the model's own greedy continuation of its seed computed without padding

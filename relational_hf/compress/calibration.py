@@ -125,10 +125,15 @@ def sampled_calibration(
     chat_share: float = 0.5,
     progress: bool = True,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(ids (n, window), settings): text `model` samples itself (`distill.teacher_text`), one row per window."""
-    from .distill import teacher_text
+    """(ids (n, window), settings): text `model` samples itself (`distill.teacher_text`), one row per window; the
+    chat-seeded rows start from `distill.CALIBRATION_PROMPTS` (code, verse, drama, encyclopedic and technical prose,
+    ...), not from the healing's generic prompts."""
+    from .distill import CALIBRATION_PROMPTS, teacher_text
 
-    return teacher_text(model, tokenizer, samples=n, length=window, seed=seed, chat_share=chat_share, progress=progress)
+    return teacher_text(
+        model, tokenizer, samples=n, length=window, seed=seed, chat_share=chat_share, progress=progress,
+        prompts=CALIBRATION_PROMPTS,
+    )  # fmt: skip
 
 
 def mixed_calibration(

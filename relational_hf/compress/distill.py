@@ -71,18 +71,52 @@ GENERIC_PROMPTS: tuple[str, ...] = (
     "Tell me about a book you would recommend.",
 )
 
+#: Requests that seed the calibration text a source samples itself (`calibration.sampled_calibration`): spread over
+#: the kinds of text a language model is asked for (source code in several languages, verse, dialogue and drama,
+#: encyclopedic and technical prose, news, letters, lists, mathematics), so that the steps that fit the calibration
+#: windows see each kind. Apart from `GENERIC_PROMPTS`, the healing's prompts and the benchmarks' chat domain, so
+#: that the sampled chat text the benchmarks evaluate on is not what the compression was calibrated on. Written for
+#: this project.
+CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "Write a Python module with a class, a few methods and docstrings.",
+    "Write a Python script that reads a file, parses it and prints a summary.",
+    "Implement a sorting algorithm in Python with comments and tests.",
+    "Write a JavaScript function that validates a form.",
+    "Write a shell script that backs up a folder.",
+    "Write a SQL query with a join and explain it.",
+    "Write a C function that reverses a linked list.",
+    "Show a configuration file for a web server and explain its settings.",
+    "Write a sonnet about winter.",
+    "Write a scene from a play in which two old friends argue.",
+    "Write a ballad about a sailor, in rhyming verse.",
+    "Write a conversation between a teacher and a student.",
+    "Write an encyclopedia article about a river and the towns along it.",
+    "Write an encyclopedia article about a medieval king.",
+    "Describe the history of a city from its founding.",
+    "Write the documentation of a command-line tool, with its options.",
+    "Explain how a compiler works, step by step.",
+    "Write a news article about an election result.",
+    "Write a formal letter of complaint to a company.",
+    "List the steps to repair a bicycle tyre.",
+    "Solve an algebra problem and show every step.",
+    "Prove that there are infinitely many prime numbers.",
+    "Write a short fairy tale with a moral.",
+    "Write a product review of a pair of headphones.",
+)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the teacher's own text
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _chat_prompts(tokenizer) -> list[list[int]]:
-    """The generic prompts in the tokenizer's chat template, as token ids (empty when it has no template)."""
+def _chat_prompts(tokenizer, prompts: tuple[str, ...] | None = None) -> list[list[int]]:
+    """`prompts` (default `GENERIC_PROMPTS`) in the tokenizer's chat template, as token ids (empty when it has no
+    template)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return []
     out = []
-    for prompt in GENERIC_PROMPTS:
+    for prompt in GENERIC_PROMPTS if prompts is None else prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -113,11 +147,12 @@ def generate_teacher_text(
     batch_size: int = 64,
     chat_share: float = 0.5,
     progress: bool = True,
+    prompts: tuple[str, ...] | None = None,
 ) -> torch.Tensor:
     """Token ids (samples, length) sampled from `model`'s own next-token distribution at temperature 1.
 
     Rows start from a seed and run on for `length` tokens in all (seed included): a share `chat_share` of them from a
-    generic prompt (`GENERIC_PROMPTS`, drawn at random) in the tokenizer's chat template, the others from one random
+    request of `prompts` (default `GENERIC_PROMPTS`; drawn at random) in the tokenizer's chat template, the others from one random
     vocabulary token (all rows when there is no tokenizer or no chat template). Nothing stops a row early: an
     end-of-turn token is sampled like any other and the model writes on. Batched with left padding and a KV cache;
     one `torch.Generator` seeded with `seed` draws the seeds and the samples, so the result is reproducible."""
@@ -128,9 +163,13 @@ def generate_teacher_text(
             raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
     if not 0.0 <= chat_share <= 1.0:
         raise ValueError(f"`chat_share` must be in [0, 1], got {chat_share}")
+    if prompts is not None and (
+        isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts)
+    ):
+        raise ValueError("`prompts` must be a non-empty sequence of non-empty strings")
     generator = torch.Generator().manual_seed(int(seed))
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    prompts = [p for p in _chat_prompts(tokenizer) if len(p) < length]
+    prompts = [p for p in _chat_prompts(tokenizer, prompts) if len(p) < length]  # type: ignore[assignment]
     n_chat = round(samples * chat_share) if prompts else 0
     seeds = [prompts[int(i)] for i in torch.randint(0, len(prompts), (n_chat,), generator=generator)] if n_chat else []
     seeds += _vocabulary_seeds(tokenizer, vocab_size, samples - n_chat, generator)
@@ -185,6 +224,18 @@ TEXT_OPTIONS: tuple[str, ...] = ("samples", "length", "chat_share")
 TEXT_DEFAULTS: dict[str, Any] = {"samples": 256, "length": 256, "chat_share": 0.5}
 
 
+def prompt_set_name(prompts: tuple[str, ...] | None) -> str:
+    """The name a teacher text's settings give its prompt set: "generic", "calibration" or a digest of others (what a
+    rerun compares before reusing a cached text)."""
+    if prompts is None or tuple(prompts) == GENERIC_PROMPTS:
+        return "generic"
+    if tuple(prompts) == CALIBRATION_PROMPTS:
+        return "calibration"
+    import hashlib
+
+    return "custom-" + hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:12]
+
+
 def teacher_text(
     model: nn.Module,
     tokenizer=None,
@@ -195,6 +246,7 @@ def teacher_text(
     chat_share: float = 0.5,
     batch_size: int = 64,
     progress: bool = True,
+    prompts: tuple[str, ...] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """`generate_teacher_text` with its settings: returns (ids (samples, length), settings) where settings hold the
     arguments, the source's `model_fingerprint`, the token count and the seconds it took (what `save_teacher_text`
@@ -202,7 +254,7 @@ def teacher_text(
     start = time.perf_counter()
     ids = generate_teacher_text(
         model, tokenizer, samples=samples, length=length, seed=seed, batch_size=batch_size, chat_share=chat_share,
-        progress=progress,
+        progress=progress, prompts=prompts,
     )  # fmt: skip
     settings = {
         "samples": samples,
@@ -212,7 +264,8 @@ def teacher_text(
         "batch_size": batch_size,
         "temperature": 1.0,
         "sampler": SAMPLER,
-        "chat_template": any(len(p) < length for p in _chat_prompts(tokenizer)),  # prompts that fit in a row
+        "prompts": prompt_set_name(prompts),
+        "chat_template": any(len(p) < length for p in _chat_prompts(tokenizer, prompts)),  # prompts that fit in a row
         "source": model_fingerprint(model),
         "tokens": int(ids.numel()),
         "seconds": round(time.perf_counter() - start, 1),
@@ -322,6 +375,7 @@ def load_teacher_text(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, 
 
 __all__ = [
     "DEFAULT_CALIBRATION_SHARE",
+    "CALIBRATION_PROMPTS",
     "GENERIC_PROMPTS",
     "TEACHER_TEXT_NAME",
     "TEXT_DEFAULTS",
