@@ -208,12 +208,37 @@ def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, texts, mo
         assert row["ratio"] == pytest.approx(row["perplexity_after"] / row["perplexity_before"])
     assert report["eval"]["worst_ratio"] == max(r["ratio"] for r in texts.values())
     assert report["eval_perplexity_after"] == texts["prose.txt"]["perplexity_after"]
+    from relational_hf.hub import build_model_card
+
+    card = str(build_model_card(tmp_path / mode.strip("-"), "someone/compressed"))
+    section = card[card.index("## Compression") :]
+    assert "12 windows of 32 tokens: 6 of `prose.txt` and 6 sampled from the source itself" in section
+    for name, row in texts.items():  # every --eval text with the source's figure beside the checkpoint's
+        line = next(x for x in section.splitlines() if x.startswith(f"| `{name}` |"))
+        assert f"| {row['perplexity_before']:.2f} | {row['perplexity_after']:.2f} | x{row['ratio']:.2f} |" in line
+    assert f"Worst ratio: x{report['eval']['worst_ratio']:.2f} (`{report['eval']['worst_text']}`)" in section
+    assert str(tmp_path) not in card  # names only: no path of the machine that compressed
     a, b = reports["--stream"], reports["--no-stream"]
     assert a["widths"] == b["widths"]
     for name in texts:
         assert a["eval"]["texts"][name]["perplexity_after"] == pytest.approx(
             b["eval"]["texts"][name]["perplexity_after"], rel=1e-4
         )
+
+
+def test_card_of_a_folder_without_or_with_a_broken_compression_report(tmp_path, byte_llama_checkpoint):
+    """A checkpoint that was not compressed gets no Compression section; a compression report that is not JSON is
+    refused in one line naming the file, not published as if absent."""
+    import shutil
+
+    from relational_hf.hub import build_model_card
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(byte_llama_checkpoint, folder)
+    assert "## Compression" not in str(build_model_card(folder, "someone/plain"))
+    (folder / "compression_report.json").write_text("{not json")
+    with pytest.raises(ValueError, match="compression_report.json .* not a readable compression report"):
+        build_model_card(folder, "someone/plain")
 
 
 def test_cli_without_calibration_text_calibrates_on_src_s_own_text(tmp_path, capsys, texts):

@@ -115,6 +115,77 @@ def _format(value: Any) -> str:
     return str(value).replace("|", "\\|")  # a bare | would end the markdown table cell
 
 
+COMPRESSION_REPORT = "compression_report.json"
+
+
+def _text_name(name: Any) -> str:
+    """A text's or folder's name for the card: its last path component (no path of the machine that compressed)."""
+    return Path(str(name)).name.replace("|", "\\|")
+
+
+def compression_markdown(report: dict[str, Any]) -> str:
+    """The card's "Compression" section from a `compress` report (`compression_report.json`): what was removed,
+    the calibration text by name (the user's windows and those the source sampled itself), and, when the report
+    holds them (`compress --eval`, once per text), each evaluated text's perplexity under the source and under this
+    checkpoint with their ratio and the worst of them: a compression figure measured on its calibration's own kind
+    of text says little about other text, so every text is shown with the source's figure beside it."""
+    lines = []
+    before, after = report.get("parameters_before"), report.get("parameters_after")
+    what = f"Compressed with `relational-hf compress` (method `{report.get('method', 'relational')}`"
+    what += f") from `{_text_name(report['source'])}`" if report.get("source") else ")"
+    if before and after:
+        what += f": {before:,} stored parameters -> {after:,} ({1 - after / before:.1%} fewer)"
+    lines.append(what + ".")
+    calibration = report.get("calibration") or {}
+    windows = report.get("calibration_windows")
+    if windows:
+        text = f"Calibration: {windows[0]} windows of {windows[1]} tokens"
+        user, own = calibration.get("user_windows"), calibration.get("self_windows")
+        if calibration.get("text") and user is not None:
+            text += f": {user} of `{_text_name(calibration['text'])}`"
+            text += f" and {own} sampled from the source itself" if own else ""
+        elif own:
+            text += ", all sampled from the source itself (no text given)"
+        lines.append(text + ".")
+    heal = report.get("heal")
+    if heal:
+        lines.append(f"Healed {heal.get('steps', '?')} steps after the compression (the figures below are after it).")
+    evaluation = (report.get("eval") or {}).get("texts") or {}
+    if evaluation:
+        lines += [
+            "",
+            "Perplexity on each text given to `--eval`, under the source and under this checkpoint:",
+            "",
+            "| Text | Windows (tokens) | Source | This checkpoint | Ratio |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, row in evaluation.items():
+            n, t = row["windows"]
+            lines.append(
+                f"| `{_text_name(name)}` | {n} x {t} | {row['perplexity_before']:.2f} | {row['perplexity_after']:.2f} "
+                f"| x{row['ratio']:.2f} |"
+            )
+        worst = report["eval"].get("worst_text")
+        if worst is not None and len(evaluation) > 1:
+            lines += ["", f"Worst ratio: x{report['eval']['worst_ratio']:.2f} (`{_text_name(worst)}`)."]
+    elif report.get("eval_perplexity_before") and report.get("eval_perplexity_after"):
+        b, a = report["eval_perplexity_before"], report["eval_perplexity_after"]
+        lines.append(f"Held-out perplexity of `{_text_name(report.get('eval_file', 'the evaluation text'))}`: "
+                     f"{b:.2f} (source) -> {a:.2f} (x{a / b:.2f}); no other text was measured.")
+    return "\n".join(lines)
+
+
+def _compression(checkpoint_dir: Path) -> str | None:
+    path = checkpoint_dir / COMPRESSION_REPORT
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path.name} in {checkpoint_dir} is not a readable compression report: {err}") from None
+    return compression_markdown(report) if isinstance(report, dict) else None
+
+
 def _eval_results(eval_results: Sequence[dict[str, Any]]) -> list[EvalResult]:
     results = []
     for index, result in enumerate(eval_results):
@@ -149,8 +220,9 @@ def build_model_card(
     table `parameter_table` (markdown, e.g. `redundancy_report(model).to_markdown()`), the training
     settings (under the heading `settings_title`, e.g. "Conversion" for a converted checkpoint), the evaluation
     results, `figures` (markdown: measurements that are not results on a dataset, e.g. perplexity on a calibration
-    or a self-generated text, described there rather than posed as datasets), and how to load the model (and its
-    tokenizer) with the plugin and without it.
+    or a self-generated text, described there rather than posed as datasets), the compression (`compression_markdown`,
+    when the folder holds the `compress` command's report: every evaluated text with the source's figure beside it),
+    and how to load the model (and its tokenizer) with the plugin and without it.
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
@@ -185,5 +257,6 @@ def build_model_card(
         settings_title=settings_title,
         evaluation=results,
         figures=figures.strip() if figures else None,
+        compression=_compression(checkpoint_dir),
     )
     return ModelCard(content)
