@@ -28,20 +28,23 @@ def orbit_dimensions_fixed(config: RelationalConfig) -> dict[str, int]:
         r, dh = config.layer_qk_rank(i), config.layer_value_rank(i)
         qk += 0 if config.qk_norm else hkv * (r if config.layer_rope(i) else r * r)  # QK-norm: QK stored as it is
         vo += 0 if config.value_parallel_removal else hkv * dh * dh
-        mlp += config.layer_intermediate_size(i)
+        mlp += config.layer_intermediate_size(i) if config.mlp_gated else 0  # a plain MLP has no scale gauge
     return {"qk": qk, "vo": vo, "mlp": mlp}
 
 
 def relational_parameter_count(config: RelationalConfig) -> int:
     """Stored parameters of a relational model:
     V d (embedding) [+ V d untied head] [+ d final gain] + L [ d (H r + H_kv r + H_kv d_h) + H d_h d + 3 d d_ff
-    + biases (H r + H_kv r + H_kv d_h if attention_bias) + (d if attention_output_bias) ] - fixed orbit dimensions."""
+    + biases (H r + H_kv r + H_kv d_h if attention_bias) + (d if attention_output_bias) ] - fixed orbit dimensions;
+    a plain MLP (mlp_gated=False) has 2 d d_ff (+ d_ff + d biases) and no scale gauge; learned positions add P d, a
+    final norm bias d."""
     d, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     layers = 0
     for i in range(L):  # per-layer widths: r = layer_qk_rank(i), d_h = layer_value_rank(i), d_ff = ...(i)
         dh, r, f = config.layer_value_rank(i), config.layer_qk_rank(i), config.layer_intermediate_size(i)
-        layer = d * (h * r + hkv * r + hkv * dh) + h * dh * d + 3 * d * f
+        layer = d * (h * r + hkv * r + hkv * dh) + h * dh * d + (3 if config.mlp_gated else 2) * d * f
+        layer += (f + d) if config.mlp_bias else 0
         if config.attention_bias:
             layer += h * r + hkv * r + hkv * dh
         if config.attention_output_bias:
@@ -50,6 +53,9 @@ def relational_parameter_count(config: RelationalConfig) -> int:
             layer += 2 * r  # the query and key gains
         layers += layer
     total = V * d * (1 if config.tie_word_embeddings else 2) + layers + (d if config.final_norm_gain else 0)
+    total += (d if config.final_norm_bias else 0) + (
+        config.max_position_embeddings * d if config.position_encoding == "learned" else 0
+    )
     return total - sum(orbit_dimensions_fixed(config).values())
 
 

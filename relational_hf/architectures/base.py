@@ -223,6 +223,11 @@ class ArchitectureAdapter:
         (V, d) and, where the family has them, absolute position embeddings (P, d)."""
         return [TensorSlot(self.embedding().weight)]
 
+    def input_centring(self) -> bool:
+        """True when the model centres its embedded input (a parameter-free projection onto the mean-free subspace):
+        residual rotations must then fix the all-ones direction."""
+        return False
+
     def head_slot(self) -> TensorSlot | None:
         """The output head's weight (V, d), reading the final norm's output."""
         head = self.output_head()

@@ -10,8 +10,8 @@ from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, MLPSlots, Ten
 
 class GPT2Adapter(ArchitectureAdapter):
     family = "gpt2"
-    #: what the relational architecture cannot hold yet (the converter refuses, naming it)
-    relational_obstruction = "LayerNorm with centring and biases, absolute position embeddings, a non-gated GELU MLP"
+    #: converts exactly (`relational_hf.convert.layernorm`): LayerNorms folded, learned positions, plain GELU MLP
+    relational_obstruction = None
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:

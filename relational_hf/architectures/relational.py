@@ -17,6 +17,13 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
             getattr(getattr(model, "config", None), "model_type", None) == RelationalConfig.model_type
         )
 
+    def embedding_slots(self) -> list[TensorSlot]:
+        positions = self.base_model().embed_positions  # learned absolute positions, rotated with the stream
+        return [TensorSlot(self.embedding().weight)] + ([] if positions is None else [TensorSlot(positions.weight)])
+
+    def input_centring(self) -> bool:
+        return self.config.embedding_centring
+
     def qk_dim(self) -> int:
         return self.config.qk_rank
 
@@ -51,6 +58,14 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
 
     def mlp_slots(self, layer: LayerRoles) -> MLPSlots:
         mlp = layer.mlp
+        if not self.config.mlp_gated:  # a plain MLP (converted GPT-2): no scale gauge, biases with mlp_bias
+            return MLPSlots(
+                up=_slot(mlp.up_proj),
+                down=_slot(mlp.down_proj),
+                up_bias=_bias(mlp.up_proj),
+                down_bias=_bias(mlp.down_proj),
+                gated=False,
+            )
         return MLPSlots(
             up=_slot(mlp.up_proj),
             down=_slot(mlp.down_proj),

@@ -364,7 +364,7 @@ def _run(args: CompressArguments, lock) -> int:
         tokenizer = err
     lengths = {"--window": args.window, "--heal-length": args.heal_length}
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
-    refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code)  # before sampling any text
+    refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code, compress=True)  # before any text
     warn_beyond_context(config, lengths, "SRC")
     vocab = config.get_text_config().vocab_size
     self_share, why = resolve_self_share(

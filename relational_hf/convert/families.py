@@ -14,6 +14,10 @@ relational gauge. A family converts when every part of its forward pass has an e
 - Phi-3: the fused `qkv_proj` and `gate_up_proj` are split at conversion (the adapter's views); rope types default
   and longrope (Phi-3's short/long factors switch at `original_max_position_embeddings` in both models alike).
 
+- GPT-2, GPT-NeoX: LayerNorms folded into RMS norms over a mean-free stream, learned positions, a plain GELU MLP with biases
+  (GPT-NeoX: rotary, partial with the QK pair kept free, parallel residual; `relational_hf.convert.layernorm`, which
+  says what is exact and what is refused).
+
 Refused in one line naming the feature, before any work: MLP biases, q/k/v biases present on some maps only,
 partial rotary, activations the relational SwiGLU does not have, QK-norm over the whole projection (not per head).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..architectures import UnsupportedModelError, get_adapter
+from .layernorm import LAYERNORM_FAMILIES, check_layernorm_convertible
 
 #: adapter families the converter takes
 CONVERTIBLE_FAMILIES = ("llama", "smollm3", "phi3")
@@ -39,8 +44,13 @@ def check_convertible(model: nn.Module) -> None:
     adapter = get_adapter(model)
     if adapter.relational_obstruction is not None:  # the adapter names what has no relational form yet
         raise _unsupported(model, f"{adapter.relational_obstruction}: no relational form yet")
+    if adapter.family in LAYERNORM_FAMILIES:
+        check_layernorm_convertible(model)
+        return
     if adapter.family not in CONVERTIBLE_FAMILIES or adapter.output_head() is None:
-        raise _unsupported(model, "to_relational converts Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Phi-3 causal LMs")
+        raise _unsupported(
+            model, "to_relational converts Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, GPT-2 and GPT-NeoX causal LMs"
+        )
     config = model.config
     if config.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
         raise _unsupported(model, f"activation {config.hidden_act!r}")
@@ -79,8 +89,12 @@ def relational_options(model: nn.Module) -> dict:
 
 
 def fixed_groups(model: nn.Module) -> tuple[str, ...]:
-    """The source's groups the converted model no longer stores: with QK-norm the QK pair stays as it is."""
-    return PIVOT_GROUPS[1:] if relational_options(model)["qk_norm"] else PIVOT_GROUPS
+    """The source's groups the converted model no longer stores: with QK-norm or partial rotary (GPT-NeoX) the QK
+    pair stays as it is."""
+    adapter = get_adapter(model)
+    slots = adapter.attention_slots(adapter.layers()[0])
+    partial = 0 < slots.rotary_dim < slots.qk_dim
+    return PIVOT_GROUPS[1:] if slots.q_norm is not None or partial else PIVOT_GROUPS
 
 
 __all__ = ["CONVERTIBLE_FAMILIES", "check_convertible", "fixed_groups", "relational_options"]

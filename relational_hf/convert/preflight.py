@@ -88,8 +88,10 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
         for h, rank in _rank_deficient(folded(w.k)):
             found.append(f"layer {index}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
     mlp_gain = layer.mlp_norm.weight.detach() if layer.mlp_norm is not None else None
-    up = adapter.mlp_slots(layer).up.get()
-    zero_units = (~_nonzero_rows(up, mlp_gain)).nonzero().flatten().tolist()
+    mlp = adapter.mlp_slots(layer)
+    up = mlp.up.get()
+    gated = mlp.gated  # a plain MLP has no scale gauge: no pivot divides by its rows
+    zero_units = (~_nonzero_rows(up, mlp_gain)).nonzero().flatten().tolist() if gated else []
     if zero_units:
         shown = ", ".join(map(str, zero_units[:8])) + (", ..." if len(zero_units) > 8 else "")
         found.append(f"layer {index}: {len(zero_units)} SwiGLU unit(s) with a zero up-projection row ({shown})")
@@ -119,10 +121,18 @@ def check_pivot_gauge_exists(model: nn.Module) -> None:
     raise_obstructions(pivot_gauge_obstructions(model))
 
 
-def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -> None:
+#: why `compress` refuses LayerNorm families and their conversions (`refuse_without_relational_form(compress=True)`)
+NOT_COMPRESSED = (
+    "compress: the relational compression truncates SwiGLU MLPs and rotary QK forms; a plain MLP with biases, learned "
+    "positions and input centring (a converted LayerNorm model) are not compressed yet; convert holds it exactly"
+)
+
+
+def refuse_without_relational_form(config, *, trust_remote_code: bool = False, compress: bool = False) -> None:
     """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
-    when the family's adapter names features the relational architecture cannot hold yet (GPT-2, GPT-NeoX, Gemma 3):
-    commands that convert refuse such a model before any work. Other families pass (their own checks follow)."""
+    when the family's adapter names features the relational architecture cannot hold yet (GPT-NeoX, Gemma 3):
+    commands that convert refuse such a model before any work. Other families pass (their own checks follow).
+    `compress`: also refuse what converts but does not compress yet (GPT-2 and its conversion, `NOT_COMPRESSED`)."""
     from ..architectures import UnsupportedModelError
     from ..shards import meta_model
 
@@ -134,3 +144,11 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -
         raise UnsupportedModelError(
             f"unsupported: {type(adapter.model).__name__} ({adapter.relational_obstruction}: no relational form yet)"
         )
+    from .layernorm import LAYERNORM_FAMILIES
+
+    c = adapter.config
+    converted = adapter.family == "relational" and (
+        not c.mlp_gated or c.position_encoding == "learned" or c.embedding_centring or c.final_norm_bias
+    )
+    if compress and (adapter.family in LAYERNORM_FAMILIES or converted):
+        raise UnsupportedModelError(f"unsupported: {type(adapter.model).__name__} ({NOT_COMPRESSED})")

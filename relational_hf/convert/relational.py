@@ -32,10 +32,20 @@ from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
 from .families import check_convertible, fixed_groups, relational_options
+from .layernorm import (
+    FOLDED_GROUPS,
+    LAYERNORM_NOTE,
+    MLP_ROLES,
+    fold_layernorm_layer,
+    is_layernorm_family,
+    layernorm_config,
+    layernorm_layer_tensors,
+    load_layernorm_ends,
+    norm_parameters,
+)
 from .preflight import ConversionError, check_pivot_gauge_exists
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -84,7 +94,11 @@ class ConversionReport:
             + ", ".join(f"{k} {v:,}" for k, v in self.removed_orbit_dimensions.items())
             + ")",
             f"- relational parameters: {self.relational_parameters:,}"
-            + (f" (final norm gain of {self.kept_final_gain:,} kept: tied head)" if self.kept_final_gain else ""),
+            + (
+                f" ({self.kept_final_gain:,} final norm parameters kept in front of the head)"
+                if self.kept_final_gain
+                else ""
+            ),
             f"- max |logit difference| on {self.verified_on} (fp32, length {self.verified_sequence_length}): "
             f"{self.max_logit_difference:.3g} = {self.relative_logit_difference:.3g} x scale "
             f"{self.logit_scale:.3g} (tolerance {self.tolerance:g} x scale; scale = max(1, max |output|))",
@@ -126,7 +140,9 @@ def _token_id(value, vocab: int):
 
 def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | None = None) -> RelationalConfig:
     """The RelationalConfig (pivot gauge, RoPE, full qk_rank, the family's options: `families.relational_options`)
-    that represents a gain-folded Llama-family `model`."""
+    that represents a gain-folded Llama-family `model` (a LayerNorm family: `layernorm.layernorm_config`)."""
+    if is_layernorm_family(model):
+        return layernorm_config(model, tie=tie, pivot_scale=pivot_scale)
     adapter = get_adapter(model)
     c = model.config
     slots = adapter.attention_slots(adapter.layers()[0])
@@ -195,12 +211,14 @@ LAYER_ROLES = (
 )
 
 
-_MLP_ROLES = ("gate", "up", "down", "mlp_gain")
+_MLP_ROLES = ("gate", "up", "down", "mlp_gain", *MLP_ROLES)
 
 
 def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     """The tensors of `layer` (a LayerRoles of a Llama-family adapter) by role (`LAYER_ROLES`), detached, in the
-    model's own dtype and device (no copy)."""
+    model's own dtype and device (no copy). A LayerNorm family: `layernorm.layernorm_layer_tensors`."""
+    if is_layernorm_family(adapter.model):
+        return layernorm_layer_tensors(adapter.model, layer)
     w = adapter.attention_weights(layer)
     mlp = adapter.mlp_slots(layer)
     slots = adapter.attention_slots(layer)
@@ -241,7 +259,9 @@ def fold_layer_gains(
     exact in fp32, their exact product fits a float64 (48 significant bits, no overflow or underflow), so both ways
     round the exact product once (IEEE multiplication is correctly rounded). `in_place`: the caller's fp32 tensors
     may be overwritten (they are the caller's to give away, as in the streaming converter); otherwise no tensor of
-    `tensors` is changed."""
+    `tensors` is changed. A LayerNorm family's tensors (with the norms' biases): `layernorm.fold_layernorm_layer`."""
+    if "attention_norm_bias" in tensors or "mlp_norm_bias" in tensors:
+        return fold_layernorm_layer(tensors)
     attention, mlp = {}, {}
     if "q" in tensors:
         g_attn = tensors["attention_gain"].float()
@@ -306,6 +326,9 @@ def _fold_and_load(source: nn.Module, target: RelationalForCausalLM) -> None:
     src, dst = get_adapter(source), get_adapter(target)
     for ls, ld in zip(src.layers(), dst.layers(), strict=True):
         convert_layer(ld.block, source_layer_tensors(src, ls))
+    if is_layernorm_family(source):
+        load_layernorm_ends(source, target)
+        return
     dst.embedding().weight.copy_(src.embedding().weight.float())
     g_final = src.final_norm().weight.detach()
     if target.config.tie_word_embeddings:
@@ -406,6 +429,11 @@ def to_relational(
     check_pivot_gauge_exists(model)  # names the layer and head of a rank-deficient block
     if not 0.0 <= slice_fraction < 1.0:
         raise ValueError(f"slice_fraction must be in [0, 1), got {slice_fraction}")
+    if slice_fraction > 0 and is_layernorm_family(model):
+        raise ConversionError(
+            f"slicing {type(model).__name__}: principal-gauge slicing of a converted LayerNorm model (learned "
+            "positions, input centring, plain MLP) is not supported yet; convert it without --slice"
+        )
     if slice_fraction > 0 and calibration_data is None:
         raise ValueError("slice_fraction > 0 needs calibration_data (token ids) for the principal gauge")
     if not tolerance > 0:
@@ -438,8 +466,9 @@ def to_relational(
     source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
     source_was_training = source.training
     source.eval()
-    gain_final = adapter.final_norm().weight.detach()
     tie = adapter.head_tied()
+    if is_layernorm_family(model):
+        notes.append(LAYERNORM_NOTE)
     target = _new_relational(relational_config_for(model, tie=tie, pivot_scale=pivot_scale))
     target.to(next(source.parameters()).device)
     _fold_and_load(source, target)
@@ -451,11 +480,9 @@ def to_relational(
     for g in groups:
         bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
-    remaining.pop("norm_gain", None)  # folded away: the relational norms have no gain
-    gains = (
-        sum(norm.weight.numel() for layer in adapter.layers() for norm in (layer.attention_norm, layer.mlp_norm))
-        + gain_final.numel()
-    )
+    for name in FOLDED_GROUPS:  # folded away: the relational norms have no gain, bias or centring
+        remaining.pop(name, None)
+    gains, kept = norm_parameters(model, tie)
     diff, scale, relative = logit_difference(
         source, target, vocab_size=model.config.vocab_size, length=length, input_ids=verify_data
     )
@@ -485,7 +512,7 @@ def to_relational(
         verified_in=precision,
         remaining_symmetries=remaining,
         notes=notes,
-        kept_final_gain=gain_final.numel() if tie else 0,
+        kept_final_gain=kept,
     )
     if not relative <= tolerance:
         raise ConversionError(

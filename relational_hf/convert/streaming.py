@@ -52,6 +52,7 @@ from ..shards import (
     trim_heap,
 )
 from .families import fixed_groups
+from .layernorm import FOLDED_GROUPS, LAYERNORM_NOTE, centred, centred_rows, is_layernorm_family, norm_parameters
 from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     ConversionError,
@@ -86,15 +87,15 @@ def _verify_indices(num_layers: int, verify_layers: int | None) -> set[int]:
 
 def _rotary(model: nn.Module):
     """A CPU instance of the source model's rotary embedding (the meta model's has no values)."""
-    rotary = get_adapter(model).base_model().rotary_emb
-    return type(rotary)(config=model.config)
+    rotary = getattr(get_adapter(model).base_model(), "rotary_emb", None)  # None: no rotary positions (GPT-2)
+    return None if rotary is None else type(rotary)(config=model.config)
 
 
 @torch.no_grad()
 def _layer_outputs(layer: nn.Module, hidden: torch.Tensor, rotary) -> torch.Tensor:
     positions = torch.arange(hidden.shape[1]).unsqueeze(0)
-    cos, sin = rotary(hidden, positions)
-    out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    embeddings = None if rotary is None else rotary(hidden, positions)
+    out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=embeddings)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -165,7 +166,8 @@ def stream_to_relational(
     if tie:
         expected.pop("lm_head.weight", None)
 
-    notes = []
+    layernorm = is_layernorm_family(source)  # checked on mean-free hidden states, outputs compared centred
+    notes = [LAYERNORM_NOTE] if layernorm else []
     window = _sliding_window(config)
     length = verify_length if window is None else min(verify_length, window)
     if window is not None:
@@ -199,16 +201,23 @@ def stream_to_relational(
             writer.add(name, tensor, dtype)  # cast block by block while written
             written[name] = (tuple(tensor.shape), expected.get(name, (None, dtype))[1])
 
-        def emit_rows(name: str, key: str, fold_gain: torch.Tensor | None = None) -> None:
+        def emit_rows(name: str, key: str, fold_gain: torch.Tensor | None = None, centre: bool = False) -> None:
             shape = reader.shape(key)
             writer.begin(name, shape, write_dtype)
             for block in reader.rows(key):
-                writer.write(block.to(write_dtype) if fold_gain is None else fold_head(block, fold_gain, write_dtype))
+                if centre:  # a LayerNorm family's untied embedding, made mean-free
+                    writer.write(centred_rows(block, write_dtype))
+                else:
+                    writer.write(
+                        block.to(write_dtype) if fold_gain is None else fold_head(block, fold_gain, write_dtype)
+                    )
             written[name] = (shape, expected.get(name, (None, None))[1])
 
         dst_modules = {id(m): n for n, m in target.named_modules()}
         with times("embedding_head"):
-            emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key)
+            emit_rows(dst_modules[id(dst_adapter.embedding())] + ".weight", embed_key, centre=layernorm and not tie)
+            for slot in adapter.embedding_slots()[1:] if layernorm else ():  # learned positions (GPT-2's wpe)
+                emit_rows("model.embed_positions.weight", embed_name[src_names[id(slot.param)]], centre=not tie)
         layers: dict[bool, nn.Module] = {}  # one target layer per structure (with or without rotary), reused
         generator = torch.Generator().manual_seed(0)
         buffers: dict[str, torch.Tensor] = {}  # the fp32 source tensors, reused layer after layer
@@ -222,7 +231,9 @@ def stream_to_relational(
             if i in verify:  # the source layer's outputs first: its weights are then folded in place
                 with times("check_forward"):
                     hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
+                    hidden = centred(hidden) if layernorm else hidden
                     reference = _layer_outputs(block, hidden, src_rotary)
+                    reference = centred(reference) if layernorm else reference
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer consumes them as it goes
             if rconfig.layer_rope(i) not in layers:
@@ -248,7 +259,14 @@ def stream_to_relational(
         with times("embedding_head"):
             final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
             g_final = reader.get([final_key])[final_key]
-            if tie:
+            if layernorm:  # the final LayerNorm keeps its gain and bias; the head is copied as it is
+                bias_key = embed_name[src_names[id(adapter.final_norm().bias)]]
+                emit("model.norm.weight", g_final)
+                emit("model.norm.bias", reader.get([bias_key])[bias_key])
+                if not tie:
+                    head_key = embed_name[src_names[id(adapter.output_head().weight)]]
+                    emit_rows("lm_head.weight", head_key)
+            elif tie:
                 emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
             else:
                 head_key = embed_name[src_names[id(adapter.output_head().weight)]]
@@ -401,18 +419,14 @@ def _group_dimensions(source) -> tuple[dict[str, int], dict[str, int]]:
     for g in groups:
         bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
-    remaining.pop("norm_gain", None)
+    for name in FOLDED_GROUPS:  # folded away: the relational norms have no gain, bias or centring
+        remaining.pop(name, None)
     return removed, remaining
 
 
 def _report(source, target, tie, worst, length, tolerance, notes, dimensions) -> ConversionReport:
-    adapter = get_adapter(source)
     removed, remaining = dimensions
-    gain_final = adapter.final_norm().weight
-    gains = (
-        sum(norm.weight.numel() for layer in adapter.layers() for norm in (layer.attention_norm, layer.mlp_norm))
-        + gain_final.numel()
-    )
+    gains, kept = norm_parameters(source, tie)
     report = ConversionReport(
         source_class=type(source).__name__,
         source_parameters=sum(p.numel() for p in source.parameters()),
@@ -421,7 +435,7 @@ def _report(source, target, tie, worst, length, tolerance, notes, dimensions) ->
         relational_parameters=sum(p.numel() for p in target.parameters()),
         max_logit_difference=worst[0],
         verified_sequence_length=length,
-        kept_final_gain=gain_final.numel() if tie else 0,
+        kept_final_gain=kept,
         logit_scale=worst[1],
         relative_logit_difference=worst[2],
         tolerance=tolerance,
@@ -453,9 +467,11 @@ def _copy_tokenizer(src: Path, directory: Path, trust_remote_code: bool) -> None
     from ..loading import usable_tokenizer
     from ..shards import is_gguf_file
 
-    where = {"pretrained_model_name_or_path": src.parent, "gguf_file": src.name} if is_gguf_file(src) else {
-        "pretrained_model_name_or_path": src
-    }
+    where = (
+        {"pretrained_model_name_or_path": src.parent, "gguf_file": src.name}
+        if is_gguf_file(src)
+        else {"pretrained_model_name_or_path": src}
+    )
     try:
         tokenizer = usable_tokenizer(AutoTokenizer.from_pretrained(**where, trust_remote_code=trust_remote_code), src)
     except (OSError, ValueError, TypeError):

@@ -124,7 +124,9 @@ class RelationalConfig(PreTrainedConfig):
             Smaller than d_h gives "thin keys". Must be even with rotary positions. Default: d_h. Exposed to
             Transformers as `qk_head_dim` (key width) next to `v_head_dim` (= head_dim), the names that in-tree models
             with different key and value widths use; the key/value cache holds r-wide keys and d_h-wide values.
-        position_encoding: "rope" (rotary on the r query/key coordinates) or "none".
+        position_encoding: "rope" (rotary on the r query/key coordinates), "none", or "learned": absolute position
+            embeddings, a table of max_position_embeddings x d added to the token embeddings (GPT-2's `wpe`); the QK
+            pairs then have no rotary positions (full GL(r) gauge per key head).
         rope_parameters: rotary settings as in Transformers (`rope_type`, `rope_theta`, scaling keys). Partial
             rotary (`partial_rotary_factor` < 1) is refused: it changes the QK gauge group (the non-rotated block keeps
             a full GL) and the pivot layout; use a smaller `qk_rank` instead.
@@ -142,7 +144,20 @@ class RelationalConfig(PreTrainedConfig):
         value_parallel_removal: remove, per head before W_O, the part of the attention output parallel to the
             token's own value: o_t <- o_t - (o_t.v_t / |v_t|^2) v_t. This breaks the VO gauge GL(d_h) down to
             scalings times rotations, so the pivot gauge then leaves VO in free form.
-        hidden_act: activation of the SwiGLU gate.
+        hidden_act: activation of the SwiGLU gate (of the hidden units when `mlp_gated` is False); "gelu_new" is
+            GPT-2's tanh-approximate GELU (the same function as "gelu_pytorch_tanh", Transformers' implementation).
+        mlp_gated: True: SwiGLU (act(x W_gate) * (x W_up)) W_down; False: a plain MLP act(x W_up + b_up) W_down + b_down
+            (GPT-2, GPT-NeoX), which has no scaling gauge (the activation is not homogeneous), so W_up is stored as it
+            is in either gauge.
+        mlp_bias: biases on the up and down maps; needs mlp_gated=False.
+        embedding_centring: subtract, from the embedded input (token plus position embeddings), its mean over the d
+            coordinates (a parameter-free projection). A LayerNorm model converts into gain-free RMS norms when every
+            write into the residual stream is mean-free; with a head tied to the embedding the embedding itself cannot
+            be centred (it also makes the logits), so the input is centred here. Residual rotations must then fix the
+            all-ones direction.
+        final_norm_bias: a bias vector (d values) added after the final normalisation (and its gain): the final
+            LayerNorm's bias in front of the head, kept exactly (its effect on the logits, beta W_head^T, is not a
+            constant shift).
         tie_word_embeddings: tie the output head to the input embedding.
         final_norm_gain: a learned gain vector (d values) on the final normalisation. It is a pure gauge only with an
             untied head (it folds into the head); with a tied head it cannot be folded (the head is also the input
@@ -180,7 +195,7 @@ class RelationalConfig(PreTrainedConfig):
     num_key_value_heads: int | None = _integer(1, optional=True)(default=None)
     head_dim: int | None = _integer(1, optional=True)(default=None)
     qk_rank: int | None = _integer(1, optional=True)(default=None)
-    position_encoding: Literal["rope", "none"] = "rope"
+    position_encoding: Literal["rope", "none", "learned"] = "rope"
     rope_parameters: dict | None = None
     max_position_embeddings: int = _integer(1)(default=2048)
     gauge: Literal["pivot", "free"] = "pivot"
@@ -188,7 +203,7 @@ class RelationalConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_output_bias: bool = False
     value_parallel_removal: bool = False
-    hidden_act: Literal["silu", "gelu", "gelu_pytorch_tanh", "relu"] = "silu"
+    hidden_act: Literal["silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu"] = "silu"
     tie_word_embeddings: bool = True
     final_norm_gain: bool | None = None
     initializer_range: int | float = _number(0.0, 1.0, low_open=True, high_open=False)(default=0.02)
@@ -203,6 +218,10 @@ class RelationalConfig(PreTrainedConfig):
     layer_intermediate_sizes: list[int] | None = None
     qk_norm: bool = False
     rope_layers: list[bool] | None = None
+    mlp_gated: bool = True
+    mlp_bias: bool = False
+    embedding_centring: bool = False
+    final_norm_bias: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -291,6 +310,11 @@ class RelationalConfig(PreTrainedConfig):
                     "`layer_qk_ranks` must be None with qk_norm=True: the per-head QK-norm normalises over all qk_rank "
                     "coordinates, so a narrower QK width is not the same function"
                 )
+
+    def validate_layernorm_options(self) -> None:
+        """Options of converted LayerNorm families (GPT-2, GPT-NeoX): MLP biases only on the plain MLP."""
+        if self.mlp_bias and self.mlp_gated:
+            raise ValueError("`mlp_bias` needs mlp_gated=False: the SwiGLU MLP has no biases")
 
     def layer_rope(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` applies the rotary embedding (`position_encoding`, `rope_layers`)."""

@@ -10,7 +10,8 @@ rotation O(d) is left free (its canonical form is the principal gauge of the sym
 
 The file reads like Transformers' Llama: norm, rotary embedding, attention, MLP, decoder layer, PreTrainedModel,
 Model, ForCausalLM, ForSequenceClassification. It travels to the Hub (``trust_remote_code``) with its siblings
-`configuration_relational.py`, `modeling_gauge.py`, `modeling_directional.py` and `modeling_checkpoint.py`
+`configuration_relational.py`, `modeling_gauge.py`, `modeling_directional.py`, `modeling_checkpoint.py`,
+`modeling_rotary.py` and `modeling_blocks.py` (the plain MLP and learned positions of converted LayerNorm families)
 (Transformers copies a modeling file's relative imports with it); it imports only torch, transformers and those
 siblings.
 """
@@ -40,6 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_relational import RelationalConfig
+from .modeling_blocks import RelationalPlainMLP, embed_input, position_table
 from .modeling_checkpoint import check_checkpoint_dir, raise_on_key_differences
 from .modeling_directional import parallel_component
 from .modeling_gauge import (
@@ -52,6 +54,13 @@ from .modeling_gauge import (
     weight_cache,
     write_full_weight,
 )
+from .modeling_rotary import (  # noqa: F401  (re-exported: the compression toolkit imports them from here)
+    apply_rotary,
+    apply_rotary_pair_subset,
+    apply_rotary_pos_emb,
+    rotary_layout,
+    rotate_half,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -61,10 +70,11 @@ class RelationalRMSNorm(nn.Module):
     linear readers are pure gauge. `hidden_size` adds a gain vector (initialised to ones) for the one place where
     it is not: the final norm in front of a head tied to the embedding (`RelationalConfig.final_norm_gain`)."""
 
-    def __init__(self, eps: float = 1e-6, hidden_size: int | None = None) -> None:
+    def __init__(self, eps: float = 1e-6, hidden_size: int | None = None, bias_size: int | None = None) -> None:
         super().__init__()
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size)) if hidden_size is not None else None
+        self.bias = nn.Parameter(torch.zeros(bias_size)) if bias_size is not None else None  # `final_norm_bias`
 
     def normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The gain-free part: x / sqrt(mean(x^2) + eps), computed in fp32, returned in the input dtype (torch's
@@ -74,7 +84,8 @@ class RelationalRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.normalize(hidden_states)
-        return h if self.weight is None else self.weight * h
+        h = h if self.weight is None else self.weight * h
+        return h if self.bias is None else h + self.bias
 
     def extra_repr(self) -> str:
         gain = f"{self.weight.shape[0]}, " if self.weight is not None else ""
@@ -118,64 +129,6 @@ class RelationalRotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # (B, T, r/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, r)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension (pairs j, j + r/2)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin):
-    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) by the angles cos/sin (B, T, r): a layer that keeps every rotary
-    pair of the model's table, in order, over several positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def apply_rotary_pair_subset(q, k, cos, sin, columns, sign):
-    """Rotate q (B, H, T, r) and k (B, H_kv, T, r) when key head h keeps only some of the rotary pairs of the model's
-    table cos/sin (B, T, R), over several positions: columns, sign are the key heads' part of the layer's
-    `rotary_layout` (its last H_kv r entries); each query head turns with its key head's angles, which are gathered
-    once for the group (B, H_kv, T, r) and broadcast over its query heads."""
-    b, h, t, r = q.shape
-    h_kv = k.shape[1]
-    cos_k = cos.index_select(-1, columns).unflatten(-1, (h_kv, r)).transpose(1, 2)  # (B, H_kv, T, r)
-    sin_k = (sin.index_select(-1, columns) * sign).unflatten(-1, (h_kv, r)).transpose(1, 2)
-    q = q.reshape(b, h_kv, h // h_kv, t, r)
-    q = q * cos_k[:, :, None] + q.roll(r // 2, -1) * sin_k[:, :, None]
-    return q.reshape(b, h, t, r), k * cos_k + k.roll(r // 2, -1) * sin_k
-
-
-def rotary_layout(pairs: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rotary embedding of a layer as three vectors over its flat projections [q | k] (..., (H + H_kv) r), for
-    key heads that keep the frequency pairs pairs (H_kv, r/2) of the model's table (pairs[h] = 0 .. r/2 - 1 for a
-    layer that keeps them all, in order). Coordinates j and j + r/2 of key head h turn with the angle of pair
-    pairs[h, j], and each query head with its key head's pairs:
-
-    - columns: the column of the model's cos/sin table (B, T, R) that gives each coordinate its angle;
-    - swap: the coordinate it turns with (j <-> j + r/2 within its head);
-    - sign: -1 on the first half of each head, +1 on the second (int8: it never promotes the dtype).
-
-    `apply_rotary` turns x into x cos + rotate_half(x) sin, head by head, with these at a decoding step: two gathers of
-    the table, one of x, no reshapes, the same few operators for every layer whatever it keeps (over many positions,
-    gathers along the last dimension are slow on CPUs: `apply_rotary_pair_subset` and `apply_rotary_pos_emb` there)."""
-    h_kv, half = pairs.shape
-    key_columns = torch.cat((pairs, pairs), dim=-1)  # (H_kv, r)
-    columns = torch.cat((key_columns.repeat_interleave(num_heads // h_kv, 0).reshape(-1), key_columns.reshape(-1)))
-    heads, r = num_heads + h_kv, 2 * half
-    within = torch.arange(r, device=pairs.device).roll(half)
-    swap = (within + r * torch.arange(heads, device=pairs.device)[:, None]).reshape(-1)
-    sign = torch.ones(heads, 2, half, dtype=torch.int8, device=pairs.device)
-    sign[:, 0] = -1
-    return columns, swap, sign.reshape(-1)
-
-
-def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout) -> torch.Tensor:
-    """The rotary embedding of the flat projections qk = [q | k] (B, T, (H + H_kv) r) at the angles of the model's
-    table cos/sin (B, T, R), for the `rotary_layout` of the layer (meant for few positions T)."""
-    columns, swap, sign = layout
-    return qk * cos.index_select(-1, columns) + qk.index_select(-1, swap) * (sin.index_select(-1, columns) * sign)
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -344,7 +297,9 @@ class RelationalAttention(nn.Module):
         cached = self.__dict__.get("_rotary_layout")
         if cached is None or cached[0] != key:
             ordered = torch.arange(self.qk_rank // 2).expand(self.num_kv_heads, -1)
-            plain = pairs is None or (2 * pairs.shape[1] == self.config.qk_rank and bool((pairs.cpu() == ordered).all()))
+            plain = pairs is None or (
+                2 * pairs.shape[1] == self.config.qk_rank and bool((pairs.cpu() == ordered).all())
+            )
             layout = rotary_layout((ordered if pairs is None else pairs).to(device), self.num_heads)
             cached = (key, (layout, plain))
             self.__dict__["_rotary_layout"] = cached
@@ -407,7 +362,9 @@ class RelationalAttention(nn.Module):
         else:
             if width is not None:  # one head width for the fused kernels, padded for this call only
                 query, key, value = (pad_head_width(x, width) for x in (query, key, value))
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                implementation, eager_attention_forward
+            )
             attn_output, attn_weights = attention_interface(
                 self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
             )  # (B, T, H, d_h)
@@ -467,7 +424,7 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = RelationalAttention(config, layer_idx)
-        self.mlp = RelationalMLP(config, layer_idx)
+        self.mlp = (RelationalMLP if config.mlp_gated else RelationalPlainMLP)(config, layer_idx)
         self.input_layernorm = RelationalRMSNorm(config.rms_norm_eps)
         self.post_attention_layernorm = RelationalRMSNorm(config.rms_norm_eps)
 
@@ -606,6 +563,8 @@ class RelationalPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RelationalRMSNorm):
             if module.weight is not None:
                 init.ones_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
         else:
             super()._init_weights(module)
 
@@ -619,7 +578,11 @@ class RelationalModel(RelationalPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([RelationalDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = RelationalRMSNorm(config.rms_norm_eps, config.hidden_size if config.final_norm_gain else None)
+        d = config.hidden_size
+        self.norm = RelationalRMSNorm(
+            config.rms_norm_eps, d if config.final_norm_gain else None, *([d] if config.final_norm_bias else [])
+        )
+        self.embed_positions = position_table(config)  # absolute positions (position_encoding="learned")
         self.rotary_emb = RelationalRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -649,6 +612,7 @@ class RelationalModel(RelationalPreTrainedModel):
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens)[None]
+        inputs_embeds = embed_input(self.config, inputs_embeds, self.embed_positions, position_ids)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,

@@ -272,7 +272,7 @@ class _GroupBuilder:
             self.writers,
             self.readers,
             self.clusters,
-            self.centring,
+            self.centring or self.adapter.input_centring(),
             linear=self.residual_linear,
             note=note,
         )
