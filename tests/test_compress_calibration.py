@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from relational_hf.compress.calibration import (
     AUTO_SELF_MAX_PARAMETERS,
@@ -224,6 +224,43 @@ def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, texts, mo
         assert a["eval"]["texts"][name]["perplexity_after"] == pytest.approx(
             b["eval"]["texts"][name]["perplexity_after"], rel=1e-4
         )
+
+
+def test_cli_several_calibration_texts_share_the_windows_interleaved(tmp_path, capsys, texts):
+    """--calibration A B: the --calibration-windows are shared evenly among the texts and interleaved (the windows
+    the compression fitted are those of each text, alternating); a text too short for its share gives what it holds
+    and the others make up for it; the report names each text with its count, the card too; two texts with one name
+    are refused in one line before any work."""
+    from relational_hf.commands.compress_texts import user_calibration
+    from relational_hf.commands.main import main
+    from relational_hf.hub import build_model_card
+
+    src, prose, code = texts
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    windows, taken = user_calibration([str(prose), str(code)], tokenizer, 32, 6, len(tokenizer))
+    alone = {name: user_calibration([str(p)], tokenizer, 32, 6, len(tokenizer))[0] for name, p in (("p", prose), ("c", code))}
+    assert taken == {"prose.txt": 3, "code.txt": 3} and windows.shape == (6, 32)
+    assert torch.equal(windows[0::2], alone["p"][:3]) and torch.equal(windows[1::2], alone["c"][:3])
+    short = tmp_path / "short.txt"
+    short.write_text("a tiny text, " * 5)  # one window of 32 bytes at most
+    few = user_calibration([str(short)], tokenizer, 32, 6, len(tokenizer))[0].shape[0]
+    windows, taken = user_calibration([str(short), str(code)], tokenizer, 32, 6, len(tokenizer))
+    assert taken == {"short.txt": few, "code.txt": 6 - few} and windows.shape[0] == 6
+
+    out = tmp_path / "mixed"
+    args = [*COMMON, "--calibration", str(prose), str(code), "--self-calibration", "0", "--eval", str(prose)]
+    assert main(["compress", str(src), str(out), *args]) == 0, capsys.readouterr().err
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["calibration"]["texts"] == {"prose.txt": 3, "code.txt": 3}
+    assert report["calibration"]["text"] == "prose.txt + code.txt" and report["calibration_windows"] == [6, 32]
+    assert "3 of `prose.txt`, 3 of `code.txt`" in str(build_model_card(out, "someone/mixed"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "prose.txt").write_text("more prose " * 50)
+    assert main(["compress", str(src), str(tmp_path / "x"), *COMMON, "--calibration", str(prose), str(other / "prose.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration: two texts are named prose.txt" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_card_of_a_folder_without_or_with_a_broken_compression_report(tmp_path, byte_llama_checkpoint):

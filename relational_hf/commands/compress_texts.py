@@ -35,6 +35,34 @@ def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vo
         raise UsageError(f"{flag}: {err} (--window {window})") from None
 
 
+def user_calibration(
+    paths: list[str], tokenizer, window: int, n: int, vocab: int
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """The user's calibration windows: one text's first `n` windows, or, for several --calibration texts (a mixture
+    of domains), `n` shared among them as evenly as they allow (a shorter text gives all it holds, the others make up
+    for it) and interleaved (`compress.calibration.interleave`: every prefix of the windows holds each text in its
+    share, so the plan's first windows and the refit's held-back last ones see the mixture too). Returns (windows,
+    {text name: windows taken})."""
+    from ..compress.calibration import interleave
+
+    full = [windows_of(Path(p), tokenizer, window, n, "--calibration", vocab) for p in paths]
+    if len(full) == 1:
+        return full[0], {Path(paths[0]).name: int(full[0].shape[0])}
+    counts = [0] * len(full)
+    left = n
+    while left > 0:  # round-robin over the texts that still have windows
+        open_ = [i for i, w in enumerate(full) if counts[i] < w.shape[0]]
+        if not open_:
+            break
+        for i in open_:
+            if left == 0:
+                break
+            counts[i] += 1
+            left -= 1
+    parts = [w[:c] for w, c in zip(full, counts)]
+    return interleave(parts), {Path(p).name: c for p, c in zip(paths, counts)}
+
+
 def sampled_calibration(args, model, tokenizer, user: torch.Tensor | None, share: float) -> tuple[torch.Tensor, dict]:
     """The calibration windows with text `model` samples itself (`compress.calibration.mixed_calibration`): the
     user's windows all kept and sampled ones added to make `share` of the whole, or --calibration-windows sampled

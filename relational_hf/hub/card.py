@@ -141,7 +141,11 @@ def compression_markdown(report: dict[str, Any]) -> str:
     if windows:
         text = f"Calibration: {windows[0]} windows of {windows[1]} tokens"
         user, own = calibration.get("user_windows"), calibration.get("self_windows")
-        if calibration.get("text") and user is not None:
+        several = calibration.get("texts") or {}
+        if len(several) > 1:
+            text += ": " + ", ".join(f"{k} of `{_text_name(name)}`" for name, k in several.items())
+            text += f" and {own} sampled from the source itself" if own else ""
+        elif calibration.get("text") and user is not None:
             text += f": {user} of `{_text_name(calibration['text'])}`"
             text += f" and {own} sampled from the source itself" if own else ""
         elif own:
