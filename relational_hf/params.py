@@ -26,7 +26,8 @@ def orbit_dimensions_fixed(config: RelationalConfig) -> dict[str, int]:
     qk = vo = mlp = 0
     for i in range(L):  # per-layer widths (layer_qk_ranks, ...) default to the global ones
         r, dh = config.layer_qk_rank(i), config.layer_value_rank(i)
-        qk += 0 if config.qk_norm else hkv * (r if config.layer_rope(i) else r * r)  # QK-norm: QK stored as it is
+        free = config.qk_norm or 0 < config.rotary_dim < config.qk_rank  # QK-norm, partial rotary: QK stored as it is
+        qk += 0 if free else hkv * (r if config.layer_rope(i) else r * r)
         vo += 0 if config.value_parallel_removal else hkv * dh * dh
         mlp += config.layer_intermediate_size(i) if config.mlp_gated else 0  # a plain MLP has no scale gauge
     return {"qk": qk, "vo": vo, "mlp": mlp}

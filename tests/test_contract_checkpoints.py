@@ -240,9 +240,16 @@ def test_odd_head_dim_is_fine_without_rotary_and_refused_with_it():
         dict(partial_rotary_factor=0.5),
     ],
 )
-def test_partial_rotary_is_refused_with_a_clear_error(kwargs):
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        RelationalConfig(**BASE, **kwargs)
+def test_partial_rotary_turns_the_first_coordinates_and_bad_factors_are_refused_with_a_clear_error(kwargs):
+    """Partial rotary (GPT-NeoX's rotary_pct): half of each head's 8 query/key coordinates turn, the model runs; a
+    factor outside (0, 1] or one that turns an odd number of coordinates is refused naming the field."""
+    config = RelationalConfig(**BASE, **kwargs)
+    assert config.rotary_dim == 4
+    assert RelationalForCausalLM(config).eval()(ids()).logits.shape == (2, 9, VOCAB)
+    for bad in (1.5, 0.375):
+        rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": bad}
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            RelationalConfig(**BASE, rope_parameters=rope)
 
 
 def test_legacy_top_level_rope_theta_is_moved_into_rope_parameters(tmp_path):

@@ -1,8 +1,10 @@
 """GPT-NeoX (Pythia) from Transformers' own config class: fused query_key_value laid out per head, LayerNorm with
 biases, partial rotary (rotary_pct), attention and MLP in parallel or in sequence, untied head. The groups counted
 are those of its forward pass (hand-derived closed forms, a random element keeps the logits, the count equals the
-orbit dimension measured numerically); analyze, the Trainer and canonicalize work on it; convert and compress refuse
-it in one line naming the features the relational architecture cannot hold yet."""
+orbit dimension measured numerically); analyze, the Trainer and canonicalize work on it. `convert` is exact in both
+residual forms (`relational_hf.convert.layernorm`: writes centred, LayerNorms folded into RMS norms, partial rotary
+and the parallel residual held by the relational architecture, the QK pair kept free because partial rotary leaves GL
+on the non-rotated block); `compress` refuses in one line naming what it lacks."""
 
 from __future__ import annotations
 
@@ -137,16 +139,119 @@ def test_projection_is_horizontal_and_the_trainer_projects_and_suppresses(tmp_pa
     assert 0 < log["parallel_suppression"] <= 0.3 and log["orbit_drift"] >= 0
 
 
-def test_convert_and_compress_refuse_in_one_line_and_canonicalize_keeps_the_function(tmp_path):
+@torch.no_grad()
+def convertible(parallel: bool, seed: int = 0, **overrides) -> GPTNeoXForCausalLM:
+    """`tiny` with every matrix at unit scale (logits of a few units) and random LayerNorm gains and biases."""
+    return nonlinear_weights(tiny(parallel, seed, **overrides), seed=seed + 2).float().eval()
+
+
+def _ids(seed: int = 9, batch: int = 3, length: int = 24) -> torch.Tensor:
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
+def test_convert_is_exact_streamed_and_in_memory(parallel, tmp_path):
+    """Logits within 1e-4 of the logit scale both ways; the stored count drops by the four LayerNorm vectors of each
+    layer and the final gain (folded into the untied head) and the VO gauge (d_h^2 per head: pivot); the QK pair stays free (partial rotary) and its gauge is
+    reported as left; the relational model holds the residual form, partial rotary and the plain MLP."""
+    import json
+
+    source = convertible(parallel)
+    source.save_pretrained(tmp_path / "src")
+    ids = _ids()
+    with torch.no_grad():
+        expected = source(ids).logits
+    assert 1.0 < float(expected.abs().max()) < 100.0
+    loaded = {}
+    for name, extra in (("streamed", []), ("in_memory", ["--no-stream"])):
+        code, _, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / name), *extra])
+        assert code == 0, err
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+        c = model.config
+        assert c.parallel_residual == parallel and c.rotary_dim == ROT and not c.mlp_gated and c.mlp_bias
+        assert not c.tie_word_embeddings and not c.embedding_centring and c.final_norm_bias
+        with torch.no_grad():
+            got = model(ids).logits
+        assert float((got - expected).abs().max()) < 1e-4 * max(1.0, float(expected.abs().max()))
+        stored = sum(p.numel() for p in model.parameters())
+        report = json.loads((tmp_path / name / "conversion_report.json").read_text())
+        assert stored == report["relational_parameters"] == report["expected_parameters"]
+        # every layer's two LayerNorms (gains and biases) and the final gain fold; the final bias is kept (as beta / g)
+        assert stored == sum(p.numel() for p in source.parameters()) - 4 * L * D - D - L * H * DH**2
+        assert report["removed_orbit_dimensions"] == {"vo_gauge": L * H * DH**2}
+        assert report["remaining_symmetries"]["qk_gauge"] == L * H * (ROT + (DH - ROT) ** 2)
+        # the untied embedding is stored mean-free: the stream the RMS norms read is mean-free
+        assert float(model.model.embed_tokens.weight.detach().mean(-1).abs().max()) < 1e-6
+        loaded[name] = model.state_dict()
+    assert loaded["streamed"].keys() == loaded["in_memory"].keys()
+
+
+def test_converted_checkpoint_loads_with_remote_code_alone_and_generates_the_same_tokens(tmp_path):
+    from family_helpers import assert_remote_code_load
+
+    source = convertible(True, seed=3)
+    source.save_pretrained(tmp_path / "src")
+    code, _, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "relational")])
+    assert code == 0, err
+    assert_remote_code_load(tmp_path / "relational", tmp_path, source, _ids(length=12))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "relational", dtype=torch.float32).eval()
+    prompt = _ids(seed=4, batch=2, length=5)
+    ours = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    theirs = source.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    for target in ("llama", "qwen3", "gguf"):  # no export target holds the plain MLP yet: one line, nothing written
+        code, _, err = run_cli(["export", str(tmp_path / "relational"), str(tmp_path / target), "--to", target])
+        lines = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(lines) == 1 and ("mlp_gated=False" in lines[0] or "no GGUF form" in lines[0]), err
+        assert not (tmp_path / target).exists()
+
+
+def test_partial_rotary_conversion_keeps_its_symmetries(tmp_path):
+    """On the converted model the QK pair keeps the rotary commutant on the rotated coordinates and GL on the others
+    (stored free): a random element of every counted group keeps the logits."""
+    from relational_hf.convert import to_relational
+
+    model, report = to_relational(convertible(False, seed=5), return_report=True)
+    by_group = redundancy_report(model, descriptors=False).by_group
+    assert by_group["qk_gauge"] == L * H * (ROT + (DH - ROT) ** 2) and "vo_gauge" not in by_group
+    # the report's symmetries left are the converted model's own (untied head: the final gain folded, all of O(d))
+    assert report.remaining_symmetries == by_group and by_group["residual_rotation"] == D * (D - 1) // 2
+    ids = _ids(length=12)
+    scale = float(model(ids).logits.abs().max())
+    assert largest_logit_change_under_random_symmetry(model, ids) < 1e-4 * max(1.0, scale)
+
+
+def test_attention_without_biases_is_refused_in_one_line(tmp_path):
+    tiny(attention_bias=False).save_pretrained(tmp_path / "src")
+    assert_refused_in_one_line("convert", [str(tmp_path / "src"), str(tmp_path / "c")], "attention_bias=False")
+    assert not (tmp_path / "c").exists()
+
+
+def test_compress_refuses_in_one_line_and_canonicalize_keeps_the_function(tmp_path):
     model = tiny()
     model.save_pretrained(tmp_path / "src")
-    features = ("LayerNorm with centring and biases", "parallel attention and MLP")
-    assert_refused_in_one_line("convert", [str(tmp_path / "src"), str(tmp_path / "c")], *features)
+    features = ("plain MLP", "not compressed yet")
     assert_refused_in_one_line("compress", [str(tmp_path / "src"), str(tmp_path / "k"), "--remove", "0.2"], *features)
-    assert not (tmp_path / "c").exists() and not (tmp_path / "k").exists()
+    assert not (tmp_path / "k").exists()
     code, _, err = run_cli(["canonicalize", str(tmp_path / "src"), str(tmp_path / "canonical")])
     assert code == 0, err
     canonical = AutoModelForCausalLM.from_pretrained(tmp_path / "canonical").eval()
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (canonical(ids).logits - model(ids).logits).abs().max() < 1e-4
+
+
+def test_partial_rotary_and_parallel_residual_options_are_validated_in_one_line():
+    from relational_hf import RelationalConfig
+
+    base = dict(vocab_size=16, hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2)
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    config = RelationalConfig(**base, rope_parameters=partial, parallel_residual=True)
+    assert config.rotary_dim == 2 and config.parallel_residual
+    for bad in (0.0, 1.5, 0.1875):  # outside (0, 1]; 1.5 coordinates of 8
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            RelationalConfig(**base, rope_parameters={**partial, "partial_rotary_factor": bad})
+    with pytest.raises(ValueError, match="partial_rotary_factor.*qk_norm"):
+        RelationalConfig(**base, rope_parameters=partial, qk_norm=True)
+    with pytest.raises(ValueError, match="parallel_residual"):
+        config.parallel_residual = "yes"

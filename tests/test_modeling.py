@@ -343,7 +343,7 @@ def test_value_parallel_removal_makes_head_outputs_orthogonal_to_own_value():
         ("initializer_range", float("nan")),
         ("pivot_scale", float("nan")),
         ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}),
-        ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}),
         ("pad_token_id", VOCAB),
         ("eos_token_id", -1),
         ("hidden_act", "tanh"),

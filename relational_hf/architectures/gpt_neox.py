@@ -11,8 +11,8 @@ from .base import ArchitectureAdapter, AttentionSlots, LayerRoles, MLPSlots, Ten
 
 class GPTNeoXAdapter(ArchitectureAdapter):
     family = "gpt_neox"
-    #: what the relational architecture cannot hold yet (the converter refuses, naming it)
-    relational_obstruction = "LayerNorm with centring and biases, parallel attention and MLP, a non-gated GELU MLP"
+    #: converts exactly (`relational_hf.convert.layernorm`): LayerNorms folded, partial rotary, parallel residual
+    relational_obstruction = None
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:

@@ -17,6 +17,12 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
             getattr(getattr(model, "config", None), "model_type", None) == RelationalConfig.model_type
         )
 
+    def layers(self) -> list[LayerRoles]:
+        roles = super().layers()
+        for role in roles:  # GPT-NeoX's parallel residual: attention and MLP both read the layer input
+            role.parallel = bool(self.config.parallel_residual)
+        return roles
+
     def embedding_slots(self) -> list[TensorSlot]:
         positions = self.base_model().embed_positions  # learned absolute positions, rotated with the stream
         return [TensorSlot(self.embedding().weight)] + ([] if positions is None else [TensorSlot(positions.weight)])
@@ -28,7 +34,7 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
         return self.config.qk_rank
 
     def rotary_dim(self) -> int:
-        return self.config.qk_rank if self.config.position_encoding == "rope" else 0
+        return self.config.rotary_dim
 
     def attention_slots(self, layer: LayerRoles) -> AttentionSlots:
         # a compressed model's widths differ from layer to layer (config.layer_qk_ranks, layer_value_ranks): each
@@ -48,7 +54,7 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
             num_kv_heads=c.num_key_value_heads,
             qk_dim=qk_dim,
             head_dim=head_dim,
-            rotary_dim=qk_dim if attn.rope else 0,
+            rotary_dim=attn.rotary_dim if attn.rotary_dim < c.qk_rank else (qk_dim if attn.rope else 0),
             qk_gauge_fixed=isinstance(attn.k_proj, GaugeFixedLinear),
             vo_gauge_fixed=isinstance(attn.v_proj, GaugeFixedLinear),
             value_parallel_removal=c.value_parallel_removal,

@@ -126,6 +126,10 @@ def _check_exportable(model: nn.Module) -> None:
             f"position_encoding={c.position_encoding!r} has no Llama equivalent: a Llama rotates every query/key "
             "coordinate with RoPE"
         )
+    from .layernorm import unexported_option
+
+    if unexported_option(c) is not None:
+        raise ExportError(unexported_option(c))
     if c.qk_norm:
         raise ExportError("qk_norm=True (per-head QK-norm) has no Llama equivalent: export --to qwen3 holds it")
     if c.rope_layers is not None and not all(c.rope_layers):

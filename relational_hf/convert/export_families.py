@@ -47,6 +47,10 @@ def _check_family(model: nn.Module, target: str) -> None:
         raise _refuse(target, "value_parallel_removal has no equivalent there")
     if c.position_encoding != "rope":
         raise _refuse(target, "a model without rotary positions has no equivalent there")
+    from .layernorm import unexported_option
+
+    if unexported_option(c) is not None:
+        raise _refuse(target, unexported_option(c))
     if c.qk_norm != (target == "qwen3"):
         need = "needs qk_norm=True (per-head QK-norm)" if target == "qwen3" else "has no per-head QK-norm (qk_norm)"
         raise _refuse(target, f"{target} {need}")

@@ -11,9 +11,11 @@ gain and the bias (SliceGPT, arXiv:2401.15024). So, per layer (nn.Linear layout,
 - the embedded input: centred in storage when the head is untied; with a head tied to the embedding (GPT-2), the
   embedding also makes the logits and cannot be centred, so the relational model centres the embedded input itself
   (`RelationalConfig.embedding_centring`, parameter-free) and keeps the position table as it is;
-- the final LayerNorm keeps its gain and its bias in front of the head (`final_norm_gain`, `final_norm_bias`): with
-  a tied head neither folds into a matrix that is also the embedding, and its bias's effect on the logits,
-  beta W_head^T, is not a constant shift.
+- the final LayerNorm: (g n + beta) W_head^T. With a tied head it keeps its gain and its bias in front of the head
+  (`final_norm_gain`, `final_norm_bias`): neither folds into a matrix that is also the embedding, and the bias's
+  effect on the logits, beta W_head^T, is not a constant shift. With an untied head the gain folds into the head
+  (W_head diag(g)) and the bias becomes beta / g, still added after the norm: (n + beta / g) diag(g) W_head^T is the
+  same map (a zero final gain is refused).
 
 GPT-2's attention scale (1 / sqrt(d_h), none with `scale_attn_weights=False`, divided by layer + 1 with
 `scale_attn_by_inverse_layer_idx`) becomes a factor on W_Q and b_Q (the relational scale is 1 / sqrt(d_h));
@@ -64,6 +66,26 @@ LAYERNORM_NOTE = (
 MLP_ROLES = ("up_bias", "down_bias", "mlp_norm_bias")
 
 
+def unexported_option(config) -> str | None:
+    """The first option of a converted LayerNorm model that no export target (Llama, Qwen3, SmolLM3, Phi-3) holds, as
+    one line naming it, or None."""
+    options = {
+        "mlp_gated=False": not config.mlp_gated,
+        "parallel_residual=True": config.parallel_residual,
+        "position_encoding='learned'": config.position_encoding == "learned",
+        "embedding_centring=True": config.embedding_centring,
+        "final_norm_bias=True": config.final_norm_bias,
+        "partial rotary (partial_rotary_factor < 1)": 0 < config.rotary_dim < config.qk_rank,
+    }
+    found = [name for name, present in options.items() if present]
+    if not found:
+        return None
+    return (
+        f"{found[0]} (a converted GPT-2 / GPT-NeoX model) has no equivalent there: the plain MLP, learned positions, "
+        "input centring, final norm bias, partial rotary and parallel residual are not exported yet"
+    )
+
+
 def is_layernorm_family(model: nn.Module) -> bool:
     return get_adapter(model).family in LAYERNORM_FAMILIES
 
@@ -78,7 +100,11 @@ def check_layernorm_convertible(model: nn.Module) -> None:
         raise UnsupportedModelError(f"unsupported: {name} (activation {act!r}; the relational MLP has {ACTIVATIONS})")
     if get_adapter(model).output_head() is None:
         raise UnsupportedModelError(f"unsupported: {name} (no LM head: convert takes causal LMs)")
-    if get_adapter(model).family == "gpt_neox":
+    adapter = get_adapter(model)
+    gain = adapter.final_norm().weight
+    if not adapter.head_tied() and gain.device.type != "meta" and bool((gain == 0).any()):
+        raise UnsupportedModelError(f"unsupported: {name} (a zero final LayerNorm gain in front of an untied head)")
+    if adapter.family == "gpt_neox":
         if not config.attention_bias:
             raise UnsupportedModelError(f"unsupported: {name} (attention without biases, attention_bias=False)")
         rope = config.rope_parameters
@@ -144,7 +170,7 @@ def layernorm_config(model: nn.Module, *, tie: bool, pivot_scale: float | None =
         mlp_gated=False,
         mlp_bias=True,
         tie_word_embeddings=tie,
-        final_norm_gain=True,
+        final_norm_gain=tie,
         final_norm_bias=True,
         embedding_centring=tie,
         initializer_range=getattr(c, "initializer_range", 0.02),
@@ -236,10 +262,42 @@ def load_layernorm_ends(source: nn.Module, target: nn.Module) -> None:
         table = positions[0].get()
         target.model.embed_positions.weight.copy_(table.float() if tie else centred_rows(table))
     final = src.final_norm()
-    target.model.norm.weight.copy_(final.weight.detach().float())
-    target.model.norm.bias.copy_(final.bias.detach().float())
-    if not tie:
-        target.lm_head.weight.copy_(src.output_head().weight.detach().float())
+    gain, bias = final.weight.detach(), final.bias.detach()
+    if tie:
+        target.model.norm.weight.copy_(gain.float())
+        target.model.norm.bias.copy_(bias.float())
+    else:
+        target.model.norm.bias.copy_(untied_final_bias(gain, bias))
+        target.lm_head.weight.copy_((src.output_head().weight.detach().double() * gain.double()).float())
+
+
+def untied_final_bias(gain: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """beta / g (float64, returned in fp32): the final bias in front of a head with the final gain folded in."""
+    return (bias.double() / gain.double()).float()
+
+
+def remaining_after_folding(model: nn.Module, remaining: dict[str, int]) -> dict[str, int]:
+    """The source's groups left on the converted model: the LayerNorm groups are folded away (`FOLDED_GROUPS`), and
+    for a LayerNorm family the residual rotation is the converted model's own: with a tied head it commutes with the
+    final gain kept in the norm and fixes the all-ones direction (the model centres its input): (m - 1)(m - 2) / 2
+    per cluster of m equal gain values; with an untied head (gain folded, embedding stored centred) it is all of
+    O(d)."""
+    out = {k: v for k, v in remaining.items() if k not in FOLDED_GROUPS}
+    if not is_layernorm_family(model):
+        return out
+    adapter = get_adapter(model)
+    gain = adapter.final_norm().weight.detach()
+    if adapter.head_tied():
+        if gain.device.type == "meta":
+            return out
+        sizes = torch.unique(gain.double(), return_counts=True)[1].tolist()
+        dimension = sum((m - 1) * (m - 2) // 2 for m in sizes)
+    else:
+        dimension = gain.numel() * (gain.numel() - 1) // 2
+    out.pop("residual_rotation", None)
+    if dimension:
+        out["residual_rotation"] = dimension
+    return out
 
 
 def norm_parameters(model: nn.Module, tie: bool) -> tuple[int, int]:
@@ -253,8 +311,8 @@ def norm_parameters(model: nn.Module, tie: bool) -> tuple[int, int]:
 
     total = sum(size(n) for n in norms)
     final = adapter.final_norm()
-    if is_layernorm_family(model):
-        return total, size(final)
+    if is_layernorm_family(model):  # the bias is kept, and the gain in front of a tied head
+        return total, final.bias.numel() + (final.weight.numel() if tie else 0)
     return total, final.weight.numel() if tie else 0
 
 
@@ -277,4 +335,7 @@ __all__ = [
     "layernorm_layer_tensors",
     "load_layernorm_ends",
     "norm_parameters",
+    "remaining_after_folding",
+    "unexported_option",
+    "untied_final_bias",
 ]

@@ -33,7 +33,6 @@ from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
 from .families import check_convertible, fixed_groups, relational_options
 from .layernorm import (
-    FOLDED_GROUPS,
     LAYERNORM_NOTE,
     MLP_ROLES,
     fold_layernorm_layer,
@@ -42,6 +41,7 @@ from .layernorm import (
     layernorm_layer_tensors,
     load_layernorm_ends,
     norm_parameters,
+    remaining_after_folding,
 )
 from .preflight import ConversionError, check_pivot_gauge_exists
 
@@ -431,8 +431,8 @@ def to_relational(
         raise ValueError(f"slice_fraction must be in [0, 1), got {slice_fraction}")
     if slice_fraction > 0 and is_layernorm_family(model):
         raise ConversionError(
-            f"slicing {type(model).__name__}: principal-gauge slicing of a converted LayerNorm model (learned "
-            "positions, input centring, plain MLP) is not supported yet; convert it without --slice"
+            f"slicing {type(model).__name__}: principal-gauge slicing of a converted LayerNorm model (a plain MLP "
+            "with biases; GPT-2's learned positions and input centring) is not supported yet; convert it without --slice"
         )
     if slice_fraction > 0 and calibration_data is None:
         raise ValueError("slice_fraction > 0 needs calibration_data (token ids) for the principal gauge")
@@ -480,8 +480,7 @@ def to_relational(
     for g in groups:
         bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
-    for name in FOLDED_GROUPS:  # folded away: the relational norms have no gain, bias or centring
-        remaining.pop(name, None)
+    remaining = remaining_after_folding(model, remaining)  # no gain, bias or centring left in the relational norms
     gains, kept = norm_parameters(model, tie)
     diff, scale, relative = logit_difference(
         source, target, vocab_size=model.config.vocab_size, length=length, input_ids=verify_data

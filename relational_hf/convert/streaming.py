@@ -52,7 +52,15 @@ from ..shards import (
     trim_heap,
 )
 from .families import fixed_groups
-from .layernorm import FOLDED_GROUPS, LAYERNORM_NOTE, centred, centred_rows, is_layernorm_family, norm_parameters
+from .layernorm import (
+    LAYERNORM_NOTE,
+    centred,
+    centred_rows,
+    is_layernorm_family,
+    norm_parameters,
+    remaining_after_folding,
+    untied_final_bias,
+)
 from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     ConversionError,
@@ -259,13 +267,15 @@ def stream_to_relational(
         with times("embedding_head"):
             final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
             g_final = reader.get([final_key])[final_key]
-            if layernorm:  # the final LayerNorm keeps its gain and bias; the head is copied as it is
+            if layernorm:  # the final LayerNorm's gain and bias kept (tied head), or gain folded and bias / gain
                 bias_key = embed_name[src_names[id(adapter.final_norm().bias)]]
-                emit("model.norm.weight", g_final)
-                emit("model.norm.bias", reader.get([bias_key])[bias_key])
-                if not tie:
+                beta = reader.get([bias_key])[bias_key]
+                emit("model.norm.bias", beta if tie else untied_final_bias(g_final, beta))
+                if tie:
+                    emit("model.norm.weight", g_final)
+                else:
                     head_key = embed_name[src_names[id(adapter.output_head().weight)]]
-                    emit_rows("lm_head.weight", head_key)
+                    emit_rows("lm_head.weight", head_key, fold_gain=g_final)
             elif tie:
                 emit(dst_modules[id(dst_adapter.final_norm())] + ".weight", g_final)
             else:
@@ -419,9 +429,7 @@ def _group_dimensions(source) -> tuple[dict[str, int], dict[str, int]]:
     for g in groups:
         bucket = removed if g.name in fixed else remaining
         bucket[g.name] = bucket.get(g.name, 0) + g.dimension()
-    for name in FOLDED_GROUPS:  # folded away: the relational norms have no gain, bias or centring
-        remaining.pop(name, None)
-    return removed, remaining
+    return removed, remaining_after_folding(source, remaining)  # no gain, bias or centring left in the norms
 
 
 def _report(source, target, tie, worst, length, tolerance, notes, dimensions) -> ConversionReport:

@@ -128,8 +128,10 @@ class RelationalConfig(PreTrainedConfig):
             embeddings, a table of max_position_embeddings x d added to the token embeddings (GPT-2's `wpe`); the QK
             pairs then have no rotary positions (full GL(r) gauge per key head).
         rope_parameters: rotary settings as in Transformers (`rope_type`, `rope_theta`, scaling keys). Partial
-            rotary (`partial_rotary_factor` < 1) is refused: it changes the QK gauge group (the non-rotated block keeps
-            a full GL) and the pivot layout; use a smaller `qk_rank` instead.
+            rotary (`partial_rotary_factor` f < 1, GPT-NeoX's `rotary_pct`): only the first int(f qk_rank) coordinates
+            of each head turn (rotate-half layout on them; an even number >= 2). It leaves a full GL on the other
+            coordinates, which the pivot layout does not fix, so the QK pair is then stored as it is in either gauge
+            (the VO and MLP gauges are fixed as usual); it needs `layer_qk_ranks`, `qk_norm` and `rope_layers` unset.
         max_position_embeddings: longest context the rotary settings are meant for.
         gauge: "pivot" stores QK, VO and the SwiGLU scales in the pivot (echelon) gauge, no redundant
             coordinate left; "free" stores the usual over-parameterised factors (train with projected updates).
@@ -158,6 +160,8 @@ class RelationalConfig(PreTrainedConfig):
         final_norm_bias: a bias vector (d values) added after the final normalisation (and its gain): the final
             LayerNorm's bias in front of the head, kept exactly (its effect on the logits, beta W_head^T, is not a
             constant shift).
+        parallel_residual: the attention and the MLP both read the layer input, h + Attn(norm(h)) + MLP(norm'(h))
+            (GPT-NeoX's `use_parallel_residual`); False: in sequence, as Llama.
         tie_word_embeddings: tie the output head to the input embedding.
         final_norm_gain: a learned gain vector (d values) on the final normalisation. It is a pure gauge only with an
             untied head (it folds into the head); with a tied head it cannot be folded (the head is also the input
@@ -222,6 +226,7 @@ class RelationalConfig(PreTrainedConfig):
     mlp_bias: bool = False
     embedding_centring: bool = False
     final_norm_bias: bool = False
+    parallel_residual: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -322,6 +327,15 @@ class RelationalConfig(PreTrainedConfig):
             return False
         return True if self.rope_layers is None else self.rope_layers[layer_idx]
 
+    @property
+    def rotary_dim(self) -> int:
+        """Query/key coordinates of each head that turn with rotary positions (0 without): int(partial_rotary_factor
+        x qk_rank), all qk_rank by default."""
+        if self.position_encoding != "rope":
+            return 0
+        factor = (self.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+        return int(self.qk_rank * factor) if isinstance(factor, (int, float)) else self.qk_rank
+
     def layer_qk_rank(self, layer_idx: int) -> int:
         """QK width r_l of layer `layer_idx` (`layer_qk_ranks`, default qk_rank)."""
         return self.qk_rank if self.layer_qk_ranks is None else self.layer_qk_ranks[layer_idx]
@@ -362,11 +376,17 @@ class RelationalConfig(PreTrainedConfig):
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"`rope_parameters['rope_theta']` must be a finite number > 0, got {theta!r}")
         factor = rope.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
+        ok = not isinstance(factor, bool) and isinstance(factor, (int, float)) and 0 < factor <= 1
+        if not ok or (factor != 1 and (self.rotary_dim < 2 or self.rotary_dim % 2)):
             raise ValueError(
-                f"`rope_parameters['partial_rotary_factor']` must be 1.0 (got {factor!r}): partial rotary changes the "
-                "QK gauge group and is not supported; rotate all qk_rank coordinates and choose a smaller qk_rank"
+                f"`rope_parameters['partial_rotary_factor']` must be in (0, 1] and turn an even number >= 2 of the "
+                f"qk_rank={self.qk_rank} coordinates, got {factor!r}"
             )
+        others = [n for n in ("layer_qk_ranks", "rope_layers") if getattr(self, n) is not None] + (
+            ["qk_norm"] if self.qk_norm else []
+        )
+        if factor != 1 and others:
+            raise ValueError(f"`rope_parameters['partial_rotary_factor']` < 1 needs {others[0]} unset (partial rotary)")
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
             value = rope.get(key)
             if isinstance(value, float) and not math.isfinite(value):

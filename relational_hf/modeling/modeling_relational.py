@@ -55,6 +55,7 @@ from .modeling_gauge import (
     write_full_weight,
 )
 from .modeling_rotary import (  # noqa: F401  (re-exported: the compression toolkit imports them from here)
+    apply_partial_rotary,
     apply_rotary,
     apply_rotary_pair_subset,
     apply_rotary_pos_emb,
@@ -110,7 +111,7 @@ class RelationalRotaryEmbedding(nn.Module):
     def _compute(self, config, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
         if self.rope_type == "default":
             base = config.rope_parameters.get("rope_theta", 10000.0)
-            dim = config.head_dim
+            dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))  # partial rotary
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
             return inv_freq, 1.0
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
@@ -204,6 +205,9 @@ class RelationalAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.rope = config.layer_rope(layer_idx)
+        # partial rotary (GPT-NeoX): only the first rotary_dim coordinates turn; GL on the rest, the QK pair kept free
+        self.rotary_dim = config.rotary_dim if self.rope else 0
+        self.partial_rotary = 0 < self.rotary_dim < self.qk_rank
         self.value_parallel_removal = config.value_parallel_removal
         d, r, dh = config.hidden_size, self.qk_rank, self.head_dim
         pivot = config.gauge == "pivot"
@@ -211,7 +215,7 @@ class RelationalAttention(nn.Module):
         # per-head QK-norm (gains of r values shared by the heads): only rotations survive, W_K stays a plain map
         self.q_norm = RelationalRMSNorm(config.rms_norm_eps, r) if config.qk_norm else None
         self.k_norm = RelationalRMSNorm(config.rms_norm_eps, r) if config.qk_norm else None
-        if pivot and not config.qk_norm:
+        if pivot and not config.qk_norm and not self.partial_rotary:
             self.k_proj = GaugeFixedLinear(
                 d,
                 self.num_kv_heads * r,
@@ -260,7 +264,7 @@ class RelationalAttention(nn.Module):
                 if key not in weights:
                     raise ValueError(f"set_full_weights: a QK-normed attention (qk_norm=True) needs the {key!r} gains")
                 getattr(self, key).weight.copy_(weights[key])
-        if isinstance(self.k_proj, GaugeFixedLinear) or (free and self.q_norm is None):
+        if isinstance(self.k_proj, GaugeFixedLinear) or (free and self.q_norm is None and not self.partial_rotary):
             q, k, bq, bk, idx, val = qk_to_pivot_gauge(
                 q, k, bq, bk, num_kv_heads=self.num_kv_heads, rank=self.qk_rank, rope=self.rope, scale=scale
             )
@@ -339,13 +343,16 @@ class RelationalAttention(nn.Module):
         if self.rope:
             cos, sin = position_embeddings
             layout, plain = self.rotary_layout(cos.device)
-        if self.rope and input_shape[-1] == 1:  # a decoding step: one flat rotation of [q | k], the fewest operators
+        decode = self.rope and input_shape[-1] == 1 and not self.partial_rotary
+        if decode:  # a decoding step: one flat rotation of [q | k], the fewest operators
             qk = apply_rotary(torch.cat((query, key), dim=-1), cos, sin, layout)
             query, key = qk.split((query.shape[-1], key.shape[-1]), dim=-1)
         query = query.view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H, T, r)
         key = key.view(*input_shape, -1, self.qk_rank).transpose(1, 2)  # (B, H_kv, T, r)
-        if self.rope and input_shape[-1] > 1:
-            if plain:
+        if self.rope and not decode:
+            if self.partial_rotary:
+                query, key = apply_partial_rotary(query, key, cos, sin, self.rotary_dim)
+            elif plain:
                 query, key = apply_rotary_pos_emb(query, key, cos, sin)
             else:
                 n = key.shape[1] * self.qk_rank  # the key heads' part of the layout
@@ -418,7 +425,8 @@ class RelationalMLP(nn.Module):
 
 
 class RelationalDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)), with gain-free norms."""
+    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)), with gain-free norms (`parallel_residual`:
+    h + Attn(norm(h)) + MLP(norm'(h)))."""
 
     def __init__(self, config: RelationalConfig, layer_idx: int) -> None:
         super().__init__()
@@ -427,6 +435,7 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         self.mlp = (RelationalMLP if config.mlp_gated else RelationalPlainMLP)(config, layer_idx)
         self.input_layernorm = RelationalRMSNorm(config.rms_norm_eps)
         self.post_attention_layernorm = RelationalRMSNorm(config.rms_norm_eps)
+        self.parallel_residual = config.parallel_residual
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -441,7 +450,7 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
+            hidden_states=self.input_layernorm(residual),
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
@@ -449,6 +458,8 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
+        if self.parallel_residual:  # GPT-NeoX: the attention and the MLP both read the layer input
+            return residual + hidden_states + self.mlp(self.post_attention_layernorm(residual))
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))

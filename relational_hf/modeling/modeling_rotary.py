@@ -63,3 +63,11 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout)
     table cos/sin (B, T, R), for the `rotary_layout` of the layer (meant for few positions T)."""
     columns, swap, sign = layout
     return qk * cos.index_select(-1, columns) + qk.index_select(-1, swap) * (sin.index_select(-1, columns) * sign)
+
+
+def apply_partial_rotary(q, k, cos, sin, rotary_dim: int):
+    """Partial rotary (GPT-NeoX's `rotary_pct`): the first `rotary_dim` coordinates of each head of q (B, H, T, r)
+    and k (B, H_kv, T, r) turn in the rotate-half layout (pairs j, j + rotary_dim / 2) at the angles cos/sin
+    (B, T, rotary_dim); the others pass unchanged."""
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+    return torch.cat((q_rot, q[..., rotary_dim:]), -1), torch.cat((k_rot, k[..., rotary_dim:]), -1)
