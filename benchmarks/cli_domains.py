@@ -1,0 +1,170 @@
+"""The command line's compression across domains: what a user gets from `relational-hf compress` with one option
+changed, measured on five unlike held-out domains.
+
+Every variant is the command a user runs on SmolLM2-135M-Instruct at 25% (`relational-hf compress SRC OUT --remove 0.25
+--calibration CAL.pt --calibration-windows 128 --window 512 --eval-windows 12 --eval D.pt ...` with the CLI's
+defaults and the variant's options), in the workdir of `gguf_llamacpp.py` (the same calibration windows: the first
+128 windows of 512 tokens of the first 90% of the WikiText-2 validation documents; the same held-out windows of each
+domain of `domains.py`). A variant whose folder already holds a compression report is read, not rerun: the report
+records the calibration settings it was made with (e.g. the prompt set of the sampled calibration text), and the
+JSON keeps them beside each figure. Perplexities are the command's own (`--eval`, fp32), ratios to the source's on
+the same windows; "worst" is over the four target domains (prose is the extra check no choice was made on).
+
+    python benchmarks/gguf_llamacpp.py --prepare-only     # the texts (and the dense and default checkpoints)
+    python benchmarks/cli_domains.py                      # every variant (each compression ~45 minutes on 2 cores)
+    python benchmarks/cli_domains.py --variants default w64 --no-run   # tabulate what exists
+
+Writes results/cli_domains.json and cli_domains.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from common import RESULTS, save_figure, write_json
+from domains import DESCRIPTIONS, DOMAINS, TARGET_DOMAINS
+
+WORKDIR = RESULTS / "gguf_runs" / "full"
+#: name -> (folder in the workdir, extra options of `relational-hf compress`, what it changes)
+VARIANTS: dict[str, tuple[str, list[str], str]] = {
+    "generic-prompts": (
+        "compressed",
+        [],
+        "the defaults before the calibration prompt set: sampled calibration rows seeded by the healing's generic "
+        "chat prompts (made by gguf_llamacpp.py)",
+    ),
+    "default": ("compressed-calprompts", [], "the defaults: sampled calibration rows seeded by CALIBRATION_PROMPTS"),
+    "w256": (
+        "compressed-w256",
+        ["--width-multiple", "256"],
+        "every narrowed SwiGLU width a multiple of 256 (made by gguf_llamacpp.py before the calibration prompt set: "
+        "compare it with generic-prompts, the same samples)",
+    ),
+    "w128": ("compressed-w128", ["--width-multiple", "128"], "every narrowed SwiGLU width a multiple of 128"),
+    "w64": (
+        "compressed-w64",
+        ["--width-multiple", "64"],
+        "every narrowed SwiGLU width a multiple of 64 (compare it with default, the same samples)",
+    ),
+    "w32": ("compressed-w32", ["--width-multiple", "32"], "every narrowed SwiGLU width a multiple of 32"),
+    "self-half": ("compressed-self-half", ["--self-calibration", "0.5"], "half the calibration windows sampled"),
+}
+
+
+def compress_command(src: str, out: Path, texts: Path, extra: list[str]) -> list[str]:
+    evals = [a for d in DOMAINS for a in ("--eval", str(texts / f"{d}.pt"))]
+    return [
+        "compress", src, str(out), "--remove", "0.25", "--calibration", str(texts / "calibration.pt"),
+        "--calibration-windows", "128", "--window", "512", "--eval-windows", "12", *evals, *extra,
+    ]  # fmt: skip
+
+
+def read_variant(folder: Path) -> dict | None:
+    path = folder / "compression_report.json"
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text(encoding="utf-8"))
+    texts = (report.get("eval") or {}).get("texts") or {}
+    dense = {Path(n).stem: row["perplexity_before"] for n, row in texts.items()}
+    after = {Path(n).stem: row["perplexity_after"] for n, row in texts.items()}
+    ratios = {d: after[d] / dense[d] for d in after}
+    held = [ratios[d] for d in TARGET_DOMAINS if d in ratios]
+    sampling = (report.get("calibration") or {}).get("sampling") or {}
+    return {
+        "stored": report.get("parameters_after"),
+        "stored_before": report.get("parameters_before"),
+        "removed_share": report.get("removed_share"),
+        "seconds": report.get("seconds"),
+        "calibration": {k: v for k, v in (report.get("calibration") or {}).items() if k != "sampling"}
+        | {"prompts": sampling.get("prompts", "generic"), "sampling_seed": sampling.get("seed")},
+        "width_multiple": (report.get("options") or {}).get("width_multiple"),
+        "dense": dense,
+        "perplexity": after,
+        "ratio": ratios,
+        "worst_of_four": max(held) if held else None,
+    }
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = payload["variants"]
+    names = list(cells)
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        r = cells[name]["ratio"]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(DOMAINS))]
+        ax.bar(xs, [r.get(d, 0.0) for d in DOMAINS], width, label=f"{name} (worst x{cells[name]['worst_of_four']:.2f})")
+    ax.axhline(1.6, color="grey", ls="--", lw=0.8)
+    ax.text(-0.45, 1.62, "target x1.6", ha="left", va="bottom", fontsize=8, color="grey")
+    ax.set_xticks(range(len(DOMAINS)), DOMAINS)
+    ax.set_ylabel("perplexity / dense perplexity")
+    ax.set_title("relational-hf compress --remove 0.25 (SmolLM2-135M-Instruct): held-out domains", fontsize=10)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
+    parser.add_argument("--workdir", type=Path, default=WORKDIR)
+    parser.add_argument("--no-run", action="store_true", help="tabulate the variants that exist; run none")
+    parser.add_argument("--tag", default="", help="suffix of the result files (cli_domains_TAG.json)")
+    args = parser.parse_args()
+    texts = args.workdir / "texts"
+    if not all((texts / f"{d}.pt").is_file() for d in ("calibration", *DOMAINS)):
+        raise SystemExit(f"no texts in {texts}: run `python benchmarks/gguf_llamacpp.py --prepare-only` first")
+    from gguf_llamacpp import _cli
+
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    variants, commands = {}, {}
+    for name in args.variants:
+        folder_name, extra, what = VARIANTS[name]
+        folder = args.workdir / folder_name
+        commands[name] = "relational-hf " + " ".join(
+            compress_command("SMOLLM2", Path(folder_name), Path("texts"), extra)
+        )
+        found = read_variant(folder)
+        if found is None and name == "generic-prompts":
+            print(f"{name}: no report in {folder} (made by an earlier version; not rerun)", file=sys.stderr)
+        elif found is None and not args.no_run:
+            started = time.perf_counter()
+            _cli(*compress_command(str(smollm2_checkpoint()), folder, texts, extra), log=args.workdir / f"{folder_name}.log")
+            print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+            found = read_variant(folder)
+        if found is not None:
+            variants[name] = {"what": what, "command": commands[name]} | found
+    if not variants:
+        raise SystemExit("no variant has a compression report yet")
+    payload = {
+        "protocol": {
+            "model": "SmolLM2-135M-Instruct, 25% of the stored parameters removed by the command line",
+            "calibration": "the first 128 windows of 512 tokens of the first 90% of the WikiText-2 validation "
+            "documents (gguf_llamacpp.py's texts/calibration.pt), plus the windows the CLI samples from the source",
+            "domains": {d: DESCRIPTIONS[d] for d in DOMAINS},
+            "eval_windows": "12 x 512 tokens per domain",
+            "targets": "worst of the four target domains <= x1.6, WikiText-2 <= x1.35",
+        },
+        "variants": variants,
+    }
+    name = "cli_domains" + (f"_{args.tag}" if args.tag else "")
+    path = write_json(name, payload)
+    plot(payload, path.with_suffix(".png"))
+    for key, cell in variants.items():
+        row = "  ".join(f"{d} x{cell['ratio'][d]:.2f}" for d in DOMAINS if d in cell["ratio"])
+        print(f"{key:16s} {row}  worst x{cell['worst_of_four']:.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""`benchmarks/cli_domains.py`: a compression report's per-domain figures become ratios to the source on the same
+windows, the worst over the four target domains only (prose is the check no choice was made on), with the
+calibration settings the report was made with; the committed result holds what its command printed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import PROJECT_ROOT, benchmark_modules
+
+RESULT = PROJECT_ROOT / "benchmarks" / "results" / "cli_domains.json"
+
+
+@pytest.fixture(scope="module")
+def cli_domains():
+    with benchmark_modules("cli_domains") as (module,):
+        yield module
+
+
+def _report(before: dict, after: dict, prompts: str | None) -> dict:
+    sampling = {"seed": 1} | ({"prompts": prompts} if prompts else {})
+    return {
+        "parameters_before": 100, "parameters_after": 75, "removed_share": 0.25, "seconds": 1.0,
+        "calibration": {"text": "calibration.pt", "self_windows": 2, "user_windows": 4, "sampling": sampling},
+        "options": {"width_multiple": 64},
+        "eval": {"texts": {f"{d}.pt": {"windows": [2, 8], "perplexity_before": before[d], "perplexity_after": after[d]}
+                           for d in before}},
+    }  # fmt: skip
+
+
+def test_ratios_and_the_worst_of_the_four_target_domains(tmp_path, cli_domains):
+    before = {"wikitext": 10.0, "shakespeare": 20.0, "python": 5.0, "chat": 8.0, "prose": 4.0}
+    after = {"wikitext": 14.0, "shakespeare": 30.0, "python": 9.0, "chat": 12.0, "prose": 40.0}
+    (tmp_path / "compression_report.json").write_text(json.dumps(_report(before, after, "calibration")))
+    cell = cli_domains.read_variant(tmp_path)
+    assert cell["ratio"] == pytest.approx({d: after[d] / before[d] for d in before})
+    assert cell["worst_of_four"] == pytest.approx(1.8)  # python; prose's x10 is not a target domain
+    assert cell["calibration"]["prompts"] == "calibration" and cell["width_multiple"] == 64
+    (tmp_path / "compression_report.json").write_text(json.dumps(_report(before, after, None)))
+    assert cli_domains.read_variant(tmp_path)["calibration"]["prompts"] == "generic"  # made before the setting
+    assert cli_domains.read_variant(tmp_path / "missing") is None
+
+
+def test_without_texts_the_script_says_what_to_run_first(tmp_path, cli_domains, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["cli_domains.py", "--workdir", str(tmp_path), "--no-run"])
+    with pytest.raises(SystemExit, match="gguf_llamacpp.py --prepare-only"):
+        cli_domains.main()
+
+
+def test_the_committed_result_is_consistent():
+    """Every variant's ratios are its perplexities over the source's, its worst the largest of the four targets."""
+    payload = json.loads(RESULT.read_text())
+    for name, cell in payload["variants"].items():
+        for d, r in cell["ratio"].items():
+            assert r == pytest.approx(cell["perplexity"][d] / cell["dense"][d]), (name, d)
+        four = [cell["ratio"][d] for d in ("wikitext", "shakespeare", "python", "chat")]
+        assert cell["worst_of_four"] == pytest.approx(max(four)), name
+        assert cell["command"].startswith("relational-hf compress SMOLLM2 ")
