@@ -89,7 +89,7 @@ def test_the_test_model_has_random_norms_biases_and_logits_of_a_few_units(source
         source.transformer.ln_f.bias,
     ):
         assert float(t.detach().std()) > 0.1
-    assert 1.0 < float(source(token_ids()).logits.abs().max()) < 100.0
+    assert 1.0 < float(source(token_ids()).logits.detach().abs().max()) < 100.0
 
 
 # ---- conversion ---------------------------------------------------------------------------------------------------
