@@ -68,10 +68,14 @@ def largest_logit_change_under_random_symmetry(model: nn.Module, ids: torch.Tens
 
 def measured_orbit_dimension(model: nn.Module, vocab: int, length: int, rows: int = 32) -> tuple[int, float]:
     """(nullity of the Jacobian d logits / d theta, its gap in decades): float64, on `rows` random rows of `length`
-    tokens that hold every token id, so no embedding row is trivially free. The rank is where the singular values
+    tokens that hold every token id, so no embedding row is trivially free (an embedding's `padding_idx` is cleared
+    in the copy: torch's lookup gives that row no gradient, which would count it as free). The rank is where the singular values
     drop the most (a clean null space drops by many decades)."""
     model = copy.deepcopy(model).double().eval()
     model.set_attn_implementation(EXACT_ATTENTION)
+    for module in model.modules():  # reverse mode gives a padding row no gradient from the lookup: not a symmetry
+        if isinstance(module, nn.Embedding):
+            module.padding_idx = None
     params = {n: p.detach() for n, p in model.named_parameters()}
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, length), generator=generator)
