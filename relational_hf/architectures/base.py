@@ -48,6 +48,11 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
+    def roles(self) -> dict[str, torch.Tensor | None]:
+        """The maps and biases by role name (q, k, v, o, q_bias, ..., o_bias), the tensors themselves (no copy)."""
+        names = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias")
+        return {name: getattr(self, name) for name in names}
+
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t

@@ -187,14 +187,7 @@ def layernorm_layer_tensors(model: nn.Module, layer) -> dict[str, torch.Tensor |
     w = adapter.attention_weights(layer)
     mlp = adapter.mlp_slots(layer)
     return {
-        "q": w.q,
-        "k": w.k,
-        "v": w.v,
-        "o": w.o,
-        "q_bias": w.q_bias,
-        "k_bias": w.k_bias,
-        "v_bias": w.v_bias,
-        "o_bias": w.o_bias,
+        **w.roles(),
         "attention_gain": layer.attention_norm.weight.detach(),
         "attention_norm_bias": layer.attention_norm.bias.detach(),
         "query_scale": torch.tensor(query_scale(model, layer.index), dtype=torch.float64),

@@ -225,14 +225,7 @@ def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     norms = {} if slots.q_norm is None else {"q_norm": slots.q_norm.get(), "k_norm": slots.k_norm.get()}
     return {
         **norms,
-        "q": w.q,
-        "k": w.k,
-        "v": w.v,
-        "o": w.o,
-        "q_bias": w.q_bias,
-        "k_bias": w.k_bias,
-        "v_bias": w.v_bias,
-        "o_bias": w.o_bias,
+        **w.roles(),
         "attention_gain": layer.attention_norm.weight.detach(),
         "gate": mlp.gate.get(),
         "up": mlp.up.get(),
