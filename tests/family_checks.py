@@ -129,6 +129,30 @@ def site_updates(model: nn.Module, ids: torch.Tensor) -> dict[tuple[str, int], t
     return seen
 
 
+def assert_site_updates_add_up(model: nn.Module, vocab: int, layers: int) -> None:
+    """What the residual sites read is what enters the stream: per layer, attention update + MLP update = the
+    layer's update (`site_updates` on two random rows)."""
+    seen = site_updates(model, torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(2)))
+    for layer in range(layers):
+        total = seen[("residual_attention", layer)] + seen[("residual_mlp", layer)]
+        torch.testing.assert_close(total, seen[("block", layer)], atol=1e-5, rtol=1e-5)
+
+
+def analyze_report(model: nn.Module, tmp_path, vocab: int) -> dict:
+    """`relational-hf analyze` of `model` saved to tmp_path/src, on 96 random token ids (every site, no sweep, no
+    per-layer plots, no compression): its report.json, after asserting the command succeeded."""
+    import json
+
+    model.save_pretrained(tmp_path / "src")
+    torch.save(torch.randint(0, vocab, (96,), generator=torch.Generator().manual_seed(0)), tmp_path / "ids.pt")
+    code, _, err = run_cli([
+        "analyze", str(tmp_path / "src"), "--text", str(tmp_path / "ids.pt"), "--out", str(tmp_path / "out"),
+        "--seq-len", "16", "--sweep-values", "0", "--no-per-layer", "--compression", "none",
+    ])  # fmt: skip
+    assert code == 0, err
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
 def train_projected_and_suppressed(model: nn.Module, tmp_path, vocab: int, site: str = "value") -> dict:
     """Four steps of RelationalTrainer with projected updates and parallel suppression at `site`; the last log."""
     from relational_hf.training import RelationalTrainer, RelationalTrainingArguments

@@ -5,21 +5,20 @@ refuse it in one line naming the sandwich norms."""
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
 import torch
 from family_checks import (
+    analyze_report,
     assert_refused_in_one_line,
+    assert_site_updates_add_up,
     counted_dimension,
     largest_logit_change_under_random_symmetry,
     measured_orbit_dimension,
     nonlinear_weights,
     projected_update_is_horizontal,
     randomize_gains_and_biases,
-    run_cli,
-    site_updates,
     train_projected_and_suppressed,
 )
 from torch import nn
@@ -130,22 +129,11 @@ def test_a_saved_checkpoint_is_read_layer_by_layer(tmp_path):
 
 
 def test_site_updates_are_what_the_sandwich_norms_add_to_the_stream():
-    model = tiny()
-    seen = site_updates(model, torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2)))
-    for layer in range(L):
-        total = seen[("residual_attention", layer)] + seen[("residual_mlp", layer)]
-        torch.testing.assert_close(total, seen[("block", layer)], atol=1e-5, rtol=1e-5)
+    assert_site_updates_add_up(tiny(), V, L)
 
 
 def test_analyze_measures_every_site(tmp_path):
-    tiny().save_pretrained(tmp_path / "src")
-    torch.save(torch.randint(0, V, (96,), generator=torch.Generator().manual_seed(0)), tmp_path / "ids.pt")
-    code, _, err = run_cli([
-        "analyze", str(tmp_path / "src"), "--text", str(tmp_path / "ids.pt"), "--out", str(tmp_path / "out"),
-        "--seq-len", "16", "--sweep-values", "0", "--no-per-layer", "--compression", "none",
-    ])  # fmt: skip
-    assert code == 0, err
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = analyze_report(tiny(), tmp_path, V)
     for site in ("residual_attention", "residual_mlp", "block", "value", "value_exclude_self"):
         assert [row["layer"] for row in report["decomposition"][site]] == list(range(L))
 

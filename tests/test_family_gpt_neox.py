@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import (
+    analyze_report,
     assert_refused_in_one_line,
+    assert_site_updates_add_up,
     counted_dimension,
     largest_logit_change_under_random_symmetry,
     measured_orbit_dimension,
@@ -19,7 +21,6 @@ from family_checks import (
     projected_update_is_horizontal,
     randomize_gains_and_biases,
     run_cli,
-    site_updates,
     train_projected_and_suppressed,
 )
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
@@ -109,24 +110,11 @@ def test_a_checkpoint_saved_by_transformers_is_read_layer_by_layer(tmp_path):
 @pytest.mark.parametrize("parallel", [True, False])
 def test_site_updates_add_up_to_the_block_update(parallel):
     """What the residual sites read is what enters the stream: attention + MLP update = the layer's update."""
-    model = tiny(parallel)
-    seen = site_updates(model, torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2)))
-    for layer in range(L):
-        total = seen[("residual_attention", layer)] + seen[("residual_mlp", layer)]
-        torch.testing.assert_close(total, seen[("block", layer)], atol=1e-5, rtol=1e-5)
+    assert_site_updates_add_up(tiny(parallel), V, L)
 
 
 def test_analyze_measures_every_site(tmp_path):
-    tiny().save_pretrained(tmp_path / "src")
-    torch.save(torch.randint(0, V, (96,), generator=torch.Generator().manual_seed(0)), tmp_path / "ids.pt")
-    code, _, err = run_cli([
-        "analyze", str(tmp_path / "src"), "--text", str(tmp_path / "ids.pt"), "--out", str(tmp_path / "out"),
-        "--seq-len", "16", "--sweep-values", "0", "--no-per-layer", "--compression", "none",
-    ])  # fmt: skip
-    assert code == 0, err
-    import json
-
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = analyze_report(tiny(), tmp_path, V)
     sites = ("residual_attention", "residual_mlp", "block", "value", "value_exclude_self")
     for site in sites:
         assert [row["layer"] for row in report["decomposition"][site]] == list(range(L))
