@@ -21,7 +21,7 @@ llama.cpp at every type; the compressed Q4_K_M file <= 0.78x the dense Q4_K_M fi
     python benchmarks/gguf_llamacpp.py --prepare-only   # texts and checkpoints only (llama.cpp not needed)
     python benchmarks/gguf_llamacpp.py --quick          # 2 layers, 5% removed, short windows: the pipeline in minutes
 
-Writes results/gguf.json and gguf.png (gguf_quick.* with --quick). (The script is not called gguf.py: run from
+Writes results/gguf.json and gguf.png (gguf_quick.* with --quick; gguf_TAG.* with --tag TAG). (The script is not called gguf.py: run from
 this folder it would stand in for the `gguf` package.)
 """
 
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", nargs="+", default=list(MODELS), choices=MODELS, help="which checkpoints (dense is always one)"
     )
+    parser.add_argument("--tag", default="", help="suffix of the result files (gguf_TAG.json), to keep a reference run")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if not gguf_runtime.available():
         raise SystemExit(f"llama.cpp is needed for the measures: {gguf_runtime.INSTALL_HINT}")
     ggufs = gguf_files(workdir, ckpts)
+    load_before = load_average()
     plugin = plugin_perplexities(ckpts, files, args.domains)
     measures = llama_cpp_measures(ggufs, files, args.domains, window, args.decode_tokens, args.rounds)
     reports = {
@@ -257,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval_windows": n_eval,
         "decode_tokens": args.decode_tokens,
         "rounds": args.rounds,
+        "load_average_before": load_before,
         "load_average_after": load_average(),
         "stored_parameters": {n: r.get("parameters_after") for n, r in reports.items()},
         "compress_seconds": {
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "widths": {n: r.get("widths") for n, r in reports.items()},
     }
     payload |= summarise(measures, plugin, args.domains, models)
-    name = "gguf_quick" if args.quick else "gguf"
+    name = ("gguf_quick" if args.quick else "gguf") + (f"_{args.tag}" if args.tag else "")
     path = write_json(name, payload)
     plot(payload, RESULTS / f"{name}.png")
     print(json.dumps(payload["ratios"], indent=1))

@@ -13,7 +13,10 @@ dense model's unhealed perplexity and the worst of the four target domains.
     python benchmarks/gguf_llamacpp.py --prepare-only    # the texts and checkpoints, once
     python benchmarks/heal_domains.py           # about 35 minutes on 2 cores
 
-Writes results/heal_domains.json and heal_domains.png.
+Writes results/heal_domains.json and heal_domains.png. Today's default model (samples seeded by CALIBRATION_PROMPTS):
+
+    python benchmarks/cli_domains.py --variants default          # makes compressed-calprompts
+    python benchmarks/heal_domains.py --compressed compressed-calprompts --tag calprompts
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=RESULTS / "gguf_runs" / "full")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--compressed", default="compressed", help="the compressed checkpoint's folder in the workdir "
+        "(compressed-calprompts: today's default, made by cli_domains.py)",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     from relational_hf.training.heal import heal
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     text = heal_text(args.workdir, dense)
     perplexity = {"dense": _measure(dense, windows)}
     reports = {}
-    for name, folder in (("compressed", args.workdir / "compressed"), ("dense", args.workdir / "dense")):
+    if not (args.workdir / args.compressed / "config.json").is_file():
+        raise SystemExit(f"no checkpoint {args.compressed!r} in {args.workdir}: make it first (see the module's help)")
+    for name, folder in (("compressed", args.workdir / args.compressed), ("dense", args.workdir / "dense")):
         model = _load(folder)
         if name == "compressed":
             perplexity["compressed"] = _measure(model, windows)
@@ -102,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     table = {name: {d: p[d] / base[d] for d in DOMAINS} for name, p in perplexity.items() if name != "dense"}
     payload = {
         "steps": args.steps,
+        "compressed": args.compressed,
         "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
         "perplexity": perplexity,
         "ratio_to_dense": table,
         "worst_of_four": {name: ratios(p, base, TARGET_DOMAINS) for name, p in perplexity.items() if name != "dense"},
         "heal": reports,
     }
-    write_json("heal_domains", payload)
-    plot(payload, RESULTS / "heal_domains.png")
+    name = "heal_domains" + (f"_{args.tag}" if args.tag else "")
+    write_json(name, payload)
+    plot(payload, RESULTS / f"{name}.png")
     for name, cells in table.items():
         print(name, " ".join(f"{d} x{cells[d]:.2f}" for d in DOMAINS))
     return 0
