@@ -42,6 +42,18 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
     return {d: perplexity_on_windows(model, w) for d, w in windows.items()}
 
 
+def _earlier_control(path: Path, steps: int, dense: dict[str, float]) -> tuple[dict, dict]:
+    """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
+    same windows (its unhealed dense figures equal today's to 1e-6, its steps and heal settings equal)."""
+    import json
+
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    same_windows = all(abs(earlier["perplexity"]["dense"][d] / dense[d] - 1) < 1e-6 for d in DOMAINS)
+    if earlier.get("steps") != steps or not same_windows or "dense, healed" not in earlier["perplexity"]:
+        raise SystemExit(f"{path} healed the dense model another way (steps or windows differ): heal it again")
+    return earlier["perplexity"]["dense, healed"], earlier["heal"]["dense"]
+
+
 def heal_text(workdir: Path, teacher) -> torch.Tensor:
     """The CLI's default healing text (cached in workdir as heal_text.safetensors)."""
     from transformers import AutoTokenizer
@@ -86,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         "--compressed", default="compressed", help="the compressed checkpoint's folder in the workdir "
         "(compressed-calprompts: today's default, made by cli_domains.py)",
     )
+    parser.add_argument(
+        "--dense-control", type=Path, metavar="JSON", help="take the healed dense model's figures from an earlier "
+        "result of this script (the same healing text, steps and windows, checked) instead of healing it again",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
@@ -96,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     text = heal_text(args.workdir, dense)
     perplexity = {"dense": _measure(dense, windows)}
     reports = {}
+    control = _earlier_control(args.dense_control, args.steps, perplexity["dense"]) if args.dense_control else None
     if not (args.workdir / args.compressed / "config.json").is_file():
         raise SystemExit(f"no checkpoint {args.compressed!r} in {args.workdir}: make it first (see the module's help)")
-    for name, folder in (("compressed", args.workdir / args.compressed), ("dense", args.workdir / "dense")):
+    runs = [("compressed", args.workdir / args.compressed)] + ([] if control else [("dense", args.workdir / "dense")])
+    for name, folder in runs:
         model = _load(folder)
         if name == "compressed":
             perplexity["compressed"] = _measure(model, windows)
@@ -108,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         reports[name] = report
         perplexity[f"{name}, healed"] = _measure(healed, windows)
         del model, healed
+    if control:
+        perplexity["dense, healed"], reports["dense"] = control
     base = perplexity["dense"]
     table = {name: {d: p[d] / base[d] for d in DOMAINS} for name, p in perplexity.items() if name != "dense"}
     payload = {
         "steps": args.steps,
         "compressed": args.compressed,
+        "dense_control_from": args.dense_control.name if args.dense_control else None,
         "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
         "perplexity": perplexity,
         "ratio_to_dense": table,
