@@ -13,12 +13,14 @@ pivot gauge (a block pivot per head: no rotary positions); the plain MLP has no 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from family_helpers import (
     VOCAB,
     assert_canonicalize,
+    assert_compress,
     assert_finetune,
     assert_remote_code_load,
     convert_both_ways,
@@ -208,15 +210,35 @@ def test_variants_without_a_relational_form_are_refused_in_one_line(variant, nam
         assert not (tmp_path / "out").exists()
 
 
-def test_compress_refuses_gpt2_and_its_conversion_in_one_line(checkpoint, converted, tmp_path, capsys):
-    """Compression truncates SwiGLU MLPs and rotary QK forms: a plain MLP with biases, learned positions and input
-    centring are refused before any work, naming what is missing."""
+def test_compress_gpt2_and_its_conversion_and_export_the_result_to_gpt2(checkpoint, converted, tmp_path, capsys):
+    """`compress --remove 0.1` of the GPT-2 checkpoint and of its conversion (in memory: the streamed compression does
+    not read learned positions yet): the stored count is the report's and the closed form's (`assert_compress`) and at
+    most 90% of the source's, the tied head stays tied, the perplexity is finite, the QK forms keep their width (no
+    rotary pairs to remove: reported as `qk_kept_full`) while MLP units or VO ranks go, and every write into the stream
+    stays mean-free, so the compressed model exports to GPT2LMHeadModel exactly (its narrower layers padded with
+    zeros)."""
     for name, src in (("from_source", checkpoint), ("from_relational", converted)):
-        argv = ["compress", src, tmp_path / name, "--remove", 0.1, "--window", 16, "--calibration-windows", 2]
-        _, err = run(argv, capsys, code=2)
-        line = error_line(err)
-        assert "plain MLP" in line and "learned positions" in line
-        assert not (tmp_path / name).exists()
+        model = assert_compress(src, tmp_path, capsys, name)
+        report, c = model.compression_report, model.config
+        assert report["parameters_after"] <= math.floor(0.9 * report["parameters_before"])
+        assert math.isfinite(report["calibration_perplexity_after"])
+        assert sorted(report["qk_kept_full"]) == [str(i) for i in range(L)]
+        assert "learned positions" in report["qk_kept_full"]["0"] and c.layer_qk_ranks == [DH] * L
+        assert sum(c.layer_intermediate_sizes) + sum(c.layer_value_ranks) < L * (F + DH)
+        assert c.embedding_centring and c.final_norm_bias and c.position_encoding == "learned"
+        for layer in model.model.layers:
+            for w, b in ((p.weight.detach(), p.bias.detach()) for p in (layer.self_attn.o_proj, layer.mlp.down_proj)):
+                assert float(w.sum(0).abs().max()) < 1e-5 * D * float(w.abs().max()) and abs(float(b.sum())) < 1e-4
+    run(["export", tmp_path / "from_relational", tmp_path / "gpt2", "--to", "gpt2"], capsys)
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2", dtype=torch.float32).eval()
+    assert relative_logit_difference(load(tmp_path / "from_relational"), exported, token_ids()) < 1e-4
+    assert json.loads((tmp_path / "gpt2" / "export_report.json").read_text())["padding_zeros"] > 0
+
+
+def test_streamed_compression_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    argv = ["compress", checkpoint, tmp_path / "out", "--remove", 0.1, "--window", 16, "--stream"]
+    _, err = run(argv, capsys, code=2)
+    assert "compressed in memory" in error_line(err) and not (tmp_path / "out").exists()
 
 
 def test_slicing_is_refused_in_one_line(source):
@@ -246,3 +268,56 @@ def test_new_options_are_validated_in_one_line():
         with pytest.raises(ValueError, match=field):
             setattr(config, field, bad)
     json.dumps(config.to_dict())  # the options travel in config.json
+
+
+# ---- export back to GPT-2 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_export_to_gpt2_gives_the_sources_logits_streamed_and_in_memory(tie, tmp_path, capsys):
+    """convert (streamed and in memory) -> export --to gpt2 -> Transformers' own GPT2LMHeadModel: the source's logits
+    (< 1e-4 of the logit scale) on random LayerNorm gains and biases, the same stored count as the source (the folded
+    LayerNorms come back as unit gains and zero biases, the gauge coordinates are stored again), the head tied as the
+    source's, and every layer's LayerNorm the identity's gain and bias."""
+    source = gpt2(seed=6, tie_word_embeddings=tie)
+    src = save(source, tmp_path / "src")
+    for name, extra in (("streamed", ()), ("in_memory", ("--no-stream",))):
+        run(["convert", src, tmp_path / name, *extra], capsys)
+        out = tmp_path / f"{name}_gpt2"
+        run(["export", tmp_path / name, out, "--to", "gpt2"], capsys)
+        exported = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+        assert relative_logit_difference(source, exported, token_ids(batch=3, length=P)) < 1e-4
+        assert stored(exported) == stored(source)
+        assert (exported.lm_head.weight is exported.transformer.wte.weight) == tie
+        for block in exported.transformer.h:
+            for norm in (block.ln_1, block.ln_2):
+                assert bool((norm.weight == 1).all()) and bool((norm.bias == 0).all())
+        report = json.loads((out / "export_report.json").read_text())
+        assert report["target"] == "gpt2" and report["padding_zeros"] == 0
+
+
+def test_export_to_gpt2_refuses_what_gpt2_cannot_hold_in_one_line(converted, tmp_path, capsys):
+    """Each refusal names the config field (or the tensor) and writes nothing: a conversion fine-tuned so that a write
+    is no longer mean-free (a LayerNorm would remove what the RMS norm reads), a GPT-NeoX conversion (rotary positions,
+    parallel residual), a Llama-family conversion (SwiGLU)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from relational_hf.convert.export import ExportError
+    from relational_hf.convert.export_families import to_family
+
+    model = load(converted)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.bias.add_(0.5)
+    with pytest.raises(ExportError, match=r"^--to gpt2: layers\.1\.mlp\.down_proj\.bias writes .* non-zero mean"):
+        to_family(model, "gpt2")
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=H,
+                                            intermediate_size=F, rotary_pct=0.5))  # fmt: skip
+    save(to_relational(neox.eval()), tmp_path / "neox")
+    _, err = run(["export", tmp_path / "neox", tmp_path / "out", "--to", "gpt2"], capsys, code=2)
+    assert "position_encoding='rope'" in error_line(err) and not (tmp_path / "out").exists()
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=H,
+                                         intermediate_size=F))  # fmt: skip
+    with pytest.raises(ExportError, match=r"^--to gpt2: mlp_gated=True has no equivalent .*a SwiGLU MLP"):
+        to_family(to_relational(llama.eval()), "gpt2")
+    with pytest.raises(ExportError, match=r"^--to gpt_neox: position_encoding='learned'"):
+        to_family(load(converted), "gpt_neox")

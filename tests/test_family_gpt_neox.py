@@ -215,12 +215,9 @@ def test_attention_without_biases_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_compress_refuses_in_one_line_and_canonicalize_keeps_the_function(tmp_path):
+def test_canonicalize_keeps_the_function(tmp_path):
     model = tiny()
     model.save_pretrained(tmp_path / "src")
-    features = ("plain MLP", "not compressed yet")
-    assert_refused_in_one_line("compress", [str(tmp_path / "src"), str(tmp_path / "k"), "--remove", "0.2"], *features)
-    assert not (tmp_path / "k").exists()
     code, _, err = run_cli(["canonicalize", str(tmp_path / "src"), str(tmp_path / "canonical")])
     assert code == 0, err
     canonical = AutoModelForCausalLM.from_pretrained(tmp_path / "canonical").eval()
@@ -243,3 +240,80 @@ def test_partial_rotary_and_parallel_residual_options_are_validated_in_one_line(
         RelationalConfig(**base, rope_parameters=partial, qk_norm=True)
     with pytest.raises(ValueError, match="parallel_residual"):
         config.parallel_residual = "yes"
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
+def test_export_to_gpt_neox_gives_the_sources_logits_streamed_and_in_memory(parallel, tmp_path):
+    """convert (streamed and in memory) -> export --to gpt_neox -> Transformers' own GPTNeoXForCausalLM: the source's
+    logits (< 1e-4 of the logit scale) on random LayerNorm gains and biases, with its partial rotary, residual form and
+    untied head; the same stored count as the source (unit gains and zero biases in the layers' LayerNorms, the VO gauge
+    stored again)."""
+    source = convertible(parallel, seed=6)
+    source.save_pretrained(tmp_path / "src")
+    ids = _ids(length=32)
+    with torch.no_grad():
+        expected = source(ids).logits
+    for name, extra in (("streamed", []), ("in_memory", ["--no-stream"])):
+        code, _, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / name), *extra])
+        assert code == 0, err
+        out = tmp_path / f"{name}_neox"
+        code, _, err = run_cli(["export", str(tmp_path / name), str(out), "--to", "gpt_neox"])
+        assert code == 0, err
+        exported = GPTNeoXForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        c = exported.config
+        assert c.use_parallel_residual == parallel and c.rope_parameters["partial_rotary_factor"] == ROT / DH
+        assert not c.tie_word_embeddings and exported.lm_head.weight is not exported.gpt_neox.embed_in.weight
+        with torch.no_grad():
+            got = exported(ids).logits
+        assert float((got - expected).abs().max()) < 1e-4 * max(1.0, float(expected.abs().max()))
+        assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in source.parameters())
+        for layer in exported.gpt_neox.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                assert bool((norm.weight == 1).all()) and bool((norm.bias == 0).all())
+
+
+def test_export_to_gpt_neox_refuses_in_one_line_what_it_cannot_hold(tmp_path):
+    """A relational model with grouped key/value heads or a QK rank below the head width has no GPT-NeoX form: one line
+    naming the field, nothing written."""
+    from relational_hf import RelationalConfig, RelationalForCausalLM
+
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    base = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=1, num_attention_heads=H,
+                mlp_gated=False, mlp_bias=True, rope_parameters=partial)  # fmt: skip
+    for overrides, named in ((dict(num_key_value_heads=2), "num_key_value_heads=2"), (dict(qk_rank=4), "qk_rank=4")):
+        RelationalForCausalLM(RelationalConfig(**base, **overrides)).save_pretrained(tmp_path / named)
+        argv = [str(tmp_path / named), str(tmp_path / f"{named}_out"), "--to", "gpt_neox"]
+        code, _, err = run_cli(["export", *argv])
+        lines = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(lines) == 1 and named in lines[0], err
+        assert not (tmp_path / f"{named}_out").exists()
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
+def test_compress_keeps_the_partial_rotary_qk_forms_and_exports_back_to_gpt_neox(parallel, tmp_path, capsys):
+    """`compress --remove 0.1` of a Pythia-like checkpoint (the byte-level vocabulary, random LayerNorm gains and
+    biases), in memory: the stored count is the report's and the closed form's (`assert_compress`) and at most 90% of
+    the source's, the head stays untied, the perplexity is finite; the QK forms keep their full width (partial rotary:
+    stored as they are, reported as `qk_kept_full`) while MLP units or VO ranks go; every write stays mean-free, so the
+    result exports to GPTNeoXForCausalLM with the same logits (narrower layers padded with zeros)."""
+    import math
+
+    from family_helpers import VOCAB, assert_compress, load, relative_logit_difference, save, token_ids
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=F,
+        max_position_embeddings=64, rotary_pct=ROT / DH, use_parallel_residual=parallel,
+    )  # fmt: skip
+    source = nonlinear_weights(randomize_gains_and_biases(GPTNeoXForCausalLM(config))).eval()
+    model = assert_compress(save(source, tmp_path / "src"), tmp_path, capsys, "compressed")
+    report, c = model.compression_report, model.config
+    assert report["parameters_after"] <= math.floor(0.9 * report["parameters_before"])
+    assert math.isfinite(report["calibration_perplexity_after"]) and not c.tie_word_embeddings
+    assert c.layer_qk_ranks is None and c.rotary_dim == ROT and c.parallel_residual == parallel
+    assert sorted(report["qk_kept_full"]) == [str(i) for i in range(L)] and "partial rotary" in report["qk_kept_full"]["0"]
+    assert sum(c.layer_intermediate_sizes) + sum(c.layer_value_ranks) < L * (F + DH)
+    code, _, err = run_cli(["export", str(tmp_path / "compressed"), str(tmp_path / "neox"), "--to", "gpt_neox"])
+    assert code == 0, err
+    exported = GPTNeoXForCausalLM.from_pretrained(tmp_path / "neox", dtype=torch.float32).eval()
+    assert relative_logit_difference(load(tmp_path / "compressed"), exported, token_ids()) < 1e-4

@@ -4,7 +4,8 @@ Phi-3 is Llama's function in a fused layout: one `qkv_proj` (rows [q | k | v]) a
 [gate | up]). The adapter presents the roles as row views of the fused weights, so the groups are Llama's (rotary
 commutant per key head, GL(d_h) VO, SwiGLU scales, norm gains, residual rotation) and every tool writes through the
 views; conversion splits the fused maps. Phi-3's longrope (short factors up to `original_max_position_embeddings`,
-long factors beyond) converts exactly; partial rotary has no relational form and is refused in one line."""
+long factors beyond) converts exactly, and so does partial rotary (the first rot_dim coordinates of each head turn), with
+the QK pair stored as it is: GL on the non-rotated block is a gauge the pivot layout does not fix."""
 
 from __future__ import annotations
 
@@ -82,14 +83,22 @@ def test_redundancy_counts_the_groups_that_hold(source, checkpoint, tmp_path, ca
     assert_redundancy_commands(source, checkpoint, tmp_path, capsys, EXPECTED)
 
 
-def test_partial_rotary_keeps_a_full_gl_on_the_other_coordinates_and_is_not_converted():
+def test_partial_rotary_keeps_a_full_gl_on_the_other_coordinates_which_conversion_leaves_free():
+    """Partial rotary: the rotary commutant on the rotated half, GL on the rest, per key head. The conversion holds it
+    exactly with the QK pair stored as it is (the pivot layout does not fix GL on the non-rotated block): VO and the
+    SwiGLU scales are fixed, the QK gauge is reported as left and is the converted model's own."""
     model = phi3(partial_rotary_factor=0.5)
     rot = DH // 2
     expected_qk = L * HKV * (rot + (DH - rot) ** 2)  # commutant on the rotated half, GL on the rest
     assert redundancy_report(model, descriptors=False).by_group["qk_gauge"] == expected_qk
     assert_random_symmetry_keeps_logits(model)
-    with pytest.raises(ValueError, match=r"^unsupported: Phi3ForCausalLM \(partial rotary"):
-        to_relational(model)
+    relational, report = to_relational(model, return_report=True)
+    assert relational.config.rotary_dim == rot
+    assert report.removed_orbit_dimensions == {"vo_gauge": EXPECTED["vo_gauge"], "mlp_scale": EXPECTED["mlp_scale"]}
+    assert report.remaining_symmetries["qk_gauge"] == expected_qk
+    assert redundancy_report(relational, descriptors=False).by_group["qk_gauge"] == expected_qk
+    assert relative_logit_difference(model, relational, token_ids(length=40)) < 1e-4
+    assert_random_symmetry_keeps_logits(relational)
 
 
 def test_random_group_element_leaves_the_logits_unchanged(source):
@@ -162,10 +171,46 @@ def test_finetune_converted_and_source_with_projection(checkpoint, converted, tm
     assert_finetune(checkpoint, tmp_path, capsys, "projected", "--projection", "update")
 
 
-def test_partial_rotary_checkpoint_is_refused_by_convert_in_one_line(tmp_path, capsys):
-    save(phi3(partial_rotary_factor=0.5), tmp_path / "src")
-    _, err = run(["convert", tmp_path / "src", tmp_path / "out"], capsys, code=2)
-    assert "partial rotary" in error_line(err) and not (tmp_path / "out").exists()
+def test_partial_rotary_converts_exactly_streamed_and_in_memory_and_exports_to_phi3(tmp_path, capsys):
+    """Logits equal to < 1e-4 of the logit scale both ways on random gains, the stored count drops by the norm gains,
+    VO and the SwiGLU scales (the QK pair kept as it is); `export --to phi3` writes it back with its partial rotary,
+    `--to llama` and `--to gguf` refuse it in one line (they rotate every coordinate)."""
+    source = phi3(seed=3, partial_rotary_factor=0.5)
+    folder, report = convert_both_ways(source, save(source, tmp_path / "src"), tmp_path, capsys)
+    model = load(folder)
+    assert model.config.rotary_dim == DH // 2 and not model.config.qk_norm
+    fixed = EXPECTED["vo_gauge"] + EXPECTED["mlp_scale"]
+    assert stored(model) == stored(source) - EXPECTED["norm_gain"] - fixed
+    run(["export", folder, tmp_path / "phi3", "--to", "phi3"], capsys)
+    exported = load(tmp_path / "phi3")
+    assert type(exported) is Phi3ForCausalLM and exported.config.rope_parameters["partial_rotary_factor"] == 0.5
+    assert relative_logit_difference(source, exported, token_ids(length=40)) < 1e-4
+    _, err = run(["export", folder, tmp_path / "llama", "--to", "llama"], capsys, code=2)
+    assert "partial rotary" in error_line(err) and not (tmp_path / "llama").exists()
+    _, err = run(["export", folder, tmp_path / "model.gguf", "--to", "gguf"], capsys, code=2)
+    assert "partial rotary" in error_line(err) and not (tmp_path / "model.gguf").exists()
+
+
+def test_partial_rotary_with_longrope_converts_exactly_on_both_sides_of_the_original_length():
+    """Phi-4-mini's layout: longrope factors over the rotated coordinates only (rot_dim / 2 of them)."""
+    rope = dict(rope_type="longrope", short_factor=[1.0, 1.3], long_factor=[1.5, 3.0], partial_rotary_factor=0.5)
+    model = phi3(seed=4, rope_scaling=rope, original_max_position_embeddings=16)
+    relational = to_relational(model)
+    assert relational.config.rotary_dim == DH // 2
+    for length in (12, 40):
+        assert relative_logit_difference(model, relational, token_ids(length=length)) < 1e-4
+
+
+def test_partial_rotary_compresses_with_its_qk_forms_at_full_width(tmp_path, capsys):
+    """`compress` (streamed, the default for a folder, and in memory): the stored count is the report's and the closed
+    form's, the QK forms keep their width (stored as they are: reported as `qk_kept_full`), VO and SwiGLU narrow."""
+    src = save(phi3(seed=5, partial_rotary_factor=0.5), tmp_path / "src")
+    for name, extra in (("streamed", ()), ("in_memory", ("--no-stream",))):
+        model = assert_compress(src, tmp_path, capsys, name, *extra)
+        report, c = model.compression_report, model.config
+        assert c.layer_qk_ranks is None and c.rotary_dim == DH // 2
+        assert sorted(report["qk_kept_full"]) == [str(i) for i in range(L)]
+        assert "partial rotary" in report["qk_kept_full"]["0"]
 
 
 def test_convert_with_slicing_keeps_an_honest_count(source):

@@ -330,6 +330,7 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--width-multiple sets the widths of --method relational (the slice method keeps every unit)")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
+    args.stream_asked = args.streaming() is True  # --stream given (not chosen by default)
     args.stream = args.stream_chosen()
     if not args.stream and (args.dtype is not None or args.max_shard_size != "5GB"):
         raise UsageError("--dtype and --max-shard-size apply to a streamed compression (--stream)")
@@ -353,7 +354,7 @@ def _run(args: CompressArguments, lock) -> int:
     from ..compress.calibration import approximate_parameters, resolve_self_share
     from ..compress.distill import TEACHER_TEXT_NAME, load_teacher_text, model_fingerprint, save_teacher_text
     from ..compress.eval import eval_table
-    from ..convert.preflight import refuse_without_relational_form
+    from ..convert.preflight import refuse_without_relational_form, streamed_compression_refusal
     from ..jobs import compress_model
     from ..lm.data import load_texts
     from ..lm.metrics import perplexity
@@ -375,6 +376,11 @@ def _run(args: CompressArguments, lock) -> int:
     lengths = {"--window": args.window, "--heal-length": args.heal_length}
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
     refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code, compress=True)  # before any text
+    unstreamed = streamed_compression_refusal(config, trust_remote_code=args.trust_remote_code)
+    if args.stream and unstreamed is not None:  # GPT-2 / GPT-NeoX: in memory, unless streaming was asked for
+        if args.stream_asked or args.dtype is not None or args.max_shard_size != "5GB":
+            raise UsageError(f"--stream: {unstreamed}")
+        args.stream = False
     warn_beyond_context(config, lengths, "SRC")
     vocab = config.get_text_config().vocab_size
     self_share, why = resolve_self_share(

@@ -24,31 +24,38 @@ def layer_kind_parameters(config: RelationalConfig, kind: str, width: int, layer
     d, h, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     pivot = config.gauge == "pivot"
     rope = config.position_encoding == "rope" if layer is None else config.layer_rope(layer)
-    if kind == "qk":
-        fixed = 0 if not pivot or config.qk_norm else hkv * (width if rope else width * width)
+    if kind == "qk":  # QK-norm and partial rotary: the QK pair is stored as it is (no pivot)
+        free = not pivot or config.qk_norm or (rope and 0 < config.rotary_dim < config.qk_rank)
+        fixed = 0 if free else hkv * (width if rope else width * width)
         n = (h + hkv) * width * d - fixed + (2 * width if config.qk_norm else 0)
         return n + ((h + hkv) * width if config.attention_bias else 0)
     if kind == "vo":
         n = (hkv + h) * width * d - (hkv * width * width if pivot and not config.value_parallel_removal else 0)
         return n + (hkv * width if config.attention_bias else 0)
-    if kind == "mlp":
+    if kind == "mlp":  # a plain MLP (mlp_gated=False): up and down, the up bias per unit, no scale gauge
+        if not config.mlp_gated:
+            return 2 * d * width + (width if config.mlp_bias else 0)
         return 3 * d * width - (width if pivot else 0)
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
 
 
 def qk_truncatable(config: RelationalConfig, layer: int) -> bool:
     """Whether layer `layer`'s QK width can be truncated (whole rotary pairs): rotary positions and no QK-norm (the
-    per-head norm is over all qk_rank coordinates, so a narrower QK form is another function: it keeps its width)."""
-    return config.layer_rope(layer) and not config.qk_norm
+    per-head norm is over all qk_rank coordinates, so a narrower QK form is another function: it keeps its width) and
+    no partial rotary (GL on the non-rotated coordinates leaves no pairs to rank; the QK form is stored as it is)."""
+    return config.layer_rope(layer) and not config.qk_norm and not 0 < config.rotary_dim < config.qk_rank
 
 
 def qk_kept_full(config: RelationalConfig) -> dict[str, str]:
     """Layer index -> why its QK form keeps its full width, for the layers `qk_truncatable` excludes."""
-    why = (
-        "QK-norm normalises over the whole head: no narrower QK form is the same function"
-        if config.qk_norm
-        else "no rotary positions: the QK rank is removed a rotary pair at a time"
-    )
+    if config.qk_norm:
+        why = "QK-norm normalises over the whole head: no narrower QK form is the same function"
+    elif 0 < config.rotary_dim < config.qk_rank:
+        why = "partial rotary: the QK form is stored as it is (GL on the non-rotated coordinates), at full width"
+    elif config.position_encoding == "learned":
+        why = "learned positions (no rotary pairs): the QK rank is removed a rotary pair at a time"
+    else:
+        why = "no rotary positions: the QK rank is removed a rotary pair at a time"
     return {str(li): why for li in range(config.num_hidden_layers) if not qk_truncatable(config, li)}
 
 

@@ -16,7 +16,10 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
   smallest a_i go; W_down of the kept units S is refitted by least squares, W_down' = argmin ||Z_S W - Y||^2 with Y
   the dense MLP output (`local`) or the dense trajectory's residual target (`dense`, which also absorbs the error
   of everything compressed before it; by default blended half and half with the local target, `refit_blend`)
-  (`mlp_truncate`).
+  (`mlp_truncate`). A plain MLP with biases (GPT-2, GPT-NeoX conversions) loses units the same way (`mlp_fit`).
+- Where the QK form cannot lose rotary pairs (no rotary positions, learned ones, partial rotary, QK-norm) it keeps
+  its width (`LowRankResult.qk_kept_full`); the parallel residual and learned positions are followed as the model
+  computes them.
 - Budget: a first pass over the dense model measures, per layer and kind, the error added to the residual stream
   (relative to its energy) at a grid of widths; a Lagrangian choice then minimises the summed (optionally
   loss-sensitivity weighted) error at the requested stored size (`plan_widths`). A second pass compresses layer by
@@ -28,7 +31,6 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -56,8 +58,19 @@ from .budget import (
     qk_truncatable,
     width_grid,
 )
+from .mlp_fit import (  # noqa: F401  (_accumulate_product, _batches, _token_weights: public here too)
+    _accumulate_product,
+    _batches,
+    _mlp_samples,
+    _refine,
+    _token_weights,
+    centred_columns,
+    embedded,
+    kept_mlp,
+    mean_free_columns,
+    mlp_units,
+)
 from .options import SENSITIVITIES, LowRankOptions, LowRankResult, _check  # noqa: F401  (public here too)
-from .refine import refine_mlp
 from .sensitivity import fisher_directions, fisher_metric, mlp_fisher_curve, vo_fisher_errors
 from .truncation import (  # noqa: F401  (public here too)
     _attention_output,
@@ -103,23 +116,10 @@ def _pair_index_of(attn: nn.Module) -> torch.Tensor:
     return torch.arange(attn.qk_rank // 2, device=device).expand(attn.num_kv_heads, attn.qk_rank // 2).clone()
 
 
-def _token_weights(h: torch.Tensor, sensitivity: str) -> torch.Tensor | None:
-    """Per-token weights d / |h_t|^2 (B, T) for sensitivity 'token' or 'fisher' (errors relative to each token's
-    residual energy, as the next RMS norm sees them: the weights of the fits), None otherwise."""
-    if sensitivity not in ("token", "fisher"):
-        return None
-    return h.shape[-1] / h.double().pow(2).sum(-1).clamp_min(1e-12)
-
-
 def _weighted_energy(e: torch.Tensor, token_weights: torch.Tensor | None) -> float:
     """sum_t w_t |e_t|^2 over (B, T, d) errors (w = 1 without weights)."""
     per_token = e.double().pow(2).sum(-1)
     return float(per_token.sum() if token_weights is None else (per_token * token_weights).sum())
-
-
-def _batches(n: int, size: int):
-    for i in range(0, n, size):
-        yield slice(i, min(n, i + size))
 
 
 @torch.no_grad()
@@ -131,8 +131,10 @@ def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]], gauge
         new.lm_head.weight = new.model.embed_tokens.weight
     new.to(dtype=next(model.parameters()).dtype).eval()
     new.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
-    if model.model.norm.weight is not None:
-        new.model.norm.weight.copy_(model.model.norm.weight)
+    mine = dict(new.model.named_parameters())
+    for name in ("norm.weight", "norm.bias", "embed_positions.weight"):  # final gain and bias, learned positions
+        if name in mine:
+            mine[name].copy_(model.model.get_parameter(name))
     if not config.tie_word_embeddings:
         new.lm_head.weight.copy_(model.lm_head.weight)
     return new
@@ -195,13 +197,13 @@ def layer_error_curves(
         x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True, qk_norm=_qk_norms(attn)
     )
     h_mid = h + base
-    xm = layer.post_attention_layernorm(h_mid)
+    xm = layer.post_attention_layernorm(h if layer.parallel_residual else h_mid)  # parallel: the MLP reads h too
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     if release:
         release_layer(layer)
-    z = mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])
-    y = F.linear(z, m["down"])
-    h_out = h_mid + y
+    z = mlp_units(mlp, m, xm)
+    y = F.linear(z, m["down"])  # the units' writes: a down bias is written whatever units are kept
+    h_out = h_mid + y + (0 if m.get("down_bias") is None else m["down_bias"])
     tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
     scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0  # fisher: nats
     scale = scale / weight
@@ -299,7 +301,7 @@ def measure_error_curves(
     plan_ids = calibration[: opts.plan_windows]
     fisher = opts.sensitivity == "fisher"
     dirs = fisher_directions(model, plan_ids, samples=opts.fisher_samples, batch_size=opts.batch_size) if fisher else None
-    h = model.model.embed_tokens(plan_ids)
+    h = embedded(model, plan_ids)
     options: dict[tuple[int, str], list[WidthOption]] = {}
     metrics = [{s: fisher_metric(d[s]) for s in d} for d in dirs] if fisher else None
     use = metrics if fisher and opts.fisher_metric else [None] * n_layers
@@ -338,55 +340,12 @@ def plan(
 def compressed_config(config: RelationalConfig, widths: dict[str, list[int]], gauge: str | None = None) -> RelationalConfig:
     """`config` with the per-layer widths of a plan (and `gauge`; None: `config`'s)."""
     config = copy.deepcopy(in_gauge(config, gauge))
-    config.layer_qk_ranks = list(widths["qk"])
+    partial = 0 < config.rotary_dim < config.qk_rank  # its QK forms keep their width (`budget.qk_truncatable`)
+    config.layer_qk_ranks = None if partial else list(widths["qk"])
     config.layer_value_ranks = list(widths["vo"])
     config.layer_intermediate_sizes = list(widths["mlp"])
     config.validate()
     return config
-
-
-def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 512) -> None:
-    """out += a^T b, with the product in a's precision (fp32 is twice as fast as fp64 on CPUs) and the sum in out's
-    (fp64), `block` columns at a time: the temporaries are (a.shape[1], block), not a second and third copy of out
-    (at d_ff 11008 that is 1.4 GB less at the peak of a layer's compression)."""
-    for i in range(0, b.shape[1], block):
-        out[:, i : i + block] += (a.T @ b[:, i : i + block]).to(out.dtype)
-
-
-def _mlp_samples(mlp, m, norm, h_mid, dense_out, windows: range, opts):
-    """Per batch of the calibration `windows`: Z (tokens, d_ff) the SwiGLU units on the compressed stream h_mid, Z
-    times the tokens' weights (the plan's sensitivity), the refit's target Y (tokens, d: the dense trajectory's step
-    with `dense_out`, blended with the dense MLP's output by `refit_blend`, else the dense MLP's output alone) and the
-    weighted energy of Y; Z, Y in fp32."""
-    f, d = m["down"].shape[1], h_mid.shape[-1]
-    down = m["down"].float()
-    blend = opts.target_blend()  # share of the dense trajectory's step in the target (with dense_out)
-    for b in _batches(len(windows), opts.batch_size):
-        s = slice(windows.start + b.start, windows.start + b.stop)
-        xm = norm(h_mid[s])
-        z = (mlp.act_fn(F.linear(xm, m["gate"])) * F.linear(xm, m["up"])).reshape(-1, f).float()
-        tw = _token_weights(h_mid[s], opts.sensitivity)
-        tw = None if tw is None else tw.reshape(-1, 1).float()
-        y = F.linear(z, down) if dense_out is None else (dense_out[s] - h_mid[s]).reshape(-1, d).float()
-        if dense_out is not None and blend != 1.0:  # blended per token: no statistics beyond the refit's own
-            y = blend * y + (1 - blend) * F.linear(z, down)
-        yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
-
-
-def _refine(mlp, dense_mlp, kept, norm, h_mid, dense_out, opts: LowRankOptions, record: dict | None) -> dict:
-    """`refine.refine_mlp` of the kept SwiGLU maps on the refit's own target and token weights (the blend chosen on
-    held-back windows, with refit_holdout), every calibration window's rows at once (two copies of h_mid)."""
-    n = h_mid.shape[0]
-    record = record if record is not None else {}
-    if "blend" in record:  # refit_holdout chose this layer's target
-        opts = dataclasses.replace(opts, refit_holdout=0, refit_blend=record["blend"])
-    x = torch.cat([norm(h_mid[s]).reshape(-1, h_mid.shape[-1]) for s in _batches(n, opts.batch_size)])
-    y = torch.cat([y for _, _, y, _ in _mlp_samples(mlp, dense_mlp, norm, h_mid, dense_out, range(0, n), opts)])
-    weights = _token_weights(h_mid, opts.sensitivity)
-    refine_opts = opts.refine_options(n)
-    kept, done = refine_mlp(kept, mlp.act_fn, x, y, None if weights is None else weights.reshape(-1), n, refine_opts)
-    record.update(done)
-    return kept
 
 
 @torch.no_grad()
@@ -468,16 +427,17 @@ def compress_layer(
         h_mid[s] = h[s] + target.self_attn(
             target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
         )[0]
+    h_in = h if layer.parallel_residual else h_mid  # the stream the MLP reads
     if f_new < f or opts.correction == "dense":
         held_back = opts.refit_holdout if opts.correction != "none" else 0
         gram = torch.zeros(f, f, dtype=torch.float64, device=h.device)
         cross = torch.zeros(f, d, dtype=torch.float64, device=h.device)
-        for z, zw, y, _ in _mlp_samples(mlp, m, norm, h_mid, dense_out, range(0, n - held_back), opts):
+        for z, zw, y, _ in _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, range(0, n - held_back), opts):
             _accumulate_product(gram, zw, z)  # per-batch products in fp32, accumulated in fp64
             _accumulate_product(cross, zw, y)
         # the held-back windows' samples are kept (windows x T x d_ff floats): only the kept units' Gram is formed
         held = [torch.cat(t) if i < 3 else sum(t) for i, t in enumerate(zip(*_mlp_samples(
-            mlp, m, norm, h_mid, dense_out, range(n - held_back, n), opts)))] if held_back else None  # fmt: skip
+            mlp, m, norm, h_in, h_mid, dense_out, range(n - held_back, n), opts)))] if held_back else None  # fmt: skip
         if opts.mlp_order == "greedy":
             both = (gram, cross) if held is None else (gram + held[1].T @ held[0], cross + held[1].T @ held[2])
             order = greedy_unit_order(*both, opts.ridge)
@@ -503,12 +463,14 @@ def compress_layer(
                 del held, back, z_h, zw_h, local
             down = mlp_refit(gram, cross, None, ridge, prior=prior).to(down.dtype)
         del gram, cross
-        dense_mlp, m = m, {"gate": m["gate"][keep], "up": m["up"][keep], "down": down}
+        dense_mlp, m = m, kept_mlp(m, keep, down)
         if opts.refine_epochs:
-            m = _refine(mlp, dense_mlp, m, norm, h_mid, dense_out, opts, record)
+            m = _refine(mlp, dense_mlp, m, norm, h_in, h_mid, dense_out, opts, record)
+        if mean_free_columns(dense_mlp["down"]):  # a mean-free write stays mean-free (`mlp_fit`)
+            m["down"] = centred_columns(m["down"])
     target.mlp.set_full_weights(m, fix_gauge=True)
-    for s in _batches(n, opts.batch_size):
-        h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_mid[s]))
+    for s in _batches(n, opts.batch_size):  # h_in is h itself with the parallel residual: read before it is written
+        h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_in[s]))
     return h, dense_out
 
 
@@ -556,7 +518,7 @@ def compress_relational(
     positions = _positions(config, calibration.shape[1])
     new = _new_model(model, widths, opts.gauge)
     n = calibration.shape[0]
-    h = torch.cat([model.model.embed_tokens(calibration[s]) for s in _batches(n, opts.batch_size)])
+    h = torch.cat([embedded(model, calibration[s]) for s in _batches(n, opts.batch_size)])
     h_dense = h.clone() if opts.correction == "dense" else None
     layers = zip(model.model.layers, new.model.layers, strict=True)
     for li, (layer, target) in enumerate(tqdm(layers, total=n_layers, desc="compressing layers", disable=not progress)):

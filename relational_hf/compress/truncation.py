@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.modeling_relational import apply_rotary_pair_subset, rotary_layout
+from ..modeling.modeling_rotary import apply_partial_rotary
 
 # ----------------------------------------------------------------------------------------------------------------
 # The three truncations (pure functions on full, Linear-layout weights)
@@ -378,7 +379,9 @@ def _mix(
     k = k.view(b, t, num_kv_heads, r).transpose(1, 2)
     v = v.view(b, t, num_kv_heads, rv).transpose(1, 2)
     g = num_heads // num_kv_heads
-    if cos is not None:
+    if cos is not None and cos.shape[-1] < r:  # partial rotary: the table turns the first cos.shape[-1] coordinates
+        q, k = apply_partial_rotary(q, k, cos, sin, cos.shape[-1])
+    elif cos is not None:
         columns, _, sign = rotary_layout(pairs, num_heads)
         n = num_kv_heads * r  # the key heads' part of the layout
         q, k = apply_rotary_pair_subset(q, k, cos, sin, columns[-n:], sign[-n:])

@@ -6,6 +6,8 @@ Phi-3 user may want the fused Phi-3 layout back. `to_family` multiplies every ga
 (`full_weights`), writes unit gains into the gain-free norms, keeps the QK-norm gains and a final gain, and checks the
 logits like every export. Only uniform widths (no per-layer widths of a compressed model, QK rank = head width) fit
 these classes; anything else is refused in one line naming what does not fit (`--to llama` or `--to free` hold it).
+GPT-2 and GPT-NeoX (LayerNorms over a mean-free stream, plain MLP, learned positions or partial rotary): `to_family`
+hands them to `export_layernorm.to_layernorm_family`.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def _check_family(model: nn.Module, target: str) -> None:
         raise _refuse(target, "a model without rotary positions has no equivalent there")
     from .layernorm import unexported_option
 
-    if unexported_option(c) is not None:
-        raise _refuse(target, unexported_option(c))
+    if unexported_option(c, target) is not None:
+        raise _refuse(target, unexported_option(c, target))
     if c.qk_norm != (target == "qwen3"):
         need = "needs qk_norm=True (per-head QK-norm)" if target == "qwen3" else "has no per-head QK-norm (qk_norm)"
         raise _refuse(target, f"{target} {need}")
@@ -125,9 +127,12 @@ def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_
     """(the `target` family's causal LM with the same function, ExportReport); `ExportError` in one line for a model
     that does not fit the family's class or fails the logit check (fp32, float64 where rounding misses it)."""
     from .export import ExportError, ExportReport, verified_logit_difference
+    from .export_layernorm import LAYERNORM_TARGETS, to_layernorm_family
 
+    if target in LAYERNORM_TARGETS:  # GPT-2, GPT-NeoX: LayerNorms, plain MLP, learned positions or partial rotary
+        return to_layernorm_family(model, target, tolerance=tolerance, verify_length=verify_length)
     if target not in FAMILY_CLASSES:
-        raise ExportError(f"--to must be one of {tuple(FAMILY_CLASSES)} here, got {target!r}")
+        raise ExportError(f"--to must be one of {(*FAMILY_CLASSES, *LAYERNORM_TARGETS)} here, got {target!r}")
     _check_family(model, target)
     c = model.config
     source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()

@@ -12,14 +12,17 @@ relational gauge. A family converts when every part of its forward pass has an e
 - SmolLM3: layers without rotary positions (`config.no_rope_layers`, `RelationalConfig.rope_layers`), whose QK gauge
   is the full GL(d_h) of each key head, fixed by a block pivot;
 - Phi-3: the fused `qkv_proj` and `gate_up_proj` are split at conversion (the adapter's views); rope types default
-  and longrope (Phi-3's short/long factors switch at `original_max_position_embeddings` in both models alike).
+  and longrope (Phi-3's short/long factors switch at `original_max_position_embeddings` in both models alike);
+  partial rotary (`partial_rotary_factor` < 1: the first rot_dim coordinates of each head turn, rotate-half layout)
+  is held by the relational partial rotary, with the QK pair kept free (GL on the non-rotated block is not pivoted).
 
 - GPT-2, GPT-NeoX: LayerNorms folded into RMS norms over a mean-free stream, learned positions, a plain GELU MLP with biases
   (GPT-NeoX: rotary, partial with the QK pair kept free, parallel residual; `relational_hf.convert.layernorm`, which
   says what is exact and what is refused).
 
 Refused in one line naming the feature, before any work: MLP biases, q/k/v biases present on some maps only,
-partial rotary, activations the relational SwiGLU does not have, QK-norm over the whole projection (not per head).
+partial rotary with a QK-norm or differing between layers, activations the relational SwiGLU does not have, QK-norm
+over the whole projection (not per head).
 """
 
 from __future__ import annotations
@@ -63,13 +66,16 @@ def check_convertible(model: nn.Module) -> None:
             raise _unsupported(model, "a non-gated MLP; the relational MLP is SwiGLU")
         if len({slots.q_bias is None, slots.k_bias is None, slots.v_bias is None}) > 1:
             raise _unsupported(model, "q/k/v biases must be all present or all absent")
-        if slots.rotary_dim not in (0, head_dim):
-            raise _unsupported(model, "partial rotary: the relational model rotates all of qk_rank")
+        if 0 < slots.rotary_dim < head_dim and (slots.q_norm is not None or slots.rotary_dim % 2):
+            raise _unsupported(model, "partial rotary with a QK-norm or an odd number of rotated coordinates")
         if (slots.q_norm is None) != (slots.k_norm is None):
             raise _unsupported(model, "a norm on the queries or the keys only")
         if slots.q_norm is not None and slots.q_norm.param.shape != (head_dim,):
             raise _unsupported(model, "QK-norm over the whole projection; the relational QK-norm is per head")
     norms = [m for layer in adapter.layers() for m in (layer.attention_norm, layer.mlp_norm)] + [adapter.final_norm()]
+    rotary = {adapter.attention_slots(layer).rotary_dim for layer in adapter.layers()}
+    if len(rotary - {0}) > 1 or (len(rotary) > 1 and any(0 < r < head_dim for r in rotary)):
+        raise _unsupported(model, "partial rotary that differs between layers or with layers without rotary")
     if any(n is None or getattr(n, "bias", None) is not None or isinstance(n, nn.LayerNorm) for n in norms):
         raise _unsupported(model, "LayerNorm or norm biases; the relational model has gain-free RMS norms")
 

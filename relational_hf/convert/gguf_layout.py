@@ -59,6 +59,11 @@ def gguf_refusal(config) -> str | None:
             "every query/key coordinate"
         )
     rope = dict(config.rope_parameters or {})
+    if 0 < config.rotary_dim < config.qk_rank:
+        return (
+            f"rope_parameters partial_rotary_factor={rope.get('partial_rotary_factor')!r} (partial rotary) has no GGUF form: "
+            "llama.cpp's llama and deci, as this export writes them, rotate every query/key coordinate"
+        )
     if rope.get("rope_type", "default") != "default":
         return (
             f"rope_parameters rope_type={rope.get('rope_type')!r}: only the default rotary type is exported to GGUF "

@@ -66,23 +66,26 @@ LAYERNORM_NOTE = (
 MLP_ROLES = ("up_bias", "down_bias", "mlp_norm_bias")
 
 
-def unexported_option(config) -> str | None:
-    """The first option of a converted LayerNorm model that no export target (Llama, Qwen3, SmolLM3, Phi-3) holds, as
-    one line naming it, or None."""
+def unexported_option(config, target: str | None = None) -> str | None:
+    """The first option of a converted LayerNorm model (or of partial rotary) that the Llama-like export targets
+    (Llama, Qwen3, SmolLM3, Phi-3) do not hold, as one line naming it and the target that does, or None. `target`
+    "phi3": partial rotary is held (Phi-3 has `partial_rotary_factor`)."""
     options = {
         "mlp_gated=False": not config.mlp_gated,
         "parallel_residual=True": config.parallel_residual,
         "position_encoding='learned'": config.position_encoding == "learned",
         "embedding_centring=True": config.embedding_centring,
         "final_norm_bias=True": config.final_norm_bias,
-        "partial rotary (partial_rotary_factor < 1)": 0 < config.rotary_dim < config.qk_rank,
+        "partial rotary (partial_rotary_factor < 1)": 0 < config.rotary_dim < config.qk_rank and target != "phi3",
     }
     found = [name for name, present in options.items() if present]
     if not found:
         return None
+    if found == ["partial rotary (partial_rotary_factor < 1)"]:
+        return f"{found[0]} has no equivalent there: export --to phi3 or --to gpt_neox holds it"
     return (
-        f"{found[0]} (a converted GPT-2 / GPT-NeoX model) has no equivalent there: the plain MLP, learned positions, "
-        "input centring, final norm bias, partial rotary and parallel residual are not exported yet"
+        f"{found[0]} (a converted GPT-2 / GPT-NeoX model) has no equivalent there: export --to gpt2 or --to gpt_neox "
+        "holds the plain MLP, learned positions, input centring, final norm bias, partial rotary and parallel residual"
     )
 
 

@@ -77,7 +77,7 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
 
     for h, rank in _rank_deficient(folded(w.v)):
         found.append(f"layer {index}, key/value head {h}: W_V block has rank {rank} < head_dim {d_h}")
-    if slots.q_norm is not None:  # QK-norm: the QK pair is stored as it is, no pivot divides by W_K
+    if slots.q_norm is not None or 0 < slots.rotary_dim < d_h:  # QK-norm, partial rotary: QK pair stored as it is
         pass
     elif rope:
         half = d_h // 2
@@ -121,34 +121,53 @@ def check_pivot_gauge_exists(model: nn.Module) -> None:
     raise_obstructions(pivot_gauge_obstructions(model))
 
 
-#: why `compress` refuses LayerNorm families and their conversions (`refuse_without_relational_form(compress=True)`)
-NOT_COMPRESSED = (
-    "compress: the relational compression truncates SwiGLU MLPs and rotary QK forms; a plain MLP with biases, learned "
-    "positions and input centring (a converted LayerNorm model) are not compressed yet; convert holds it exactly"
+#: why a LayerNorm family or its conversion is compressed in memory (`streamed_compression_refusal`)
+NOT_STREAMED = (
+    "a GPT-2 / GPT-NeoX checkpoint or its conversion (plain MLP with biases, learned positions, input centring, final "
+    "norm bias, parallel residual) is compressed in memory, not one layer at a time: leave out --stream"
 )
 
 
-def refuse_without_relational_form(config, *, trust_remote_code: bool = False, compress: bool = False) -> None:
-    """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
-    when the family's adapter names features the relational architecture cannot hold yet (GPT-NeoX, Gemma 3):
-    commands that convert refuse such a model before any work. Other families pass (their own checks follow).
-    `compress`: also refuse what converts but does not compress yet (GPT-2 and its conversion, `NOT_COMPRESSED`)."""
+def _adapter_of(config, trust_remote_code: bool):
     from ..architectures import UnsupportedModelError
     from ..shards import meta_model
 
     try:
-        adapter = get_adapter(meta_model(config, trust_remote_code=trust_remote_code))
+        return get_adapter(meta_model(config, trust_remote_code=trust_remote_code))
     except (UnsupportedModelError, ValueError, KeyError):  # no adapter, or no causal LM: refused where it is loaded
-        return
-    if adapter.relational_obstruction is not None:
+        return None
+
+
+def refuse_without_relational_form(config, *, trust_remote_code: bool = False, compress: bool = False) -> None:
+    """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
+    when the family's adapter names features the relational architecture cannot hold yet (Gemma 3): commands that
+    convert refuse such a model before any work. Other families pass (their own checks follow). `compress`: the
+    command compresses (every family that converts compresses; GPT-2 and GPT-NeoX in memory only,
+    `streamed_compression_refusal`)."""
+    from ..architectures import UnsupportedModelError
+
+    adapter = _adapter_of(config, trust_remote_code)
+    if adapter is not None and adapter.relational_obstruction is not None:
         raise UnsupportedModelError(
             f"unsupported: {type(adapter.model).__name__} ({adapter.relational_obstruction}: no relational form yet)"
         )
+
+
+def streamed_compression_refusal(config, *, trust_remote_code: bool = False) -> str | None:
+    """`NOT_STREAMED` for a LayerNorm family's checkpoint or its conversion, whose learned positions, input centring,
+    final norm bias and parallel residual the layer-streamed compression (`compress.streamed`) does not read yet; else
+    None."""
     from .layernorm import LAYERNORM_FAMILIES
 
+    adapter = _adapter_of(config, trust_remote_code)
+    if adapter is None:
+        return None
     c = adapter.config
     converted = adapter.family == "relational" and (
-        not c.mlp_gated or c.position_encoding == "learned" or c.embedding_centring or c.final_norm_bias
+        not c.mlp_gated
+        or c.position_encoding == "learned"
+        or c.embedding_centring
+        or c.final_norm_bias
+        or c.parallel_residual
     )
-    if compress and (adapter.family in LAYERNORM_FAMILIES or converted):
-        raise UnsupportedModelError(f"unsupported: {type(adapter.model).__name__} ({NOT_COMPRESSED})")
+    return NOT_STREAMED if adapter.family in LAYERNORM_FAMILIES or converted else None
