@@ -85,7 +85,9 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xticks(range(len(DOMAINS)), DOMAINS)
     ax.set_ylabel("perplexity / dense (unhealed)")
     ax.set_title("SmolLM2-135M at 25% fewer stored parameters: healed (200 steps) and not, dense control", fontsize=10)
-    ax.legend(fontsize=8)
+    top = max(v for cells in rows.values() for v in cells.values())
+    ax.set_ylim(0, top * 1.2)  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=4, loc="upper center")
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
 
