@@ -1,7 +1,10 @@
 """Gemma 3 (text, Gemma3ForCausalLM) from Transformers' own config class: (1 + w) RMS gains, sandwich norms, per-head
-QK-norm before RoPE, GELU-tanh gated MLP, sqrt(d) embedding scale, query_pre_attn_scalar, sliding-window layers, tied
-head. The groups counted are those of its forward pass; analyze and the Trainer work on it; convert and compress
-refuse it in one line naming the sandwich norms."""
+QK-norm before RoPE, GELU-tanh gated MLP, sqrt(d) embedding scale, query_pre_attn_scalar, sliding-window layers with
+their own rotary base, tied head. The groups counted are those of its forward pass; analyze and the Trainer work on
+it. `convert` is exact, streamed and in memory (`relational_hf.convert.gemma`: (1 + w) gains folded or stored,
+sandwich norms, the embedding scale and the sliding-window layers held by options of the relational architecture),
+with random gains on a model with a sliding and a full layer, on sequences longer than the window; compress, --slice
+and export refuse it in one line naming the features."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from family_checks import (
     nonlinear_weights,
     projected_update_is_horizontal,
     randomize_gains_and_biases,
+    run_cli,
     train_projected_and_suppressed,
 )
 from torch import nn
@@ -144,8 +148,231 @@ def test_projection_is_horizontal_and_the_trainer_projects_and_suppresses(tmp_pa
     assert 0 < log["parallel_suppression"] <= 0.3 and log["orbit_drift"] >= 0
 
 
-def test_convert_and_compress_refuse_in_one_line(tmp_path):
-    tiny().save_pretrained(tmp_path / "src")
-    assert_refused_in_one_line("convert", [str(tmp_path / "src"), str(tmp_path / "c")], "sandwich norms")
-    assert_refused_in_one_line("compress", [str(tmp_path / "src"), str(tmp_path / "k"), "--remove", "0.2"], "sandwich")
-    assert not (tmp_path / "c").exists() and not (tmp_path / "k").exists()
+# ---- conversion ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def convertible(seed: int = 0, random_gains: bool = True, **overrides) -> Gemma3ForCausalLM:
+    """The tiny model on the byte-level vocabulary (the commands' texts), one sliding layer (window 4) and one full
+    layer; norm gains w = 0.3 N(0, 1) (so 1 + w differ), weight matrices at 20 x the initial scale (logits of a few
+    units)."""
+    from family_helpers import TOKENS, VOCAB
+
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config(vocab_size=VOCAB, max_position_embeddings=128, **TOKENS, **overrides))
+    if random_gains:
+        randomize_gains_and_biases(model, seed=seed + 1)
+    for p in model.parameters():
+        if p.ndim == 2:
+            p.mul_(20.0)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return convertible()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(source, tmp_path_factory):
+    from family_helpers import save
+
+    return save(source, tmp_path_factory.mktemp("gemma3") / "src")
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3_rel") / "relational"
+    code, _, err = run_cli(["convert", str(checkpoint), str(out)])
+    assert code == 0, err
+    return out
+
+
+def _longer_than_the_window(batch: int = 3, length: int = 24, seed: int = 9) -> torch.Tensor:
+    from family_helpers import token_ids
+
+    return token_ids(batch=batch, length=length, seed=seed)
+
+
+def test_the_test_model_has_random_gains_a_window_that_matters_and_logits_of_a_few_units(source):
+    """A folding mistake would hide behind gains at 1 + 0 or near-zero logits, a mask mistake behind a window that
+    changes nothing: the window changes the source's logits on these sequences."""
+    import copy
+
+    from family_helpers import relative_logit_difference
+
+    layer = source.model.layers[0]
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, source.model.norm):
+        assert float(norm.weight.detach().std()) > 0.1
+    ids = _longer_than_the_window()
+    with torch.no_grad():
+        assert 1.0 < float(source(ids).logits.abs().max()) < 100.0
+    assert source.config.layer_types == ["sliding_attention", "full_attention"] and ids.shape[1] > 4
+    wide = copy.deepcopy(source)
+    wide.config.sliding_window = 64
+    with torch.no_grad():
+        assert relative_logit_difference(source, wide, ids) > 1e-3
+
+
+def test_convert_is_exact_streamed_and_in_memory(source, checkpoint, tmp_path, capsys):
+    """Logits within 1e-4 of the logit scale both ways (sequences of 24 > the window of 4); the stored count drops by
+    the pre-norms' gains (folded: 2 d per layer) and the VO and MLP gauges (pivot); the QK-norm, sandwich and final
+    gains are kept; the symmetries the report leaves are the converted model's own."""
+    from family_helpers import convert_both_ways, load, stored
+
+    folder, report = convert_both_ways(source, checkpoint, tmp_path, capsys)
+    model = load(folder)
+    c = model.config
+    assert c.qk_norm and c.sandwich_norms and c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings
+    assert c.embedding_scale == pytest.approx(D**0.5) and c.final_norm_gain
+    assert (c.layer_types, c.sliding_window) == (["sliding_attention", "full_attention"], 4)
+    assert (c.rope_parameters["rope_theta"], c.sliding_rope_parameters["rope_theta"]) == (1e6, 1e4)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert report["removed_orbit_dimensions"] == {"vo_gauge": L * HKV * DH**2, "mlp_scale": L * F}
+    assert stored(model) == stored(source) - 2 * L * D - L * HKV * DH**2 - L * F
+    layer, gemma = model.model.layers[1], source.model.layers[1]
+    torch.testing.assert_close(layer.mlp_output_norm.weight, 1 + gemma.post_feedforward_layernorm.weight)
+    torch.testing.assert_close(layer.self_attn.k_norm.weight, 1 + gemma.self_attn.k_norm.weight)
+    factor = (DH / source.config.query_pre_attn_scalar) ** 0.5  # the attention scale, carried by the query gain
+    torch.testing.assert_close(layer.self_attn.q_norm.weight, (1 + gemma.self_attn.q_norm.weight) * factor)
+    own = redundancy_report(model, descriptors=False).by_group
+    assert report["remaining_symmetries"] == own == {"qk_norm_gain_exchange": L * DH // 2}
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(attention_bias=True),
+        dict(tie_word_embeddings=False),
+        dict(layer_types=["full_attention", "full_attention"]),
+        dict(
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        ),
+    ],
+    ids=["attention_bias", "untied_head", "full_layers_only", "linear_rope_scaling"],
+)
+def test_variants_convert_exactly(variant):
+    """Biases on q/k/v/o, an untied head (the final 1 + w folded into it), no sliding layer, Gemma 3's linear rope
+    scaling on the full layers."""
+    from family_helpers import relative_logit_difference, stored
+
+    from relational_hf.convert import to_relational
+
+    source = convertible(seed=2, **variant)
+    model, report = to_relational(source, return_report=True)
+    assert relative_logit_difference(source, model, _longer_than_the_window()) < 1e-4
+    assert stored(model) == report.relational_parameters == report.expected_parameters
+    assert model.config.tie_word_embeddings == source.config.tie_word_embeddings
+
+
+def test_converted_checkpoint_loads_with_remote_code_alone(source, converted, tmp_path):
+    from family_helpers import assert_remote_code_load
+
+    assert {"modeling_windows.py", "modeling_blocks.py"} <= {p.name for p in converted.glob("*.py")}
+    assert_remote_code_load(converted, tmp_path, source, _longer_than_the_window(batch=2, length=12))
+
+
+def test_converted_model_generates_the_sources_greedy_tokens(source, converted):
+    """15 positions through a window of 4: the sliding layer's cache drops what leaves the window, in both models;
+    a static cache (masks by layer type prepared by generate) gives the same tokens."""
+    from family_helpers import load
+
+    model = load(converted)
+    prompt = _longer_than_the_window(batch=2, length=5, seed=4)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ours = model.generate(prompt, **kw)
+    assert torch.equal(ours, source.generate(prompt, **kw))
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **kw), ours)
+
+
+@pytest.mark.parametrize("random_gains", [True], ids=["random_gains"])
+def test_a_random_element_of_the_surviving_group_keeps_the_converted_logits(random_gains):
+    """Random gains: the QK-norm gain exchange survives. Gains at w = 0 (all sandwich and final gains equal): the QK
+    rotations and the whole residual rotation O(d) survive too, as in the source."""
+    from relational_hf.convert import to_relational
+
+    model, report = to_relational(convertible(seed=5, random_gains=random_gains), return_report=True)
+    by_group = redundancy_report(model, descriptors=False).by_group
+    assert report.remaining_symmetries == by_group
+    if not random_gains:
+        assert by_group["residual_rotation"] == D * (D - 1) // 2 and by_group["qk_gauge"] == L * HKV * DH // 2
+    ids = _longer_than_the_window(length=12)
+    with torch.no_grad():
+        scale = float(model(ids).logits.abs().max())
+    assert largest_logit_change_under_random_symmetry(model, ids) < 1e-4 * max(1.0, scale)
+
+
+def test_canonicalize_evaluate_and_finetune_the_converted_model(source, checkpoint, converted, tmp_path, capsys):
+    from family_helpers import assert_canonicalize, assert_finetune, perplexity_of
+
+    assert_canonicalize(converted, tmp_path, capsys, source, "canonical_relational")
+    before, after = perplexity_of(checkpoint, tmp_path, capsys), perplexity_of(converted, tmp_path, capsys)
+    assert after == pytest.approx(before, rel=1e-4)
+    tuned = assert_finetune(converted, tmp_path, capsys, "tuned")
+    assert tuned.config.sandwich_norms and tuned.config.layer_types == ["sliding_attention", "full_attention"]
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variant", "named"),
+    [
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ],
+)
+def test_variants_without_a_relational_form_are_refused_in_one_line(variant, named, tmp_path):
+    tiny(**variant).save_pretrained(tmp_path / "src")
+    for extra in ([], ["--no-stream"]):
+        assert_refused_in_one_line("convert", [str(tmp_path / "src"), str(tmp_path / "c"), *extra], named)
+        assert not (tmp_path / "c").exists()
+
+
+def test_compress_and_slicing_refuse_in_one_line(source, checkpoint, tmp_path):
+    from family_helpers import token_ids
+
+    from relational_hf.convert import ConversionError, to_relational
+
+    argv = [str(checkpoint), str(tmp_path / "k"), "--remove", "0.1", "--window", "16", "--calibration-windows", "2"]
+    assert_refused_in_one_line("compress", argv, "sandwich norms")
+    assert not (tmp_path / "k").exists()
+    with pytest.raises(ConversionError, match="slicing Gemma3ForCausalLM: sandwich norms"):
+        to_relational(source, slice_fraction=0.25, calibration_data=token_ids(batch=4, length=16))
+
+
+def test_new_options_are_validated_in_one_line():
+    from relational_hf import RelationalConfig
+
+    base = dict(vocab_size=16, hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2)
+    types = ["sliding_attention", "full_attention"]
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    config = RelationalConfig(
+        **base, sandwich_norms=True, embedding_scale=4.0, layer_types=types, sliding_window=4,
+        sliding_rope_parameters=local,
+    )  # fmt: skip
+    assert config.layer_sliding(0) and not config.layer_sliding(1)
+    bad = [
+        (dict(embedding_scale=0.0), "embedding_scale"),
+        (dict(embedding_scale=float("nan")), "embedding_scale"),
+        (dict(sliding_window=0, layer_types=types), "sliding_window"),
+        (dict(layer_types=types), "sliding_window"),
+        (dict(sliding_window=4), "sliding_window"),
+        (dict(layer_types=["full_attention"]), "layer_types"),
+        (dict(layer_types=["chunked_attention", "full_attention"], sliding_window=4), "layer_types"),
+        (dict(sliding_rope_parameters=local), "sliding_rope_parameters"),
+        (dict(layer_types=types, sliding_window=4, sliding_rope_parameters={"rope_theta": 1.0}), "sliding_rope"),
+        (dict(layer_types=types, sliding_window=4, sliding_rope_parameters={**local, "rope_theta": -1.0}), "sliding"),
+    ]
+    for fields, named in bad:
+        with pytest.raises(ValueError, match=named) as err:
+            RelationalConfig(**base, **fields)
+        assert "\n" not in str(err.value).strip(), str(err.value)
+    for field, value in (("sandwich_norms", "yes"), ("embedding_scale", -1.0), ("sliding_window", 1.5)):
+        with pytest.raises(ValueError, match=field) as err:
+            setattr(config, field, value)
+        assert "\n" not in str(err.value).strip(), str(err.value)

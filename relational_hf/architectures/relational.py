@@ -21,6 +21,8 @@ class RelationalAdapter(LlamaLayoutMixin, ArchitectureAdapter):
         roles = super().layers()
         for role in roles:  # GPT-NeoX's parallel residual: attention and MLP both read the layer input
             role.parallel = bool(self.config.parallel_residual)
+            # Gemma 3's sandwich norms (None without): the sublayers' updates are their outputs
+            role.attention_post_norm, role.mlp_post_norm = role.block.attention_output_norm, role.block.mlp_output_norm
         return roles
 
     def embedding_slots(self) -> list[TensorSlot]:

@@ -32,6 +32,17 @@ from ..lm.metrics import perplexity
 from ..modeling import RelationalConfig, RelationalForCausalLM
 from ..symmetry.groups import symmetry_groups
 from .families import check_convertible, fixed_groups, relational_options
+from .gemma import (
+    GEMMA_NOTE,
+    NOT_COMPRESSED,
+    OUTPUT_GAINS,
+    check_gemma_convertible,
+    gemma_layer_tensors,
+    gemma_options,
+    is_gemma_family,
+    load_output_gains,
+    norm_gain,
+)
 from .layernorm import (
     LAYERNORM_NOTE,
     MLP_ROLES,
@@ -150,8 +161,11 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
     rope = copy.deepcopy(dict(c.rope_parameters))
     if rope.get("rope_type") == "longrope":  # Phi-3: the factors switch at the pretraining length, in both models
         rope.setdefault("original_max_position_embeddings", getattr(c, "original_max_position_embeddings", None))
+    options = relational_options(model) | (gemma_options(model) if is_gemma_family(model) else {})
+    options.setdefault("rope_parameters", rope)
+    options.setdefault("hidden_act", getattr(c, "hidden_act", None))
     return RelationalConfig(
-        **relational_options(model),
+        **options,
         vocab_size=vocab,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -161,13 +175,11 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
         head_dim=adapter.head_dim(),
         qk_rank=adapter.head_dim(),
         position_encoding="rope",
-        rope_parameters=rope,
         max_position_embeddings=c.max_position_embeddings,
         gauge="pivot",
         pivot_scale=pivot_scale,
         attention_bias=slots.q_bias is not None,
         attention_output_bias=slots.o_bias is not None,
-        hidden_act=c.hidden_act,
         tie_word_embeddings=tie,
         final_norm_gain=tie,
         initializer_range=getattr(c, "initializer_range", 0.02),
@@ -178,7 +190,12 @@ def relational_config_for(model: nn.Module, *, tie: bool, pivot_scale: float | N
     )
 
 
-def _check_supported(model: nn.Module) -> None:
+def _check_supported(model: nn.Module, *, slicing: bool = False) -> None:
+    if is_gemma_family(model):  # Gemma 3 (`convert.gemma`); not sliced yet
+        check_gemma_convertible(model)
+        if slicing:
+            raise ConversionError(f"slicing {type(model).__name__}: {NOT_COMPRESSED}; convert it without --slice")
+        return
     check_convertible(model)
 
 
@@ -219,6 +236,8 @@ def source_layer_tensors(adapter, layer) -> dict[str, torch.Tensor | None]:
     model's own dtype and device (no copy). A LayerNorm family: `layernorm.layernorm_layer_tensors`."""
     if is_layernorm_family(adapter.model):
         return layernorm_layer_tensors(adapter.model, layer)
+    if is_gemma_family(adapter.model):
+        return gemma_layer_tensors(adapter.model, layer)
     w = adapter.attention_weights(layer)
     mlp = adapter.mlp_slots(layer)
     slots = adapter.attention_slots(layer)
@@ -290,6 +309,7 @@ def convert_layer(
     seconds of the phases "fold", "gauge_attention" and "gauge_mlp" (pivot selection, the gauge maps and storing
     the free entries)."""
     times = times if times is not None else PhaseTimes()
+    load_output_gains(target, {k: tensors.pop(k) for k in OUTPUT_GAINS if k in tensors})  # sandwich norms (Gemma 3)
     # one half at a time, and `tensors` is emptied as it is used: a caller that holds no other reference (the
     # streaming converter) keeps only what is still to be converted in memory
     part = {k: tensors.pop(k) for k in list(tensors) if k not in _MLP_ROLES}
@@ -323,7 +343,7 @@ def _fold_and_load(source: nn.Module, target: RelationalForCausalLM) -> None:
         load_layernorm_ends(source, target)
         return
     dst.embedding().weight.copy_(src.embedding().weight.float())
-    g_final = src.final_norm().weight.detach()
+    g_final = norm_gain(src, src.final_norm())  # 1 + w for Gemma 3
     if target.config.tie_word_embeddings:
         target.model.norm.weight.copy_(g_final.float())
     else:
@@ -417,7 +437,7 @@ def to_relational(
     also stored as `model.conversion_report`. Mistral's sliding window is not represented (the relational model
     attends to the full context): a warning is issued and the check runs on sequences inside the window.
     """
-    _check_supported(model)
+    _check_supported(model, slicing=slice_fraction > 0)
 
     check_pivot_gauge_exists(model)  # names the layer and head of a rank-deficient block
     if not 0.0 <= slice_fraction < 1.0:
@@ -440,7 +460,7 @@ def to_relational(
             raise ValueError(f"verify_data holds token ids outside [0, {model.config.vocab_size})")
     adapter = get_adapter(model)
     notes = []
-    window = _sliding_window(model.config)
+    window = None if is_gemma_family(model) else _sliding_window(model.config)  # Gemma 3's windows are held
     length = verify_length
     if verify_data is not None:
         verify_data = verify_data[:4]
@@ -460,8 +480,8 @@ def to_relational(
     source_was_training = source.training
     source.eval()
     tie = adapter.head_tied()
-    if is_layernorm_family(model):
-        notes.append(LAYERNORM_NOTE)
+    if is_layernorm_family(model) or is_gemma_family(model):
+        notes.append(LAYERNORM_NOTE if is_layernorm_family(model) else GEMMA_NOTE)
     target = _new_relational(relational_config_for(model, tie=tie, pivot_scale=pivot_scale))
     target.to(next(source.parameters()).device)
     _fold_and_load(source, target)

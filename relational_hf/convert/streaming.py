@@ -52,6 +52,7 @@ from ..shards import (
     trim_heap,
 )
 from .families import fixed_groups
+from .gemma import GEMMA_NOTE, is_gemma_config, is_gemma_family, norm_gain
 from .layernorm import (
     LAYERNORM_NOTE,
     centred,
@@ -97,6 +98,19 @@ def _rotary(model: nn.Module):
     """A CPU instance of the source model's rotary embedding (the meta model's has no values)."""
     rotary = getattr(get_adapter(model).base_model(), "rotary_emb", None)  # None: no rotary positions (GPT-2)
     return None if rotary is None else type(rotary)(config=model.config)
+
+
+def _layer_rotary(rotary, config, index: int):
+    """The rotary embedding layer `index` reads, as a function of (hidden, positions): Gemma 3's takes the layer's type
+    (one table per type: `rope_type` is a dict by type); a relational model with `sliding_rope_parameters` has one for
+    its sliding layers (`rotary` is then the pair (full, sliding))."""
+    if isinstance(rotary, tuple):
+        full, sliding = rotary
+        return sliding if sliding is not None and config.layer_sliding(index) else full
+    if rotary is not None and isinstance(getattr(rotary, "rope_type", None), dict):
+        kind = config.layer_types[index]
+        return lambda hidden, positions: rotary(hidden, positions, kind)
+    return rotary
 
 
 @torch.no_grad()
@@ -175,8 +189,8 @@ def stream_to_relational(
         expected.pop("lm_head.weight", None)
 
     layernorm = is_layernorm_family(source)  # checked on mean-free hidden states, outputs compared centred
-    notes = [LAYERNORM_NOTE] if layernorm else []
-    window = _sliding_window(config)
+    notes = [LAYERNORM_NOTE] if layernorm else [GEMMA_NOTE] if is_gemma_family(source) else []
+    window = None if is_gemma_family(source) else _sliding_window(config)  # Gemma 3's windows are held
     length = verify_length if window is None else min(verify_length, window)
     if window is not None:
         notes.append(
@@ -230,7 +244,10 @@ def stream_to_relational(
         generator = torch.Generator().manual_seed(0)
         buffers: dict[str, torch.Tensor] = {}  # the fp32 source tensors, reused layer after layer
         src_rotary = _rotary(source) if verify else None
-        dst_rotary = RelationalRotaryEmbedding(rconfig) if verify else None
+        local = rconfig.sliding_rope_parameters
+        dst_rotary = None
+        if verify:  # (full, sliding) tables: Gemma 3's sliding layers have their own rotary base
+            dst_rotary = (RelationalRotaryEmbedding(rconfig), local and RelationalRotaryEmbedding(rconfig, local))
         for i in tqdm(range(len(src_layers)), desc="convert layers", disable=not progress):
             with times("read"):  # in fp32 once (into the previous layer's tensors): the check's source, then the input
                 block = materialize(source, reader, src_prefixes[i], dtype=torch.float32, buffers=buffers)
@@ -240,7 +257,7 @@ def stream_to_relational(
                 with times("check_forward"):
                     hidden = torch.randn(1, length, rconfig.hidden_size, generator=generator)
                     hidden = centred(hidden) if layernorm else hidden
-                    reference = _layer_outputs(block, hidden, src_rotary)
+                    reference = _layer_outputs(block, hidden, _layer_rotary(src_rotary, config, i))
                     reference = centred(reference) if layernorm else reference
             tensors = source_layer_tensors(adapter, src_layers[i])
             release(block)  # `tensors` holds the only references: convert_layer consumes them as it goes
@@ -251,7 +268,8 @@ def stream_to_relational(
             convert_layer(layer, tensors, times, consume=True)
             if i in verify:
                 with times("check_forward"):
-                    result = relative_difference(reference, _layer_outputs(layer, hidden, dst_rotary))
+                    converted = _layer_outputs(layer, hidden, _layer_rotary(dst_rotary, rconfig, i))
+                    result = relative_difference(reference, converted)
                 results["worst"] = max(results["worst"], result, key=lambda r: r[2])
                 if not result[2] <= tolerance:
                     raise ConversionError(
@@ -266,7 +284,7 @@ def stream_to_relational(
         del layer, layers
         with times("embedding_head"):
             final_key = embed_name[src_names[id(adapter.final_norm().weight)]]
-            g_final = reader.get([final_key])[final_key]
+            g_final = norm_gain(adapter, adapter.final_norm(), reader.get([final_key])[final_key])  # Gemma: 1 + w
             if layernorm:  # the final LayerNorm's gain and bias kept (tied head), or gain folded and bias / gain
                 bias_key = embed_name[src_names[id(adapter.final_norm().bias)]]
                 beta = reader.get([bias_key])[bias_key]
@@ -329,6 +347,8 @@ def layerwise_logits(
     from tqdm.auto import tqdm
 
     reader, config, model = open_checkpoint(path, trust_remote_code=trust_remote_code)
+    if is_gemma_config(config):  # its embedding scale and sliding-window layers are not applied here
+        raise ValueError(f"layerwise_logits: {path}: Gemma 3 and its conversion are not computed layer by layer yet")
     adapter = get_adapter(model)
     modules = {id(m): n for n, m in model.named_modules()}
     head = adapter.output_head()
@@ -378,7 +398,7 @@ class LlamaCheckpointLayers:
         params = {id(p): n for n, p in source.named_parameters()}
         self._embed_key = names[params[id(self._adapter.embedding().weight)]]
         self._head_key = None if self._tied else names[params[id(self._adapter.output_head().weight)]]
-        self._final_gain = self._adapter.final_norm().weight.detach()
+        self._final_gain = norm_gain(self._adapter, self._adapter.final_norm())
         self.storage_dtype = reader.dtype(self._embed_key)
         self._layers = self._adapter.layers()
         self._prefixes = _layer_prefixes(source, [lr.block for lr in self._layers])

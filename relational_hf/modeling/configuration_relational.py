@@ -25,6 +25,8 @@ from transformers import PreTrainedConfig
 
 #: default pivot value c = PIVOT_SCALE_FACTOR x initializer_range (see `pivot_scale`)
 PIVOT_SCALE_FACTOR = 5.0
+#: the attention types `layer_types` may name (Transformers' names)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _integer(low: int, high: int | None = None, *, optional: bool = False):
@@ -186,6 +188,20 @@ class RelationalConfig(PreTrainedConfig):
         rope_layers: optional per-layer rotary switch (one bool per layer; False: the layer attends without
             positions, its QK gauge is GL(qk_rank), as SmolLM3's no-rope layers). None: every layer follows
             `position_encoding`. Needs position_encoding='rope'.
+        sandwich_norms: a norm with a gain vector (d values) on the attention's output and on the MLP's output,
+            before each is added to the stream (Gemma 2/3's post-attention and post-feedforward norms). The gains sit
+            between W_O (W_down) and the stream, so they fold nowhere: residual rotations must commute with every one
+            of them (with distinct gain values, none is left). Off by default.
+        embedding_scale: a number multiplying the embedded input (Gemma's sqrt(hidden_size)); with a head tied to the
+            embedding it cannot be folded into the table. Computed in the embedding's dtype, as Gemma does. None: no
+            scale.
+        layer_types: optional attention type per layer, "full_attention" or "sliding_attention" (Gemma 3, with the
+            names and masks of Transformers: `create_causal_mask`, `create_sliding_window_causal_mask`; the cache keeps
+            the last `sliding_window` positions of a sliding layer). None: every layer attends to the full context.
+        sliding_window: the window of the sliding layers (a query attends to the `sliding_window` positions up to and
+            including its own); needs `layer_types` with a sliding layer, and they need it.
+        sliding_rope_parameters: rotary settings of the sliding layers (Gemma 3's local base frequency), as
+            `rope_parameters`, which the full layers keep. None: the sliding layers use `rope_parameters`.
     """
 
     model_type = "relational-transformer"
@@ -227,6 +243,11 @@ class RelationalConfig(PreTrainedConfig):
     embedding_centring: bool = False
     final_norm_bias: bool = False
     parallel_residual: bool = False
+    sandwich_norms: bool = False
+    embedding_scale: int | float | None = _number(0.0, _INF, low_open=True, high_open=True, optional=True)(default=None)
+    layer_types: list[str] | None = None
+    sliding_window: int | None = _integer(1, optional=True)(default=None)
+    sliding_rope_parameters: dict | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -363,18 +384,11 @@ class RelationalConfig(PreTrainedConfig):
     def validate_rope(self) -> None:
         """Rotary settings, checked only with position_encoding='rope'; the rotary width is `qk_rank`."""
         if self.position_encoding != "rope":
+            if self.sliding_rope_parameters is not None:
+                raise ValueError("`sliding_rope_parameters` needs position_encoding='rope'")
             return
         rope = self.rope_parameters
-        if not isinstance(rope, dict) or "rope_type" not in rope:
-            raise ValueError(f"`rope_parameters` must be a dict with a 'rope_type' key, got {rope!r}")
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        rope_types = ("default", *ROPE_INIT_FUNCTIONS)
-        if rope["rope_type"] not in rope_types:
-            raise ValueError(f"`rope_parameters['rope_type']` must be one of {rope_types}, got {rope['rope_type']!r}")
-        theta = rope.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"`rope_parameters['rope_theta']` must be a finite number > 0, got {theta!r}")
+        self._check_rope_table("rope_parameters", rope)
         factor = rope.get("partial_rotary_factor", 1.0)
         ok = not isinstance(factor, bool) and isinstance(factor, (int, float)) and 0 < factor <= 1
         if not ok or (factor != 1 and (self.rotary_dim < 2 or self.rotary_dim % 2)):
@@ -387,16 +401,57 @@ class RelationalConfig(PreTrainedConfig):
         )
         if factor != 1 and others:
             raise ValueError(f"`rope_parameters['partial_rotary_factor']` < 1 needs {others[0]} unset (partial rotary)")
+        local = self.sliding_rope_parameters
+        if local is not None:
+            self._check_rope_table("sliding_rope_parameters", local)
+            if local.get("partial_rotary_factor", 1.0) != factor:
+                raise ValueError("`sliding_rope_parameters['partial_rotary_factor']` must equal rope_parameters'")
+
+    def _check_rope_table(self, name: str, rope: Any) -> None:
+        """One table of rotary settings (`rope_parameters` or `sliding_rope_parameters`): its type, base and scaling
+        keys, with Transformers' own checks of the type."""
+        if not isinstance(rope, dict) or "rope_type" not in rope:
+            raise ValueError(f"`{name}` must be a dict with a 'rope_type' key, got {rope!r}")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_types = ("default", *ROPE_INIT_FUNCTIONS)
+        if rope["rope_type"] not in rope_types:
+            raise ValueError(f"`{name}['rope_type']` must be one of {rope_types}, got {rope['rope_type']!r}")
+        theta = rope.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"`{name}['rope_theta']` must be a finite number > 0, got {theta!r}")
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
             value = rope.get(key)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"`rope_parameters['{key}']` must be finite, got {value}")
+                raise ValueError(f"`{name}['{key}']` must be finite, got {value}")
         check = getattr(self, f"_validate_{rope['rope_type']}_rope_parameters", None)
         if check is not None:
             try:
                 check(dict(rope), ignore_keys=self.ignore_keys_at_rope_validation)
             except KeyError as err:
-                raise ValueError(f"`rope_parameters`: {err.args[0]}") from None
+                raise ValueError(f"`{name}`: {err.args[0]}") from None
+
+    def validate_window_options(self) -> None:
+        """Per-layer attention types and the sliding window (Gemma 3), the embedding scale and the sandwich norms."""
+        types = self.layer_types
+        if types is not None:
+            if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+                n = self.num_hidden_layers
+                raise ValueError(f"`layer_types` must be a list of {n} layer types (one per layer), got {types!r}")
+            bad = [t for t in types if t not in LAYER_TYPES]
+            if bad:
+                raise ValueError(f"`layer_types` entries must be in {LAYER_TYPES}, got {bad[0]!r}")
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and self.sliding_window is None:
+            raise ValueError("`sliding_window` must be set when `layer_types` has a 'sliding_attention' layer")
+        if self.sliding_window is not None and not sliding:
+            raise ValueError("`sliding_window` needs `layer_types` with a 'sliding_attention' layer (None otherwise)")
+        if self.sliding_rope_parameters is not None and not sliding:
+            raise ValueError("`sliding_rope_parameters` needs `layer_types` with a 'sliding_attention' layer")
+
+    def layer_sliding(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` attends through the sliding window (`layer_types`)."""
+        return self.layer_types is not None and self.layer_types[layer_idx] == "sliding_attention"
 
     # ---- names Transformers reads ----
 

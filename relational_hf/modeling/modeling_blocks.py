@@ -1,7 +1,7 @@
 """Blocks of the relational transformer for converted LayerNorm families (GPT-2, GPT-NeoX), imported by
 `modeling_relational.py` and travelling to the Hub with it (``trust_remote_code``): the plain (non-gated) MLP with
-biases, and the input embedding with absolute positions and centring. Imports only torch, transformers and the
-configuration file.
+biases, and the input embedding with absolute positions and centring (and Gemma's embedding scale). Imports only
+torch, transformers and the configuration file.
 
 Why these hold a LayerNorm model exactly (SliceGPT's observation): LayerNorm(x) = g * C x / rms(C x) + beta with
 C = I - 11^T / d. When every write into the residual stream is mean-free (C x = x), LayerNorm is the gain-free RMS norm
@@ -69,8 +69,11 @@ def position_table(config: RelationalConfig) -> nn.Embedding | None:
 def embed_input(
     config: RelationalConfig, inputs_embeds: torch.Tensor, positions: nn.Embedding | None, position_ids: torch.Tensor
 ) -> torch.Tensor:
-    """The stream's first state: token embeddings plus the position table's rows (learned positions), centred over
-    the d coordinates when `embedding_centring`."""
+    """The stream's first state: token embeddings times `embedding_scale` (in their dtype, as Gemma scales them),
+    plus the position table's rows (learned positions), centred over the d coordinates when `embedding_centring`."""
+    if config.embedding_scale is not None:
+        scale = torch.tensor(config.embedding_scale, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
+        inputs_embeds = inputs_embeds * scale
     if positions is not None:
         if not torch.compiler.is_compiling() and int(position_ids.max()) >= positions.num_embeddings:
             raise ValueError(

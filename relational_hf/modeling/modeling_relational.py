@@ -11,9 +11,9 @@ rotation O(d) is left free (its canonical form is the principal gauge of the sym
 The file reads like Transformers' Llama: norm, rotary embedding, attention, MLP, decoder layer, PreTrainedModel,
 Model, ForCausalLM, ForSequenceClassification. It travels to the Hub (``trust_remote_code``) with its siblings
 `configuration_relational.py`, `modeling_gauge.py`, `modeling_directional.py`, `modeling_checkpoint.py`,
-`modeling_rotary.py` and `modeling_blocks.py` (the plain MLP and learned positions of converted LayerNorm families)
-(Transformers copies a modeling file's relative imports with it); it imports only torch, transformers and those
-siblings.
+`modeling_rotary.py`, `modeling_blocks.py` (the plain MLP and learned positions of converted LayerNorm families) and
+`modeling_windows.py` (per-layer full and sliding-window attention) (Transformers copies a modeling file's relative
+imports with it); it imports only torch, transformers and those siblings.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -62,6 +61,7 @@ from .modeling_rotary import (  # noqa: F401  (re-exported: the compression tool
     rotary_layout,
     rotate_half,
 )
+from .modeling_windows import create_masks_for_generate, layer_masks
 
 logger = logging.get_logger(__name__)
 
@@ -94,16 +94,19 @@ class RelationalRMSNorm(nn.Module):
 
 
 class RelationalRotaryEmbedding(nn.Module):
-    """Rotary angles for the r = qk_rank query/key coordinates, any Transformers rope type."""
+    """Rotary angles for the r = qk_rank query/key coordinates, any Transformers rope type (`rope_parameters`: another
+    table than the config's, e.g. its `sliding_rope_parameters`)."""
 
-    def __init__(self, config: RelationalConfig) -> None:
+    def __init__(self, config: RelationalConfig, rope_parameters: dict | None = None) -> None:
         super().__init__()
         rope_config = copy.copy(config)
         rope_config.head_dim = config.qk_rank  # the rotary dimension is the QK width
+        if rope_parameters is not None:
+            rope_config.rope_parameters = copy.deepcopy(rope_parameters)
         self.config = rope_config
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        self.rope_type = rope_config.rope_parameters.get("rope_type", "default")
         inv_freq, self.attention_scaling = self._compute(rope_config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
@@ -426,7 +429,8 @@ class RelationalMLP(nn.Module):
 
 class RelationalDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)), with gain-free norms (`parallel_residual`:
-    h + Attn(norm(h)) + MLP(norm'(h)))."""
+    h + Attn(norm(h)) + MLP(norm'(h))). `sandwich_norms`: each sublayer's output goes through a norm with a gain
+    before the add (Gemma 3), h + N_a(Attn(norm(h))), a gain the residual rotation must commute with."""
 
     def __init__(self, config: RelationalConfig, layer_idx: int) -> None:
         super().__init__()
@@ -436,6 +440,9 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = RelationalRMSNorm(config.rms_norm_eps)
         self.post_attention_layernorm = RelationalRMSNorm(config.rms_norm_eps)
         self.parallel_residual = config.parallel_residual
+        sandwich = config.hidden_size if config.sandwich_norms else None
+        self.attention_output_norm = RelationalRMSNorm(config.rms_norm_eps, sandwich) if sandwich else None
+        self.mlp_output_norm = RelationalRMSNorm(config.rms_norm_eps, sandwich) if sandwich else None
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -458,12 +465,16 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
+        if self.attention_output_norm is not None:  # sandwich norms: the sublayers' outputs normalised, with gains
+            hidden_states = self.attention_output_norm(hidden_states)
         if self.parallel_residual:  # GPT-NeoX: the attention and the MLP both read the layer input
-            return residual + hidden_states + self.mlp(self.post_attention_layernorm(residual))
+            return residual + hidden_states + self._mlp_update(residual)
         hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        return hidden_states + self._mlp_update(hidden_states)
+
+    def _mlp_update(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        update = self.mlp(self.post_attention_layernorm(hidden_states))
+        return update if self.mlp_output_norm is None else self.mlp_output_norm(update)
 
 
 def follow_device_map(model: nn.Module) -> None:
@@ -595,6 +606,8 @@ class RelationalModel(RelationalPreTrainedModel):
         )
         self.embed_positions = position_table(config)  # absolute positions (position_encoding="learned")
         self.rotary_emb = RelationalRotaryEmbedding(config) if config.position_encoding == "rope" else None
+        local = config.sliding_rope_parameters  # the sliding layers' own rotary table (Gemma 3's local base)
+        self.sliding_rotary_emb = RelationalRotaryEmbedding(config, local) if local is not None else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -624,20 +637,18 @@ class RelationalModel(RelationalPreTrainedModel):
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens)[None]
         inputs_embeds = embed_input(self.config, inputs_embeds, self.embed_positions, position_ids)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        masks = layer_masks(
+            self.config, attention_mask, inputs_embeds=inputs_embeds, cache=cache, position_ids=position_ids
+        )  # one per layer: full causal, or through the sliding window (`layer_types`)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        local = self.sliding_rotary_emb
+        local = position_embeddings if local is None else local(hidden_states, position_ids)
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
+                attention_mask=masks[i],
+                position_embeddings=local if self.config.layer_sliding(i) else position_embeddings,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -668,6 +679,7 @@ class RelationalForCausalLM(RelationalPreTrainedModel, GenerationMixin):
     """Relational model with a language-modelling head (tied to the embedding by default)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    create_masks_for_generate = staticmethod(create_masks_for_generate)  # per layer type (`layer_types`)
 
     def __init__(self, config: RelationalConfig) -> None:
         super().__init__(config)

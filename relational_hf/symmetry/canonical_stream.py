@@ -277,7 +277,8 @@ def stream_canonicalize(
         model = stored
     ckpt = checkpoint_names(stored, reader)
     small = [n for n, t in _tensor_names(stored).items() if t.ndim <= 1 and n in ckpt]
-    _load(model, reader, [n for n in small if n in _tensor_names(model)], ckpt)  # gains: clusters, QK-norm pairs
+    resident = {n for n in small if n in _tensor_names(model)}  # gains: clusters, QK-norm pairs; kept all along
+    _load(model, reader, sorted(resident), ckpt)
     parts = _parts(model)
     stored_parts = _parts(stored) if pivot else parts
     stored_shapes = {n: tuple(t.shape) for n, t in _tensor_names(stored).items()}
@@ -355,6 +356,9 @@ def stream_canonicalize(
                 else:
                     _write_part(writer, model, part, dtypes)
             _unload(model, part.names, shapes)
+            # the part's gains read again as stored: the later parts' rotation must commute with every gain in front
+            # of the stream (Gemma 3's sandwich norms sit in the layers), not with gains gone to the meta device
+            _load(model, reader, [n for n in part.names if n in resident], ckpt)
             trim_heap()
         writer.finish(total)
         _write_metadata(src, config, write_dtype, stage, trust_remote_code)
