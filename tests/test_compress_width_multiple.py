@@ -28,6 +28,15 @@ def test_grid_without_a_multiple_is_the_plain_grid():
     assert mlp_width_grid(1536, opts) == list(width_grid(1536, opts.mlp_step, opts.min_mlp_units))
 
 
+@pytest.mark.parametrize("multiple", [8, 32, 64])
+def test_a_multiple_the_plain_grid_already_honours_changes_nothing(multiple):
+    """SmolLM2's 1536 units in the default steps of 64 are multiples of 64 already: --width-multiple 32 or 64 must
+    plan the very model the defaults plan (measured: the same widths and perplexities at 64), not an offset grid."""
+    plain = mlp_width_grid(1536, LowRankOptions())
+    assert mlp_width_grid(1536, LowRankOptions(width_multiple=multiple)) == plain
+    assert mlp_width_grid(1536, LowRankOptions(width_multiple=128)) != plain  # a coarser multiple does change it
+
+
 def _llama():
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -124,11 +124,13 @@ def width_grid(width: int, step: int, smallest: int) -> range:
 def mlp_width_grid(width: int, opts) -> list[int]:
     """Candidate SwiGLU widths below `width` (`opts`: `compress.lowrank.LowRankOptions`): `width_grid`'s, or with
     `opts.width_multiple` N the multiples of N below `width` in steps of at least `mlp_step`, down to
-    `min_mlp_units` (at least N). A compressed model's SwiGLU widths are the only rows llama.cpp sees at their own
-    length (QK and value widths are padded to the head width in GGUF), and its K-quants need rows of 256."""
+    `min_mlp_units` (at least N); the plain grid itself where all of it is multiples of N already. A compressed
+    model's SwiGLU widths are the only rows llama.cpp sees at their own length (QK and value widths are padded to the
+    head width in GGUF), and its K-quants need rows of 256."""
     multiple = getattr(opts, "width_multiple", None)
-    if not multiple:
-        return list(width_grid(width, opts.mlp_step, opts.min_mlp_units))
+    plain = list(width_grid(width, opts.mlp_step, opts.min_mlp_units))
+    if not multiple or (plain and all(w % multiple == 0 for w in plain)):
+        return plain  # a multiple the plain grid already honours changes nothing (SmolLM2's 1536 in steps of 64)
     step = multiple * max(1, -(-opts.mlp_step // multiple))
     top = (width - 1) // multiple * multiple
     smallest = max(multiple, opts.min_mlp_units)
