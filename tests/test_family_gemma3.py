@@ -288,7 +288,7 @@ def test_converted_model_generates_the_sources_greedy_tokens(source, converted):
     assert torch.equal(model.generate(prompt, cache_implementation="static", **kw), ours)
 
 
-@pytest.mark.parametrize("random_gains", [True], ids=["random_gains"])
+@pytest.mark.parametrize("random_gains", [True, False], ids=["random_gains", "initial_gains"])
 def test_a_random_element_of_the_surviving_group_keeps_the_converted_logits(random_gains):
     """Random gains: the QK-norm gain exchange survives. Gains at w = 0 (all sandwich and final gains equal): the QK
     rotations and the whole residual rotation O(d) survive too, as in the source."""
@@ -333,16 +333,22 @@ def test_variants_without_a_relational_form_are_refused_in_one_line(variant, nam
         assert not (tmp_path / "c").exists()
 
 
-def test_compress_and_slicing_refuse_in_one_line(source, checkpoint, tmp_path):
+def test_compress_slice_and_export_refuse_in_one_line(source, checkpoint, converted, tmp_path):
     from family_helpers import token_ids
 
     from relational_hf.convert import ConversionError, to_relational
 
-    argv = [str(checkpoint), str(tmp_path / "k"), "--remove", "0.1", "--window", "16", "--calibration-windows", "2"]
-    assert_refused_in_one_line("compress", argv, "sandwich norms")
-    assert not (tmp_path / "k").exists()
+    for name, src in (("from_source", checkpoint), ("from_relational", converted)):
+        argv = [str(src), str(tmp_path / name), "--remove", "0.1", "--window", "16", "--calibration-windows", "2"]
+        assert_refused_in_one_line("compress", argv, "sandwich norms", "not compressed")
+        assert not (tmp_path / name).exists()
     with pytest.raises(ConversionError, match="slicing Gemma3ForCausalLM: sandwich norms"):
         to_relational(source, slice_fraction=0.25, calibration_data=token_ids(batch=4, length=16))
+    for target, named in (("llama", "sandwich_norms=True"), ("qwen3", "sandwich_norms=True"), ("gguf", "GGUF")):
+        code, _, err = run_cli(["export", str(converted), str(tmp_path / target), "--to", target])
+        lines = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(lines) == 1 and named in lines[0], err
+        assert not (tmp_path / target).exists()
 
 
 def test_new_options_are_validated_in_one_line():

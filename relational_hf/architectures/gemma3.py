@@ -15,8 +15,8 @@ GAIN_OFFSET = 1.0
 
 class Gemma3Adapter(LlamaLayoutMixin, ArchitectureAdapter):
     family = "gemma3"
-    #: what the relational architecture cannot hold yet (the converter refuses, naming it)
-    relational_obstruction = "sandwich norms (post-attention and post-feedforward norms) and (1 + w) norm gains"
+    #: the relational architecture holds every part of the forward pass (`relational_hf.convert.gemma`)
+    relational_obstruction = None
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:

@@ -69,7 +69,11 @@ MLP_ROLES = ("up_bias", "down_bias", "mlp_norm_bias")
 def unexported_option(config, target: str | None = None) -> str | None:
     """The first option of a converted LayerNorm model (or of partial rotary) that the Llama-like export targets
     (Llama, Qwen3, SmolLM3, Phi-3) do not hold, as one line naming it and the target that does, or None. `target`
-    "phi3": partial rotary is held (Phi-3 has `partial_rotary_factor`)."""
+    "phi3": partial rotary is held (Phi-3 has `partial_rotary_factor`). A converted Gemma 3: `unexported_gemma_option`."""
+    from .gemma import unexported_gemma_option
+
+    if unexported_gemma_option(config) is not None:
+        return unexported_gemma_option(config)
     options = {
         "mlp_gated=False": not config.mlp_gated,
         "parallel_residual=True": config.parallel_residual,

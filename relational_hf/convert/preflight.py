@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..architectures import get_adapter
+from .gemma import norm_gain
 
 
 class ConversionError(ValueError):
@@ -69,7 +70,7 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
     rope = slots.rotary_dim > 0
     found: list[str] = []
     w = adapter.attention_weights(layer)
-    gain = layer.attention_norm.weight.detach() if layer.attention_norm is not None else None
+    gain = None if layer.attention_norm is None else norm_gain(adapter, layer.attention_norm)  # Gemma: 1 + w
 
     def folded(x: torch.Tensor) -> torch.Tensor:  # W diag(g) in float64, one block per key/value head
         x = x.double() if gain is None else x.to(torch.float64, copy=True).mul_(gain.double())
@@ -87,7 +88,7 @@ def layer_pivot_obstructions(model: nn.Module, index: int, layer) -> list[str]:
     else:
         for h, rank in _rank_deficient(folded(w.k)):
             found.append(f"layer {index}, key/value head {h}: W_K block has rank {rank} < head_dim {d_h}")
-    mlp_gain = layer.mlp_norm.weight.detach() if layer.mlp_norm is not None else None
+    mlp_gain = None if layer.mlp_norm is None else norm_gain(adapter, layer.mlp_norm)
     mlp = adapter.mlp_slots(layer)
     up = mlp.up.get()
     gated = mlp.gated  # a plain MLP has no scale gauge: no pivot divides by its rows
@@ -151,6 +152,10 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False, c
         raise UnsupportedModelError(
             f"unsupported: {type(adapter.model).__name__} ({adapter.relational_obstruction}: no relational form yet)"
         )
+    from .gemma import NOT_COMPRESSED, is_gemma_config
+
+    if compress and adapter is not None and is_gemma_config(adapter.config):  # Gemma 3 and its conversion
+        raise UnsupportedModelError(f"unsupported: {type(adapter.model).__name__} (compress: {NOT_COMPRESSED})")
 
 
 def streamed_compression_refusal(config, *, trust_remote_code: bool = False) -> str | None:
