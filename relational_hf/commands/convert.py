@@ -1,5 +1,5 @@
-"""Convert a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 checkpoint into a relational one: exact, or sliced
-(principal gauge).
+"""Convert a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Gemma 3 / GPT-2 / GPT-NeoX checkpoint into a
+relational one: exact, or sliced (principal gauge).
 
     relational-hf convert SRC OUT [--slice F --calibration FILE] [--stream | --no-stream] [--dtype D]
 
@@ -35,13 +35,18 @@ from .options import (
     positional,
 )
 
-HELP = "convert a Llama/Mistral/Qwen2/Qwen3/SmolLM3/Phi-3 checkpoint into a relational one (exact, or sliced)"
+HELP = (
+    "convert a Llama/Mistral/Qwen2/Qwen3/SmolLM3/Phi-3/Gemma 3/GPT-2/GPT-NeoX checkpoint into a relational one "
+    "(exact, or sliced)"
+)
 
 
 @dataclass
 class ConvertPaths:
     src: str = positional(
-        "Hub id, local checkpoint or GGUF file of a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 causal LM", "SRC"
+        "Hub id, local checkpoint or GGUF file of a Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Gemma 3 / "
+        "GPT-2 / GPT-NeoX causal LM",
+        "SRC",
     )
     out: str = positional("output folder for the relational checkpoint (new or empty)", "OUT")
 
