@@ -109,6 +109,41 @@ class ExportReport:
         return "\n".join(lines) + "\n"
 
 
+def copy_head(source: nn.Module, exported: nn.Module) -> None:
+    """Tie `exported`'s head where the relational config ties it, else copy the head; carry the generation config."""
+    if source.config.tie_word_embeddings:
+        exported.tie_weights()
+    else:
+        exported.lm_head.weight.copy_(source.lm_head.weight)
+    if getattr(source, "generation_config", None) is not None:
+        exported.generation_config = copy.deepcopy(source.generation_config)
+
+
+def verified_family_report(
+    model: nn.Module, source: nn.Module, exported: nn.Module, target: str, *, tolerance: float, verify_length: int,
+    padding_zeros: int = 0, notes: list[str] | None = None,
+) -> ExportReport:
+    """The logit check and the report of an export to a family's own class (`to_family`, `to_layernorm_family`):
+    `ExportError` in one line when the logits differ by more than `tolerance`; stored parameters counted once."""
+    c = model.config
+    diff, rounding = verified_logit_difference(source, exported, c, verify_length, tolerance)
+    if not diff <= tolerance:
+        raise ExportError(f"exported {target} model's logits differ from the relational model's by {diff:.3g}")
+    rounded = [] if rounding is None else [f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}"]
+    return ExportReport(
+        target=target,
+        source_parameters=stored_parameters(model)["total"],
+        exported_parameters=stored_parameters(exported)["total"],
+        head_dim=c.head_dim,
+        qk_rank=c.qk_rank,
+        value_head_dim=c.head_dim,
+        padding_zeros=padding_zeros,
+        max_logit_difference=diff,
+        verified_sequence_length=min(verify_length, c.max_position_embeddings),
+        notes=rounded + list(notes or ()),
+    )
+
+
 def _check_exportable(model: nn.Module) -> None:
     if not isinstance(model, RelationalForCausalLM):
         raise ExportError(
@@ -292,12 +327,7 @@ def to_llama(
     llama.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
     gain = source.model.norm.weight
     llama.model.norm.weight.copy_(gain if gain is not None else torch.ones_like(llama.model.norm.weight))
-    if c.tie_word_embeddings:
-        llama.tie_weights()
-    else:
-        llama.lm_head.weight.copy_(source.lm_head.weight)
-    if getattr(source, "generation_config", None) is not None:
-        llama.generation_config = copy.deepcopy(source.generation_config)
+    copy_head(source, llama)
     diff, rounding = verified_logit_difference(source, llama, c, verify_length, tolerance)
     source.train(was_training)
     report = ExportReport(

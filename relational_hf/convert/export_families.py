@@ -20,7 +20,6 @@ from transformers import Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausa
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalForCausalLM
-from ..params import stored_parameters
 
 #: family name -> (config class, model class)
 FAMILY_CLASSES = {
@@ -126,7 +125,7 @@ def _copy_layers(source: RelationalForCausalLM, target: nn.Module, family: str) 
 def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_length: int = 16):
     """(the `target` family's causal LM with the same function, ExportReport); `ExportError` in one line for a model
     that does not fit the family's class or fails the logit check (fp32, float64 where rounding misses it)."""
-    from .export import ExportError, ExportReport, verified_logit_difference
+    from .export import ExportError, copy_head, verified_family_report
     from .export_layernorm import LAYERNORM_TARGETS, to_layernorm_family
 
     if target in LAYERNORM_TARGETS:  # GPT-2, GPT-NeoX: LayerNorms, plain MLP, learned positions or partial rotary
@@ -146,29 +145,13 @@ def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_
         exported.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
         gain = source.model.norm.weight
         exported.model.norm.weight.copy_(gain if gain is not None else torch.ones_like(exported.model.norm.weight))
-        if c.tie_word_embeddings:
-            exported.tie_weights()
-        else:
-            exported.lm_head.weight.copy_(source.lm_head.weight)
-    if getattr(source, "generation_config", None) is not None:
-        exported.generation_config = copy.deepcopy(source.generation_config)
-    diff, rounding = verified_logit_difference(source, exported, c, verify_length, tolerance)
-    notes = [] if rounding is None else [f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}"]
-    source.train(was_training)
-    if not diff <= tolerance:
-        raise ExportError(f"exported {target} model's logits differ from the relational model's by {diff:.3g}")
-    report = ExportReport(
-        target=target,
-        source_parameters=stored_parameters(model)["total"],
-        exported_parameters=stored_parameters(exported)["total"],
-        head_dim=c.head_dim,
-        qk_rank=c.qk_rank,
-        value_head_dim=c.head_dim,
-        padding_zeros=0,
-        max_logit_difference=diff,
-        verified_sequence_length=min(verify_length, c.max_position_embeddings),
-        notes=notes,
-    )
+        copy_head(source, exported)
+    try:
+        report = verified_family_report(
+            model, source, exported, target, tolerance=tolerance, verify_length=verify_length
+        )
+    finally:
+        source.train(was_training)
     return exported, report
 
 

@@ -34,7 +34,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalForCausalLM
-from ..params import stored_parameters
 
 #: family name -> (config class, model class)
 LAYERNORM_TARGETS = {"gpt2": (GPT2Config, GPT2LMHeadModel), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM)}
@@ -237,7 +236,7 @@ def to_layernorm_family(model: nn.Module, target: str, *, tolerance: float = 1e-
     """(GPT2LMHeadModel or GPTNeoXForCausalLM with the function of the relational `model`, ExportReport): module
     docstring; `ExportError` in one line for what the class cannot hold or a failed logit check (fp32, float64 where
     rounding misses it)."""
-    from .export import ExportError, ExportReport, verified_logit_difference
+    from .export import ExportError, copy_head, verified_family_report
 
     if target not in LAYERNORM_TARGETS:
         raise ExportError(f"--to must be one of {tuple(LAYERNORM_TARGETS)} here, got {target!r}")
@@ -260,31 +259,15 @@ def to_layernorm_family(model: nn.Module, target: str, *, tolerance: float = 1e-
         final, norm = (body.ln_f if target == "gpt2" else body.final_layer_norm), source.model.norm
         final.weight.copy_(norm.weight if norm.weight is not None else torch.ones_like(final.weight))
         final.bias.copy_(norm.bias if norm.bias is not None else torch.zeros_like(final.bias))
-        if c.tie_word_embeddings:
-            exported.tie_weights()
-        else:
-            exported.lm_head.weight.copy_(source.lm_head.weight)
-    if getattr(source, "generation_config", None) is not None:
-        exported.generation_config = copy.deepcopy(source.generation_config)
-    diff, rounding = verified_logit_difference(source, exported, c, verify_length, tolerance)
-    source.train(was_training)
-    if not diff <= tolerance:
-        raise ExportError(f"exported {target} model's logits differ from the relational model's by {diff:.3g}")
-    notes = [] if rounding is None else [f"float32 logits differed by {rounding:.3g} (rounding); verified in float64: {diff:.3g}"]
-    if zeros:
-        notes.append(f"per-layer widths (a compressed model) padded with zeros to {target}'s uniform widths: {zeros:,}")
-    report = ExportReport(
-        target=target,
-        source_parameters=stored_parameters(model)["total"],
-        exported_parameters=stored_parameters(exported)["total"],
-        head_dim=c.head_dim,
-        qk_rank=c.qk_rank,
-        value_head_dim=c.head_dim,
-        padding_zeros=zeros,
-        max_logit_difference=diff,
-        verified_sequence_length=min(verify_length, c.max_position_embeddings),
-        notes=notes,
-    )
+        copy_head(source, exported)
+    notes = [f"per-layer widths (a compressed model) padded with zeros to {target}'s uniform widths: {zeros:,}"] * bool(zeros)
+    try:
+        report = verified_family_report(
+            model, source, exported, target, tolerance=tolerance, verify_length=verify_length, padding_zeros=zeros,
+            notes=notes,
+        )
+    finally:
+        source.train(was_training)
     return exported, report
 
 
