@@ -381,7 +381,8 @@ CASES: list[tuple[str, list[str]]] = [
     # --- export ---
     ("export {root}/missing_model {root}/e", ["missing_model", "no such file or directory"]),
     ("export {model} {foreign}", ["foreign", "not empty"]),
-    ("export {model} {root}/e --to gpt2", ["--to", "invalid choice"]),
+    ("export {model} {root}/e --to gpt3", ["--to", "invalid choice"]),
+    ("export {model} {root}/e --to gpt2", ["--to gpt2", "mlp_gated=True"]),  # a Llama-shaped model has no GPT-2 form
     ("export {model} {root}/e --tolerance -1", ["--tolerance", "(0, inf)"]),
     ("export {model} {root}/e --tolerance nan", ["--tolerance", "finite"]),
     # --- options that do not apply, sizes beyond what a run can hold ---
