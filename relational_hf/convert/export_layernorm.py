@@ -260,7 +260,9 @@ def to_layernorm_family(model: nn.Module, target: str, *, tolerance: float = 1e-
         final.weight.copy_(norm.weight if norm.weight is not None else torch.ones_like(final.weight))
         final.bias.copy_(norm.bias if norm.bias is not None else torch.zeros_like(final.bias))
         copy_head(source, exported)
-    notes = [f"per-layer widths (a compressed model) padded with zeros to {target}'s uniform widths: {zeros:,}"] * bool(zeros)
+    notes = []
+    if zeros:
+        notes.append(f"per-layer widths (a compressed model) padded with zeros to {target}'s uniform widths: {zeros:,}")
     try:
         report = verified_family_report(
             model, source, exported, target, tolerance=tolerance, verify_length=verify_length, padding_zeros=zeros,
