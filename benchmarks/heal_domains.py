@@ -5,8 +5,12 @@ The compressed model is the one `gguf_llamacpp.py` makes with the CLI's defaults
 0.25 --calibration CAL.pt`, SmolLM2-135M-Instruct, 128 WikiText-2 windows plus 64 windows the source samples itself),
 the dense model its exact conversion (`relational-hf convert`). Both are healed the way `compress --heal-steps 200`
 heals (`relational_hf.training.heal.heal`, its defaults: LoRA rank 16, distillation from the dense model, KL of the
-next-token distributions) on text the dense model samples itself (`compress.distill.teacher_text`, the CLI's
-default healing text: 256 samples of 256 tokens, seed 0, half of them chat), and measured on the five domains of
+next-token distributions) on what the CLI heals on: text the dense model samples itself
+(`compress.distill.teacher_text`, the CLI's default healing text: 256 samples of 256 tokens, seed 0, half of them
+chat) and the compression's own calibration windows (the 128 WikiText-2 windows and the 64 the source sampled, rebuilt
+with the sampling settings the compressed model's report records), half the blocks from each
+(`compress.distill.healing_stream`, `--calibration-share`, default the CLI's 0.5; 0: the sampled text alone, what the
+runs before the share was given here did), and measured on the five domains of
 `domains.py` (12 held-out windows of 512 tokens each, the windows of `gguf_llamacpp.py`) before and after: ratio to the
 dense model's unhealed perplexity and the worst of the four target domains.
 
@@ -16,7 +20,8 @@ dense model's unhealed perplexity and the worst of the four target domains.
 Writes results/heal_domains.json and heal_domains.png. Today's default model (samples seeded by CALIBRATION_PROMPTS):
 
     python benchmarks/cli_domains.py --variants default          # makes compressed-calprompts
-    python benchmarks/heal_domains.py --compressed compressed-calprompts --tag calprompts
+    python benchmarks/heal_domains.py --compressed compressed-calprompts --tag cli            # as the CLI heals
+    python benchmarks/heal_domains.py --compressed compressed-calprompts --tag calprompts --calibration-share 0
 """
 
 from __future__ import annotations
@@ -42,15 +47,22 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
     return {d: perplexity_on_windows(model, w) for d, w in windows.items()}
 
 
-def _earlier_control(path: Path, steps: int, dense: dict[str, float]) -> tuple[dict, dict]:
+def _earlier_control(
+    path: Path, steps: int, dense: dict[str, float], share: float = 0.0, stream: dict | None = None
+) -> tuple[dict, dict]:
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
-    same windows (its unhealed dense figures equal today's to 1e-6, its steps and heal settings equal)."""
+    same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
+    with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
+    alone)."""
     import json
 
     earlier = json.loads(path.read_text(encoding="utf-8"))
     same_windows = all(abs(earlier["perplexity"]["dense"][d] / dense[d] - 1) < 1e-6 for d in DOMAINS)
-    if earlier.get("steps") != steps or not same_windows or "dense, healed" not in earlier["perplexity"]:
-        raise SystemExit(f"{path} healed the dense model another way (steps or windows differ): heal it again")
+    same_stream = earlier.get("calibration_share", 0.0) == share and (share == 0.0 or earlier.get("stream") == stream)
+    if earlier.get("steps") != steps or not same_windows or not same_stream or "dense, healed" not in earlier["perplexity"]:
+        raise SystemExit(
+            f"{path} healed the dense model another way (steps, windows or healing stream differ): heal it again"
+        )
     return earlier["perplexity"]["dense, healed"], earlier["heal"]["dense"]
 
 
@@ -67,6 +79,48 @@ def heal_text(workdir: Path, teacher) -> torch.Tensor:
     ids, settings = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()))
     save_teacher_text(path, ids, settings)
     return ids
+
+
+def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch.Tensor, dict]:
+    """The calibration windows `relational-hf compress` fitted the compressed model on: the user's windows
+    (texts/calibration.pt) and the source's samples its report records (count, length, seed, prompt set), mixed as the
+    command mixes them (`compress.calibration.mixed_calibration`). The samples are cached in the workdir by their
+    settings; they are drawn from the dense conversion, so they are the command's recipe, not necessarily its very
+    tokens (sampling from a model that differs in the last bits may diverge)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from relational_hf.compress.calibration import mixed_calibration
+    from relational_hf.compress.distill import (
+        CALIBRATION_PROMPTS,
+        GENERIC_PROMPTS,
+        load_teacher_text,
+        save_teacher_text,
+        teacher_text,
+    )  # fmt: skip
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    report = json.loads((compressed / "compression_report.json").read_text(encoding="utf-8"))
+    info = report.get("calibration") or {}
+    user = torch.load(workdir / "texts" / "calibration.pt")[: info.get("user_windows", 0)]
+    sampling = info.get("sampling")
+    if not info.get("self_windows"):
+        return user, {"user_windows": user.shape[0], "self_windows": 0}
+    prompts = {"calibration": CALIBRATION_PROMPTS, "generic": GENERIC_PROMPTS}.get(sampling.get("prompts", "generic"))
+    if prompts is None or info.get("user_windows") != user.shape[0]:
+        raise SystemExit(f"{compressed.name}: its calibration ({info}) cannot be rebuilt from the workdir's texts")
+    keys = ("samples", "length", "seed", "chat_share")
+    path = workdir / ("calibration_sampled_{prompts}_{samples}x{length}_seed{seed}.safetensors".format(**sampling))
+    if path.exists():
+        rows, settings = load_teacher_text(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+        rows, settings = teacher_text(teacher, tokenizer, prompts=prompts, **{k: sampling[k] for k in keys})
+        save_teacher_text(path, rows, settings)
+    share = info["self_windows"] / (info["self_windows"] + info["user_windows"])
+    windows, mixed = mixed_calibration(user, share, sampled=rows)
+    return windows, mixed | {"sampling": {k: settings[k] for k in (*keys, "prompts")}}
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -104,19 +158,36 @@ def main(argv: list[str] | None = None) -> int:
         "--dense-control", type=Path, metavar="JSON", help="take the healed dense model's figures from an earlier "
         "result of this script (the same healing text, steps and windows, checked) instead of healing it again",
     )
+    parser.add_argument(
+        "--calibration-share", type=float, default=None, help="share of the healing's blocks drawn from the "
+        "compression's calibration windows (default: the CLI's, 0.5; 0 heals on the sampled text alone)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
+    from relational_hf.compress.distill import calibration_share, healing_stream
     from relational_hf.training.heal import heal
 
     windows = {d: torch.load(args.workdir / "texts" / f"{d}.pt") for d in DOMAINS}
     dense = _load(args.workdir / "dense")
-    text = heal_text(args.workdir, dense)
-    perplexity = {"dense": _measure(dense, windows)}
-    reports = {}
-    control = _earlier_control(args.dense_control, args.steps, perplexity["dense"]) if args.dense_control else None
     if not (args.workdir / args.compressed / "config.json").is_file():
         raise SystemExit(f"no checkpoint {args.compressed!r} in {args.workdir}: make it first (see the module's help)")
+    try:
+        share = calibration_share(args.calibration_share, "--calibration-share")
+    except ValueError as err:
+        parser.error(str(err))
+    text = heal_text(args.workdir, dense)
+    stream: dict = {"calibration_share": share, "text_tokens": text.numel()}
+    if share > 0.0:
+        calibration, info = calibration_windows(args.workdir, args.workdir / args.compressed, dense)
+        text, stream = healing_stream(text, calibration, share)
+        stream["calibration"] = info
+    perplexity = {"dense": _measure(dense, windows)}
+    reports = {}
+    control = (
+        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream)
+        if args.dense_control else None
+    )  # fmt: skip
     runs = [("compressed", args.workdir / args.compressed)] + ([] if control else [("dense", args.workdir / "dense")])
     for name, folder in runs:
         model = _load(folder)
@@ -137,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "compressed": args.compressed,
         "dense_control_from": args.dense_control.name if args.dense_control else None,
         "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
+        "calibration_share": share,
+        "stream": stream,
         "perplexity": perplexity,
         "ratio_to_dense": table,
         "worst_of_four": {name: ratios(p, base, TARGET_DOMAINS) for name, p in perplexity.items() if name != "dense"},

@@ -40,3 +40,53 @@ def test_another_healing_or_other_windows_is_refused(tmp_path, heal_domains, cha
     today = dense | ({"python": dense["python"] * 1.001} if change == "windows" else {})
     with pytest.raises(SystemExit, match="heal it again"):
         heal_domains._earlier_control(path, 200, today)
+
+
+def test_a_dense_control_healed_on_another_stream_is_refused(tmp_path, heal_domains):
+    """Runs that recorded no calibration share healed on the sampled text alone: they control a share of 0, not the
+    CLI's half-and-half stream, and an equal share on other calibration windows controls nothing either."""
+    dense = {d: 10.0 + i for i, d in enumerate(DOMAINS)}
+    path, healed = _earlier(tmp_path, dense)
+    assert heal_domains._earlier_control(path, 200, dense, 0.0)[0] == healed
+    with pytest.raises(SystemExit, match="healing stream"):
+        heal_domains._earlier_control(path, 200, dense, 0.5, {"calibration_share": 0.5})
+    payload = json.loads(path.read_text()) | {"calibration_share": 0.5, "stream": {"calibration_tokens": 10}}
+    path.write_text(json.dumps(payload))
+    assert heal_domains._earlier_control(path, 200, dense, 0.5, {"calibration_tokens": 10})[0] == healed
+    with pytest.raises(SystemExit, match="healing stream"):
+        heal_domains._earlier_control(path, 200, dense, 0.5, {"calibration_tokens": 11})
+
+
+def _workdir(tmp_path, user_windows: int = 8, self_windows: int = 4):
+    from relational_hf.compress.distill import save_teacher_text
+
+    torch = pytest.importorskip("torch")
+    (tmp_path / "texts").mkdir()
+    user = torch.randint(0, 100, (8, 16))
+    torch.save(user, tmp_path / "texts" / "calibration.pt")
+    sampling = {"samples": self_windows, "length": 16, "seed": 1, "chat_share": 0.5, "prompts": "calibration"}
+    report = {"calibration": {"user_windows": user_windows, "self_windows": self_windows, "sampling": sampling}}
+    (tmp_path / "compressed").mkdir()
+    (tmp_path / "compressed" / "compression_report.json").write_text(json.dumps(report))
+    rows = torch.randint(100, 200, (self_windows, 16))
+    name = "calibration_sampled_calibration_{samples}x{length}_seed{seed}.safetensors".format(**sampling)
+    save_teacher_text(tmp_path / name, rows, sampling)
+    return user, rows
+
+
+def test_the_calibration_windows_are_the_commands_mixture_with_nothing_lost(tmp_path, heal_domains):
+    """The rebuilt calibration holds every user window and every cached sample once, spread as the command spreads
+    them (a third sampled, so every prefix of three holds one sample)."""
+    user, rows = _workdir(tmp_path)
+    windows, info = heal_domains.calibration_windows(tmp_path, tmp_path / "compressed", teacher=None)
+    assert windows.shape == (12, 16) and info["self_windows"] == 4 and info["user_windows"] == 8
+    got = sorted(map(tuple, windows.tolist()))
+    assert got == sorted(map(tuple, user.tolist() + rows.tolist()))
+    sampled = [bool((w >= 100).all()) for w in windows]
+    assert all(sum(sampled[: 3 * (k + 1)]) == k + 1 for k in range(4))
+
+
+def test_a_calibration_the_workdir_cannot_rebuild_is_refused(tmp_path, heal_domains):
+    _workdir(tmp_path, user_windows=64)
+    with pytest.raises(SystemExit, match="cannot be rebuilt"):
+        heal_domains.calibration_windows(tmp_path, tmp_path / "compressed", teacher=None)
