@@ -57,6 +57,23 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         "every narrowed SwiGLU width a multiple of 32: the default grid is that already (budget.mlp_width_grid), so "
         "this plans the default's model",
     ),
+    "mlp-w256": (
+        "compressed-mlp-w256",
+        ["--kinds", "mlp", "--width-multiple", "256"],
+        "the budget on the MLP alone, every query/key and value width whole (GGUF pads narrowed ones back to the head "
+        "width), SwiGLU widths multiples of 256: the llama.cpp-shaped model (made by gguf_llamacpp.py)",
+    ),
+    "blend-local": (
+        "compressed-blend-local",
+        ["--refit-blend", "0"],
+        "the MLP refit's target the dense MLP's output on the compressed stream alone (the default blends it half "
+        "and half with the dense model's next hidden states, which the calibration windows define)",
+    ),
+    "prior-zero": (
+        "compressed-prior-zero",
+        ["--refit-prior", "zero"],
+        "the MLP refit's ridge pulled towards zero (the default pulls towards the kept units' own W_down columns)",
+    ),
     "self-half": ("compressed-self-half", ["--self-calibration", "0.5"], "half the calibration windows sampled"),
 }
 

@@ -6,7 +6,8 @@ Every step is the command a user runs, cached in --workdir (default results/gguf
    WikiText-2 validation documents) and each domain's 12 held-out windows (`domains.py`), as token-id files;
 2. checkpoints: `relational-hf convert SRC dense` (exact), `relational-hf compress SRC c25 --remove 0.25
    --calibration CAL.pt --eval ...` with the CLI's defaults, and the same with `--width-multiple 256` (every narrowed
-   SwiGLU width a multiple of llama.cpp's K-quant block);
+   SwiGLU width a multiple of llama.cpp's K-quant block), and that with `--kinds mlp` (the budget on the MLP alone:
+   GGUF pads narrowed query/key and value widths back to the head width, so there they save neither bytes nor time);
 3. files: `relational-hf export CKPT M.gguf --to gguf` (f16) and `--quantize Q8_0`, `--quantize Q4_K_M` (llama.cpp's
    own quantiser; rows that are no multiple of its block are kept by llama.cpp in a fallback type of its choice);
 4. measured: file size; perplexity computed by llama.cpp on each domain's windows (the same token ids as the plugin's
@@ -40,7 +41,14 @@ import torch
 from common import RESULTS, load_average, save_figure, write_json
 
 TYPES = ("F16", "Q8_0", "Q4_K_M")
-MODELS = ("dense", "compressed", "compressed-w256")
+#: each compression's extra options of `relational-hf compress` (beside --remove 0.25 and the texts)
+COMPRESSIONS: dict[str, list[str]] = {
+    "compressed": [],
+    "compressed-w256": ["--width-multiple", "256"],
+    # every query/key and value width whole (GGUF pads narrowed ones back to the head width): the budget on the MLP
+    "compressed-mlp-w256": ["--kinds", "mlp", "--width-multiple", "256"],
+}
+MODELS = ("dense", *COMPRESSIONS)
 
 
 def _cli(*args: str, log: Path) -> None:
@@ -86,7 +94,7 @@ def checkpoints(
     if not (out["dense"] / "config.json").exists():
         _cli("convert", src, str(out["dense"]), log=workdir / "dense.log")
     evals = [a for d in domains for a in ("--eval", str(files[d]))]
-    for name, extra in (("compressed", []), ("compressed-w256", ["--width-multiple", "256"])):
+    for name, extra in COMPRESSIONS.items():
         if name not in out or (out[name] / "config.json").exists():
             continue
         started = time.perf_counter()
@@ -171,9 +179,10 @@ def summarise(measures: dict, plugin: dict, domains: list[str], models: tuple[st
         cells[f"{name}: llama.cpp F16 / plugin perplexity ({first})"] = ratio
     targets = {
         "exact conversion within 0.5% of the plugin (F16)": abs(cells[f"dense: llama.cpp F16 / plugin perplexity ({first})"] - 1) <= 0.005,
-        "compressed llama.cpp/plugin within 1% (F16)": abs(cells[f"compressed: llama.cpp F16 / plugin perplexity ({first})"] - 1) <= 0.01,
     }
     for name in [m for m in models if m != "dense"]:
+        plugin_ratio = cells[f"{name}: llama.cpp F16 / plugin perplexity ({first})"]
+        targets[f"{name}: llama.cpp/plugin within 1% (F16)"] = abs(plugin_ratio - 1) <= 0.01
         speed = {t: measures[f"{name}/{t}"]["decode_tokens_per_s"] / measures[f"dense/{t}"]["decode_tokens_per_s"] for t in TYPES}
         cells[f"{name}: decode speed / dense"] = speed
         targets[f"{name}: decode >= 1.2x dense at every type"] = all(v >= 1.2 for v in speed.values())

@@ -72,3 +72,31 @@ def test_width_multiple_is_refused_where_it_does_not_apply(tmp_path, capsys):
     assert "--width-multiple" in err and len(err.strip().splitlines()) == 1 and not out.exists()
     assert main(["compress", "src", str(out), "--remove", "0.2", "--width-multiple", "0"]) == 2
     assert "--width-multiple" in capsys.readouterr().err
+
+
+def test_kinds_mlp_keeps_every_attention_width_whole_through_the_command(tmp_path, capsys):
+    """`compress --kinds mlp` (what llama.cpp runs without padding): the budget falls on the MLP alone, every query,
+    key and value width of the written model is the source's, the stored budget still holds."""
+    from transformers import AutoModelForCausalLM
+
+    llama = _llama()
+    source = sum(p.numel() for p in llama.parameters())
+    llama.save_pretrained(tmp_path / "src")
+    torch.save(torch.randint(0, 64, (8, 24)), tmp_path / "cal.pt")
+    out = tmp_path / "out"
+    argv = ["compress", str(tmp_path / "src"), str(out), "--remove", "0.25", "--calibration", str(tmp_path / "cal.pt"),
+            "--calibration-windows", "8", "--window", "24", "--self-calibration", "0", "--eval-windows", "2"]  # fmt: skip
+    assert main([*argv, "--kinds", "mlp"]) == 0, capsys.readouterr().err
+    model = AutoModelForCausalLM.from_pretrained(out)
+    report = __import__("json").loads((out / "compression_report.json").read_text())
+    assert report["options"]["kinds"] == ["mlp"]
+    assert sum(p.numel() for p in model.parameters()) <= int(0.75 * source)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert attn.q_proj.weight.shape == llama.model.layers[i].self_attn.q_proj.weight.shape
+        assert attn.k_proj.weight.shape == llama.model.layers[i].self_attn.k_proj.weight.shape
+        assert attn.v_proj.weight.shape == llama.model.layers[i].self_attn.v_proj.weight.shape
+        assert attn.o_proj.weight.shape == llama.model.layers[i].self_attn.o_proj.weight.shape
+    assert any(model.config.layer_intermediate_size(i) < 128 for i in range(3))
+    assert main([*argv[:2], str(tmp_path / "o2"), *argv[3:], "--kinds", "attn"]) == 2
+    assert "--kinds" in capsys.readouterr().err and not (tmp_path / "o2").exists()

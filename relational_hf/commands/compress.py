@@ -39,10 +39,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from ..compress.budget import KINDS
 from ..compress.calibration import AUTO_SELF_MAX_PARAMETERS
 from ..errors import UsageError
 from ..training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR
@@ -62,6 +63,7 @@ from .options import (
     Length,
     ModelSourceOptions,
     NonNegativeInt,
+    OneOf,
     OpenFraction,
     PositiveInt,
     Share,
@@ -69,6 +71,9 @@ from .options import (
     option,
     positional,
 )
+
+#: the maps `--kinds` names (`compress.budget.KINDS`)
+Kinds = Annotated[list[str], OneOf(KINDS)]
 
 HELP = "compress a checkpoint in relational coordinates (--remove share of stored parameters)"
 REPORT_NAME = "compression_report.json"
@@ -210,6 +215,16 @@ class CompressOptions:
         "types (QK and value widths are padded to the head width in GGUF, so they need none)",
         metavar="N",
     )
+    kinds: Kinds = option(
+        list(KINDS),
+        "the maps --method relational narrows: qk (query/key widths), vo (value widths), mlp (SwiGLU units); the "
+        "budget falls on the ones given. `--kinds mlp` keeps every query, key and value width whole: GGUF pads "
+        "narrowed QK and value widths back to the head width, so in llama.cpp only the MLP's narrowing saves file "
+        "size and time (docs/running-elsewhere.md)",
+        choices=KINDS,
+        metavar="KIND",
+        nargs="+",
+    )
     slice_fraction: Fraction = option(0.0, "global-rotation slice before truncation")
     gauge: Literal["free", "pivot"] | None = option(
         None,
@@ -328,6 +343,8 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--gauge applies to --method relational (the slice method writes the pivot gauge)")
     if args.width_multiple and args.method != "relational":
         raise UsageError("--width-multiple sets the widths of --method relational (the slice method keeps every unit)")
+    if list(args.kinds) != list(KINDS) and args.method != "relational":
+        raise UsageError("--kinds chooses the maps --method relational narrows (the slice method narrows the stream)")
     if args.slice_fraction and args.method != "relational":
         raise UsageError("--slice-fraction applies to --method relational (the slice method chooses its own width)")
     args.stream_asked = args.streaming() is True  # --stream given (not chosen by default)
@@ -461,7 +478,8 @@ def _run(args: CompressArguments, lock) -> int:
          "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
          "refine_epochs": args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
          **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
-         **({"width_multiple": args.width_multiple} if args.width_multiple else {})}
+         **({"width_multiple": args.width_multiple} if args.width_multiple else {}),
+         **({"kinds": tuple(args.kinds)} if list(args.kinds) != list(KINDS) else {})}
         if args.method == "relational"
         else {}
     )
@@ -556,6 +574,7 @@ def _run_streamed(
         refine_epochs=args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
         **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
         **({"width_multiple": args.width_multiple} if args.width_multiple else {}),
+        **({"kinds": tuple(args.kinds)} if list(args.kinds) != list(KINDS) else {}),
         **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
         report_extra={"source": str(args.src), "calibration": calibration_info}
         | ({"eval_file": next(iter(evaluations))} if evaluations else {}),
