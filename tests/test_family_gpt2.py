@@ -211,12 +211,12 @@ def test_variants_without_a_relational_form_are_refused_in_one_line(variant, nam
 
 
 def test_compress_gpt2_and_its_conversion_and_export_the_result_to_gpt2(checkpoint, converted, tmp_path, capsys):
-    """`compress --remove 0.1` of the GPT-2 checkpoint and of its conversion (in memory: the streamed compression does
-    not read learned positions yet): the stored count is the report's and the closed form's (`assert_compress`) and at
-    most 90% of the source's, the tied head stays tied, the perplexity is finite, the QK forms keep their width (no
-    rotary pairs to remove: reported as `qk_kept_full`) while MLP units or VO ranks go, and every write into the stream
-    stays mean-free, so the compressed model exports to GPT2LMHeadModel exactly (its narrower layers padded with
-    zeros)."""
+    """`compress --remove 0.1` of the GPT-2 checkpoint and of its conversion (local folders: streamed, one layer at a
+    time, by default; the same model as in memory: `tests/test_family_layernorm_stream.py`): the stored count is the
+    report's and the closed form's (`assert_compress`) and at most 90% of the source's, the tied head stays tied, the
+    perplexity is finite, the QK forms keep their width (no rotary pairs to remove: reported as `qk_kept_full`) while
+    MLP units or VO ranks go, and every write into the stream stays mean-free, so the compressed model exports to
+    GPT2LMHeadModel exactly (its narrower layers padded with zeros)."""
     for name, src in (("from_source", checkpoint), ("from_relational", converted)):
         model = assert_compress(src, tmp_path, capsys, name)
         report, c = model.compression_report, model.config
@@ -233,12 +233,6 @@ def test_compress_gpt2_and_its_conversion_and_export_the_result_to_gpt2(checkpoi
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2", dtype=torch.float32).eval()
     assert relative_logit_difference(load(tmp_path / "from_relational"), exported, token_ids()) < 1e-4
     assert json.loads((tmp_path / "gpt2" / "export_report.json").read_text())["padding_zeros"] > 0
-
-
-def test_streamed_compression_is_refused_in_one_line(checkpoint, tmp_path, capsys):
-    argv = ["compress", checkpoint, tmp_path / "out", "--remove", 0.1, "--window", 16, "--stream"]
-    _, err = run(argv, capsys, code=2)
-    assert "compressed in memory" in error_line(err) and not (tmp_path / "out").exists()
 
 
 def test_slicing_is_refused_in_one_line(source):

@@ -4,7 +4,7 @@ are those of its forward pass (hand-derived closed forms, a random element keeps
 orbit dimension measured numerically); analyze, the Trainer and canonicalize work on it. `convert` is exact in both
 residual forms (`relational_hf.convert.layernorm`: writes centred, LayerNorms folded into RMS norms, partial rotary
 and the parallel residual held by the relational architecture, the QK pair kept free because partial rotary leaves GL
-on the non-rotated block); `compress` refuses in one line naming what it lacks."""
+on the non-rotated block); `compress` (streamed or in memory) keeps the QK forms at full width."""
 
 from __future__ import annotations
 
@@ -292,8 +292,9 @@ def test_export_to_gpt_neox_refuses_in_one_line_what_it_cannot_hold(tmp_path):
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
 def test_compress_keeps_the_partial_rotary_qk_forms_and_exports_back_to_gpt_neox(parallel, tmp_path, capsys):
     """`compress --remove 0.1` of a Pythia-like checkpoint (the byte-level vocabulary, random LayerNorm gains and
-    biases), in memory: the stored count is the report's and the closed form's (`assert_compress`) and at most 90% of
-    the source's, the head stays untied, the perplexity is finite; the QK forms keep their full width (partial rotary:
+    biases; a local folder, so streamed one layer at a time, the same model as in memory:
+    `tests/test_family_layernorm_stream.py`): the stored count is the report's and the closed form's
+    (`assert_compress`) and at most 90% of the source's, the head stays untied, the perplexity is finite; the QK forms keep their full width (partial rotary:
     stored as they are, reported as `qk_kept_full`) while MLP units or VO ranks go; every write stays mean-free, so the
     result exports to GPTNeoXForCausalLM with the same logits (narrower layers padded with zeros)."""
     import math

@@ -10,7 +10,11 @@ compression) with sensitivity "fisher", twice otherwise.
 
 Where the layers come from is a `LayerSource`: `RelationalCheckpointLayers` reads a relational safetensors
 checkpoint; `relational_hf.convert.streaming.LlamaCheckpointLayers` converts each layer of a Llama-family checkpoint
-on the fly (the exact conversion of `convert`). The compressed layers go to a `shards.ShardWriter` as they are made.
+on the fly (the exact conversion of `convert`), and of a GPT-2 / GPT-NeoX one (its embedding, position table, final
+LayerNorm and head as the conversion writes them: `convert.layernorm_stream`). Learned positions and the input
+centring enter through `relational_embed`, the final norm's bias through `relational_head`, the plain MLP and the
+parallel residual through the shared per-layer functions. The compressed layers go to a `shards.ShardWriter` as they
+are made.
 
 Memory: one dense and one compressed layer (fp32), the embedding or the head while they are used (fp32), the hidden
 states of the calibration windows (N x T x d fp32, twice with correction="dense"), in pass 1 with "fisher" the
@@ -36,6 +40,7 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
+from ..modeling.modeling_blocks import embed_input
 from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRMSNorm
 from ..params import stored_parameters
 from ..shards import ShardWriter, open_checkpoint, trim_heap
@@ -70,14 +75,28 @@ class LayerSource(Protocol):
         """(name, shape, row blocks) of every tensor outside the decoder layers, in the relational model's names."""
 
 
-def relational_head(norm_weight: torch.Tensor | None, head_weight: torch.Tensor, eps: float) -> Head:
+def relational_head(
+    norm_weight: torch.Tensor | None, head_weight: torch.Tensor, eps: float, norm_bias: torch.Tensor | None = None
+) -> Head:
     """The top of a relational model as a function: gain-free RMS norm (times `norm_weight`, the final gain a tied
-    head keeps) and the output head `head_weight` (V, d), in fp32."""
+    head keeps; plus `norm_bias`, the final LayerNorm's bias a converted GPT-2 / GPT-NeoX keeps) and the output head
+    `head_weight` (V, d), in fp32."""
     norm = RelationalRMSNorm(eps)
     if norm_weight is not None:
         norm.weight = nn.Parameter(norm_weight.float(), requires_grad=False)
+    if norm_bias is not None:
+        norm.bias = nn.Parameter(norm_bias.float(), requires_grad=False)
     weight = head_weight.float()
     return lambda x: F.linear(norm.to(x.device)(x), weight.to(x.device))
+
+
+def relational_embed(config: RelationalConfig, rows: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """The stream's first state (N, T, d) fp32 of windows starting at position 0, from their token embedding rows
+    (N, T, d) as the relational model stores them and its learned position table (P, d; None without one): what the
+    model's forward computes (`modeling_blocks.embed_input`: positions added, the input centred with
+    `embedding_centring`)."""
+    positions = None if table is None else nn.Embedding.from_pretrained(table[: rows.shape[1]].float())
+    return embed_input(config, rows.float(), positions, torch.arange(rows.shape[1])[None])
 
 
 class RelationalCheckpointLayers:
@@ -101,20 +120,21 @@ class RelationalCheckpointLayers:
         layer.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items()}, strict=True)
         return layer.float().eval().to(device)
 
+    def _optional(self, name: str) -> torch.Tensor | None:
+        return self.reader.get([name])[name] if name in self.reader else None
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-        return weight[ids].float()
-
-    def _norm_weight(self) -> torch.Tensor | None:
-        name = "model.norm.weight"
-        return self.reader.get([name])[name] if name in self.reader else None
+        return relational_embed(self.config, weight[ids], self._optional("model.embed_positions.weight"))
 
     def head(self, device=None) -> Head:
         name = "model.embed_tokens.weight" if self._tied else "lm_head.weight"
-        return relational_head(self._norm_weight(), self.reader.get([name])[name], self.config.rms_norm_eps)
+        weight, eps = self.reader.get([name])[name], self.config.rms_norm_eps
+        return relational_head(self._optional("model.norm.weight"), weight, eps, self._optional("model.norm.bias"))
 
     def static_tensors(self):
-        names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if self._tied else ["lm_head.weight"])
+        names = ["model.embed_tokens.weight", "model.embed_positions.weight", "model.norm.weight", "model.norm.bias"]
+        names += [] if self._tied else ["lm_head.weight"]
         for name in names:
             if name in self.reader:
                 yield name, self.reader.shape(name), self.reader.rows(name)
@@ -337,6 +357,7 @@ __all__ = [
     "LayerSource",
     "RelationalCheckpointLayers",
     "compress_streamed",
+    "relational_embed",
     "relational_head",
     "measure_error_curves_streamed",
     "streamed_perplexity",

@@ -122,13 +122,6 @@ def check_pivot_gauge_exists(model: nn.Module) -> None:
     raise_obstructions(pivot_gauge_obstructions(model))
 
 
-#: why a LayerNorm family or its conversion is compressed in memory (`streamed_compression_refusal`)
-NOT_STREAMED = (
-    "a GPT-2 / GPT-NeoX checkpoint or its conversion (plain MLP with biases, learned positions, input centring, final "
-    "norm bias, parallel residual) is compressed in memory, not one layer at a time: leave out --stream"
-)
-
-
 def _adapter_of(config, trust_remote_code: bool):
     from ..architectures import UnsupportedModelError
     from ..shards import meta_model
@@ -143,7 +136,7 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False, c
     """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
     when the family's adapter names features the relational architecture cannot hold yet (Gemma 3): commands that
     convert refuse such a model before any work. Other families pass (their own checks follow). `compress`: the
-    command compresses (every family that converts compresses; GPT-2 and GPT-NeoX in memory only,
+    command compresses (every family that converts compresses; streamed or in memory,
     `streamed_compression_refusal`)."""
     from ..architectures import UnsupportedModelError
 
@@ -159,20 +152,8 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False, c
 
 
 def streamed_compression_refusal(config, *, trust_remote_code: bool = False) -> str | None:
-    """`NOT_STREAMED` for a LayerNorm family's checkpoint or its conversion, whose learned positions, input centring,
-    final norm bias and parallel residual the layer-streamed compression (`compress.streamed`) does not read yet; else
-    None."""
-    from .layernorm import LAYERNORM_FAMILIES
-
-    adapter = _adapter_of(config, trust_remote_code)
-    if adapter is None:
-        return None
-    c = adapter.config
-    converted = adapter.family == "relational" and (
-        not c.mlp_gated
-        or c.position_encoding == "learned"
-        or c.embedding_centring
-        or c.final_norm_bias
-        or c.parallel_residual
-    )
-    return NOT_STREAMED if adapter.family in LAYERNORM_FAMILIES or converted else None
+    """Why the layer-streamed compression (`compress.streamed`) does not take this checkpoint yet, in one line, or
+    None: every family that compresses streams (GPT-2, GPT-NeoX and their conversions too: `convert.layernorm_stream`
+    holds their ends)."""
+    del config, trust_remote_code
+    return None

@@ -62,6 +62,7 @@ from .layernorm import (
     remaining_after_folding,
     untied_final_bias,
 )
+from .layernorm_stream import LayerNormEnds
 from .preflight import layer_pivot_obstructions, raise_obstructions
 from .relational import (
     ConversionError,
@@ -376,7 +377,8 @@ def layerwise_logits(
 
 
 class LlamaCheckpointLayers:
-    """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 safetensors checkpoint or GGUF file (each tensor
+    """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 (or GPT-2 / GPT-NeoX: the ends as
+    `layernorm_stream.LayerNormEnds` holds them) safetensors checkpoint or GGUF file (each tensor
     dequantised as it is read, `shards.GGUFCheckpointReader`): each decoder layer read in fp32 and converted to the relational pivot gauge when it is asked for (`convert_layer`, the exact conversion
     of `stream_to_relational`), the embedding, final gain and head as `stream_to_relational` writes them (an untied
     head with the final gain folded in). Nothing is converted ahead: a layer-streamed compression of a Llama
@@ -402,6 +404,7 @@ class LlamaCheckpointLayers:
         self.storage_dtype = reader.dtype(self._embed_key)
         self._layers = self._adapter.layers()
         self._prefixes = _layer_prefixes(source, [lr.block for lr in self._layers])
+        self._ends = LayerNormEnds(source, reader, self.config) if is_layernorm_family(source) else None
 
     def layer(self, index: int, device=None) -> nn.Module:
         block = materialize(self._source, self._reader, self._prefixes[index], dtype=torch.float32)
@@ -415,6 +418,8 @@ class LlamaCheckpointLayers:
         return layer.float().eval().to(device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._ends is not None:  # GPT-2 / GPT-NeoX: positions, centring (`layernorm_stream`)
+            return self._ends.embed(ids)
         return self._reader.get([self._embed_key])[self._embed_key][ids].float()
 
     def _head_weight(self) -> torch.Tensor:
@@ -425,10 +430,15 @@ class LlamaCheckpointLayers:
     def head(self, device=None):
         from ..compress.streamed import relational_head
 
+        if self._ends is not None:
+            return self._ends.head(device)
         gain = self._final_gain if self._tied else None
         return relational_head(gain, self._head_weight(), self.config.rms_norm_eps)
 
     def static_tensors(self):
+        if self._ends is not None:
+            yield from self._ends.static_tensors()
+            return
         yield "model.embed_tokens.weight", self._reader.shape(self._embed_key), self._reader.rows(self._embed_key)
         if self._tied:
             yield "model.norm.weight", tuple(self._final_gain.shape), iter([self._final_gain])
