@@ -28,11 +28,13 @@ OPTIONS = dict(mlp_step=8, plan_windows=4, batch_size=2, refine_epochs=0)
 
 @torch.no_grad()
 def family(name: str) -> torch.nn.Module:
-    """A tiny GPT-2 (tied head, learned positions) or GPT-NeoX (untied head, partial rotary, parallel residual), every
-    matrix at unit scale, every gain and bias moved at random."""
+    """A tiny GPT-2 (tied head, or untied: "gpt2_untied"; learned positions) or GPT-NeoX (untied head, partial rotary,
+    parallel residual), every matrix at unit scale, every gain and bias moved at random."""
     torch.manual_seed(0)
-    if name == "gpt2":
-        config = GPT2Config(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_inner=F, n_positions=P)
+    if name.startswith("gpt2"):
+        config = GPT2Config(
+            vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_inner=F, n_positions=P, tie_word_embeddings=name == "gpt2"
+        )
         model = GPT2LMHeadModel(config)
     else:
         config = GPTNeoXConfig(
@@ -82,11 +84,12 @@ def test_streamed_compression_equals_in_memory(name, converted, tmp_path):
     assert float((got - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_untied", "gpt_neox"])
 @torch.no_grad()
 def test_the_layer_sources_ends_are_the_conversions(name, tmp_path):
-    """The layer source of the family's checkpoint embeds (positions added, input centred) and reads out (final
-    LayerNorm's gain and bias, tied or folded head) as the in-memory conversion does, and writes the same tensors
+    """The layer source of the family's checkpoint embeds (positions added, input centred: by the model with a tied
+    head, in storage with an untied one) and reads out (final LayerNorm's gain and bias, tied or folded head) as the
+    in-memory conversion does, and writes the same tensors
     outside the layers; the streamed perplexity of either source (the checkpoint, its conversion on disk) is the
     source model's."""
     model = family(name)
