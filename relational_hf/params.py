@@ -38,7 +38,7 @@ def relational_parameter_count(config: RelationalConfig) -> int:
     V d (embedding) [+ V d untied head] [+ d final gain] + L [ d (H r + H_kv r + H_kv d_h) + H d_h d + 3 d d_ff
     + biases (H r + H_kv r + H_kv d_h if attention_bias) + (d if attention_output_bias) ] - fixed orbit dimensions;
     a plain MLP (mlp_gated=False) has 2 d d_ff (+ d_ff + d biases) and no scale gauge; learned positions add P d, a
-    final norm bias d."""
+    final norm bias d, sandwich norms 2 d per layer."""
     d, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     layers = 0
@@ -52,6 +52,8 @@ def relational_parameter_count(config: RelationalConfig) -> int:
             layer += d
         if config.qk_norm:
             layer += 2 * r  # the query and key gains
+        if config.sandwich_norms:
+            layer += 2 * d  # the gains of the norms on the attention's and the MLP's outputs (Gemma 3)
         layers += layer
     total = V * d * (1 if config.tie_word_embeddings else 2) + layers + (d if config.final_norm_gain else 0)
     total += (d if config.final_norm_bias else 0) + (

@@ -218,8 +218,8 @@ def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed", *ext
     assert report["parameters_after"] < report["parameters_before"]
     for i, layer in enumerate(model.model.layers):
         widths = (("qk", c.layer_qk_rank(i)), ("vo", c.layer_value_rank(i)), ("mlp", c.layer_intermediate_size(i)))
-        # not truncated, outside the three kinds: the output bias and (a plain MLP's) down bias
-        output_bias = c.hidden_size * (int(c.attention_output_bias) + int(c.mlp_bias))
+        # not truncated, outside the three kinds: the output bias, (a plain MLP's) down bias, the sandwich norms' gains
+        output_bias = c.hidden_size * (int(c.attention_output_bias) + int(c.mlp_bias) + 2 * int(c.sandwich_norms))
         counted = sum(layer_kind_parameters(c, k, w, i) for k, w in widths) + output_bias
         assert sum(p.numel() for p in layer.parameters()) == counted
     if c.tie_word_embeddings:

@@ -3,7 +3,7 @@ remote code.
 
     relational-hf export SRC OUT --to llama
     relational-hf export SRC OUT --to free
-    relational-hf export SRC OUT --to qwen3 | smollm3 | phi3 | gpt2 | gpt_neox
+    relational-hf export SRC OUT --to qwen3 | smollm3 | phi3 | gpt2 | gpt_neox | gemma3
     relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0] [--quantize Q4_K_M]
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
@@ -40,11 +40,12 @@ class ExportPaths:
 class ExportOptions:
     _argument_group_name = "export"
 
-    to: Literal["llama", "free", "gguf", "qwen3", "smollm3", "phi3", "gpt2", "gpt_neox"] = option(
+    to: Literal["llama", "free", "gguf", "qwen3", "smollm3", "phi3", "gpt2", "gpt_neox", "gemma3"] = option(
         "llama",
         "llama: a plain Llama checkpoint; free: the relational model with full maps, for inference; gguf: one GGUF "
         "file for llama.cpp; qwen3, smollm3, phi3: that family's Transformers class (uniform widths); gpt2, "
-        "gpt_neox: that class, for conversions of GPT-2 and GPT-NeoX (narrower layers padded with zeros)",
+        "gpt_neox, gemma3: that class, for conversions of GPT-2, GPT-NeoX and Gemma 3 (narrower layers padded with "
+        "zeros)",
     )
     outtype: Literal["f32", "f16", "bf16", "q8_0"] = option(
         "f16", "with --to gguf: the type of the weight matrices (q8_0: rows not a multiple of 32 long stay f16)"

@@ -19,7 +19,8 @@ hidden unit i has z_i = act(x w_gate,i) (x w_up,i) and writes z_i w_down,i.
   (`mlp_truncate`). A plain MLP with biases (GPT-2, GPT-NeoX conversions) loses units the same way (`mlp_fit`).
 - Where the QK form cannot lose rotary pairs (no rotary positions, learned ones, partial rotary, QK-norm) it keeps
   its width (`LowRankResult.qk_kept_full`); the parallel residual and learned positions are followed as the model
-  computes them.
+  computes them, and so are Gemma 3's sandwich norms, embedding scale and sliding-window layers (`layer_inputs`: the
+  fits weighted as the norm sees an error, each layer's own mask and rotary table).
 - Budget: a first pass over the dense model measures, per layer and kind, the error added to the residual stream
   (relative to its energy) at a grid of widths; a Lagrangian choice then minimises the summed (optionally
   loss-sensitivity weighted) error at the requested stored size (`plan_widths`). A second pass compresses layer by
@@ -43,7 +44,6 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
-from ..modeling.modeling_relational import RelationalRotaryEmbedding
 from ..shards import release as release_layer
 from .budget import (
     KINDS,
@@ -58,6 +58,7 @@ from .budget import (
     qk_truncatable,
     width_grid,
 )
+from .layer_inputs import _positions, combined, layer_positions, output_norm_weights, sandwiched, window_mask  # noqa: F401
 from .mlp_fit import (  # noqa: F401  (_accumulate_product, _batches, _token_weights: public here too)
     _accumulate_product,
     _batches,
@@ -102,11 +103,6 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _causal_mask(t: int, dtype: torch.dtype) -> torch.Tensor:
-    mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu(1)
-    return mask[None, None]
-
-
 def _pair_index_of(attn: nn.Module) -> torch.Tensor:
     """The model frequency pair of each head pair (H_kv, r/2), on the attention's device."""
     pairs = getattr(attn, "rope_pair_index", None)
@@ -140,17 +136,6 @@ def _new_model(model: RelationalForCausalLM, widths: dict[str, list[int]], gauge
     return new
 
 
-def _positions(config: RelationalConfig, t: int, dtype: torch.dtype = torch.float32, device=None):
-    """(cos, sin, mask, position ids) of windows of t tokens, from the config alone (no weights needed)."""
-    pos = torch.arange(t, device=device)[None]
-    if config.position_encoding == "rope":
-        rotary = RelationalRotaryEmbedding(config).to(device)
-        cos, sin = rotary(torch.zeros(1, t, 1, dtype=dtype, device=device), pos)
-    else:
-        cos = sin = None
-    return cos, sin, _causal_mask(t, dtype).to(device), pos
-
-
 @dataclass
 class ErrorCurves:
     """Pass 1's measurements: the candidate widths of every (layer, kind) and, with sensitivity="fisher", the
@@ -178,7 +163,8 @@ def layer_error_curves(
     """Pass 1 for one dense decoder layer: its candidate widths per kind ({"qk", "vo", "mlp"} -> [WidthOption]) with
     the error each truncation adds (currency of `opts.sensitivity`; `directions`: the layer's sampled Fisher
     directions {"attn", "mlp"} when it is "fisher"; `metric`: the Fisher metrics used with `fisher_metric`), measured
-    on the layer's input hidden states h (B, T, d); and the layer's output (B, T, d). `positions`: `_positions`. The
+    on the layer's input hidden states h (B, T, d); and the layer's output (B, T, d). `positions`: `_positions` (of
+    this layer: a sliding-window layer's own; errors behind sandwich norms as `layer_inputs` weighs them). The
     same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths.
     release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
     its memory is not held twice)."""
@@ -193,18 +179,23 @@ def layer_error_curves(
     w = {k: v.detach() for k, v in attn.full_weights().items()}
     pairs = _pair_index_of(attn)
     nh, nkv = attn.num_heads, attn.num_kv_heads
+    mask = window_mask(attn, positions)
     base, mixed = _attention_output(
-        x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True, qk_norm=_qk_norms(attn)
+        x, w, pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, return_values=True, qk_norm=_qk_norms(attn), mask=mask
     )
-    h_mid = h + base
+    attn_norm, mlp_norm = layer.attention_output_norm, layer.mlp_output_norm  # sandwich norms (or None)
+    written = sandwiched(attn_norm, base)
+    h_mid = h + written
     xm = layer.post_attention_layernorm(h if layer.parallel_residual else h_mid)  # parallel: the MLP reads h too
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     if release:
         release_layer(layer)
     z = mlp_units(mlp, m, xm)
     y = F.linear(z, m["down"])  # the units' writes: a down bias is written whatever units are kept
-    h_out = h_mid + y + (0 if m.get("down_bias") is None else m["down_bias"])
+    u = y + (0 if m.get("down_bias") is None else m["down_bias"])
+    h_out = h_mid + sandwiched(mlp_norm, u)
     tw = _token_weights(h_out, opts.sensitivity)  # (B, T) or None
+    tw_attn, tw_mlp = combined(tw, output_norm_weights(attn_norm, base)), combined(tw, output_norm_weights(mlp_norm, u))
     scale = float(h_out.double().pow(2).sum()) if opts.sensitivity == "relative" else 1.0  # fisher: nats
     scale = scale / weight
     flat_x = x.reshape(-1, x.shape[-1]).double()
@@ -228,18 +219,22 @@ def layer_error_curves(
             )  # (K, B, T, H, r_v): W_O^T g
         for kp in width_grid(r // 2, opts.qk_step, opts.min_qk_pairs):
             qi, ki, factor, new_pairs = qk_rows(pairs, order[:, :kp], r, nh // nkv)
-            new_mixed = _mix(qf[..., qi] * factor, kf[..., ki], vf, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv)
+            new_mixed = _mix(
+                qf[..., qi] * factor, kf[..., ki], vf, new_pairs, cos, sin, num_heads=nh, num_kv_heads=nkv, mask=mask
+            )
             delta = new_mixed - mixed
             if fisher:
                 proj = (back * delta.unsqueeze(0)).sum((-1, -2))  # (K, B, T): g . (change of the output)
                 err = 0.5 * float(proj.double().pow(2).sum()) / back.shape[0]
-            else:
-                err = _weighted_energy(F.linear(delta.reshape(*delta.shape[:2], -1), w["o"]), tw)
+            else:  # the change of what enters the stream (through the sandwich norm, exactly)
+                change = F.linear(delta.reshape(*delta.shape[:2], -1), w["o"])
+                change = change if attn_norm is None else attn_norm(base + change) - written
+                err = _weighted_energy(change, tw)
             qk_opts.append(WidthOption(2 * kp, layer_kind_parameters(config, "qk", 2 * kp, li), err / scale))
         del back
     vo_opts = [WidthOption(rv, layer_kind_parameters(config, "vo", rv), 0.0)]
     if "vo" in opts.kinds:
-        per_head, grams = _mixed_grams(mixed, nkv, tw)
+        per_head, grams = _mixed_grams(mixed, nkv, tw_attn)
         if opts.vo_weighting == "input":
             grams = value_grams(w["v"], cov, num_kv_heads=nkv)
         factors = _vo_factors(w["o"], grams, nkv, metric["attn"])
@@ -256,7 +251,7 @@ def layer_error_curves(
         zf = z.reshape(-1, f).double()
         del z
         yf = y.reshape(-1, y.shape[-1]).double()
-        weights = None if tw is None else tw.reshape(-1, 1).double()
+        weights = None if tw_mlp is None else tw_mlp.reshape(-1, 1).double()
         zw = zf if weights is None else zf * weights
         if opts.mlp_order == "greedy":  # the order needs the statistics (a transient d_ff x d_ff matrix)
             order = greedy_unit_order(zw.T @ zf, zw.T @ yf, opts.ridge)
@@ -268,7 +263,7 @@ def layer_error_curves(
         zw = zf if weights is None else zf * weights
         gram, cross = zw.T @ zf, zw.T @ yf
         del zw
-        y_energy = _weighted_energy(y, tw)
+        y_energy = _weighted_energy(y, tw_mlp)
         if fisher:
             curve = mlp_fisher_curve(zf, yf, gram, cross, None, opts.ridge, directions["mlp"])
         else:
@@ -297,7 +292,7 @@ def measure_error_curves(
     config: RelationalConfig = model.config
     layers = model.model.layers
     n_layers = len(layers)
-    positions = _positions(config, calibration.shape[1])
+    positions = layer_positions(config, calibration.shape[1])
     plan_ids = calibration[: opts.plan_windows]
     fisher = opts.sensitivity == "fisher"
     dirs = fisher_directions(model, plan_ids, samples=opts.fisher_samples, batch_size=opts.batch_size) if fisher else None
@@ -308,7 +303,7 @@ def measure_error_curves(
     weights = opts.layer_weights or [1.0] * n_layers
     for li, layer in enumerate(tqdm(layers, desc="measuring error curves", disable=not progress)):
         kinds, h = layer_error_curves(
-            config, layer, h, opts, positions, directions=dirs[li] if fisher else None, metric=use[li],
+            config, layer, h, opts, positions[li], directions=dirs[li] if fisher else None, metric=use[li],
             weight=weights[li],
         )
         options.update({(li, kind): o for kind, o in kinds.items()})
@@ -364,6 +359,8 @@ def compress_layer(
     _require_resolved(opts)
     cos, sin, mask, pos = positions
     attn, mlp = layer.self_attn, layer.mlp
+    window = window_mask(attn, positions)  # a sliding-window layer's mask for the truncations' own attention
+    attn_norm, mlp_norm = layer.attention_output_norm, layer.mlp_output_norm  # sandwich norms (or None)
     rope = cos is not None and attn.rope
     cos, sin = (cos, sin) if rope else (None, None)
     metric = metric or {"attn": None, "mlp": None}
@@ -398,11 +395,12 @@ def compress_layer(
             grams = torch.zeros(nkv, attn.head_dim, attn.head_dim, dtype=torch.float64, device=h.device)
             for s in _batches(n, opts.batch_size):
                 xb = layer.input_layernorm(h[s])
-                _, mixed = _attention_output(
+                out, mixed = _attention_output(
                     xb, w, pairs, cos, sin, num_heads=attn.num_heads, num_kv_heads=nkv, return_values=True,
-                    qk_norm=_qk_norms(attn),
+                    qk_norm=_qk_norms(attn), mask=window,
                 )
-                grams += _mixed_grams(mixed, nkv, _token_weights(h[s], opts.sensitivity))[1]
+                weights = combined(_token_weights(h[s], opts.sensitivity), output_norm_weights(attn_norm, out))
+                grams += _mixed_grams(mixed, nkv, weights)[1]
         w["v"], w["o"], bv, _ = vo_truncate(
             w["v"], w["o"], w.get("v_bias"), grams, num_kv_heads=nkv, rank=rv_new, metric=metric["attn"]
         )
@@ -411,6 +409,9 @@ def compress_layer(
     target.self_attn.set_full_weights(w, fix_gauge=True)  # a free-gauge target: well-scaled factors
     if getattr(target.self_attn, "rope_pair_index", None) is not None:
         target.self_attn.rope_pair_index.copy_(pairs)
+    for norm, kept in ((attn_norm, target.attention_output_norm), (mlp_norm, target.mlp_output_norm)):
+        if norm is not None:  # the sandwich norms' gains, as they are
+            kept.weight.copy_(norm.weight)
     # MLP: statistics at the compressed attention's output
     m = {k: v.detach() for k, v in mlp.full_weights().items()}
     norm = layer.post_attention_layernorm
@@ -424,20 +425,20 @@ def compress_layer(
     f_new = widths["mlp"]
     h_mid = torch.empty_like(h)
     for s in _batches(n, opts.batch_size):
-        h_mid[s] = h[s] + target.self_attn(
-            target.input_layernorm(h[s]), position_embeddings=(cos, sin) if rope else None, attention_mask=mask
-        )[0]
+        h_mid[s] = h[s] + target.attention_update(
+            h[s], position_embeddings=(cos, sin) if rope else None, attention_mask=mask
+        )
     h_in = h if layer.parallel_residual else h_mid  # the stream the MLP reads
     if f_new < f or opts.correction == "dense":
         held_back = opts.refit_holdout if opts.correction != "none" else 0
         gram = torch.zeros(f, f, dtype=torch.float64, device=h.device)
         cross = torch.zeros(f, d, dtype=torch.float64, device=h.device)
-        for z, zw, y, _ in _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, range(0, n - held_back), opts):
+        for z, zw, y, _ in _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, range(0, n - held_back), opts, mlp_norm):
             _accumulate_product(gram, zw, z)  # per-batch products in fp32, accumulated in fp64
             _accumulate_product(cross, zw, y)
         # the held-back windows' samples are kept (windows x T x d_ff floats): only the kept units' Gram is formed
         held = [torch.cat(t) if i < 3 else sum(t) for i, t in enumerate(zip(*_mlp_samples(
-            mlp, m, norm, h_in, h_mid, dense_out, range(n - held_back, n), opts)))] if held_back else None  # fmt: skip
+            mlp, m, norm, h_in, h_mid, dense_out, range(n - held_back, n), opts, mlp_norm)))] if held_back else None  # fmt: skip
         if opts.mlp_order == "greedy":
             both = (gram, cross) if held is None else (gram + held[1].T @ held[0], cross + held[1].T @ held[2])
             order = greedy_unit_order(*both, opts.ridge)
@@ -465,12 +466,12 @@ def compress_layer(
         del gram, cross
         dense_mlp, m = m, kept_mlp(m, keep, down)
         if opts.refine_epochs:
-            m = _refine(mlp, dense_mlp, m, norm, h_in, h_mid, dense_out, opts, record)
+            m = _refine(mlp, dense_mlp, m, norm, h_in, h_mid, dense_out, opts, record, mlp_norm)
         if mean_free_columns(dense_mlp["down"]):  # a mean-free write stays mean-free (`mlp_fit`)
             m["down"] = centred_columns(m["down"])
     target.mlp.set_full_weights(m, fix_gauge=True)
     for s in _batches(n, opts.batch_size):  # h_in is h itself with the parallel residual: read before it is written
-        h[s] = h_mid[s] + target.mlp(target.post_attention_layernorm(h_in[s]))
+        h[s] = h_mid[s] + target._mlp_update(h_in[s])
     return h, dense_out
 
 
@@ -515,7 +516,7 @@ def compress_relational(
 
     # ---------------- pass 2: compress layer by layer through the compressed prefix ----------------
     t1 = time.perf_counter()
-    positions = _positions(config, calibration.shape[1])
+    positions = layer_positions(config, calibration.shape[1])
     new = _new_model(model, widths, opts.gauge)
     n = calibration.shape[0]
     h = torch.cat([embedded(model, calibration[s]) for s in _batches(n, opts.batch_size)])
@@ -524,7 +525,7 @@ def compress_relational(
     for li, (layer, target) in enumerate(tqdm(layers, total=n_layers, desc="compressing layers", disable=not progress)):
         chosen = {kind: widths[kind][li] for kind in KINDS}
         record: dict[str, float] = {}
-        h, h_dense = compress_layer(layer, target, h, h_dense, chosen, opts, positions, metrics[li], record=record)
+        h, h_dense = compress_layer(layer, target, h, h_dense, chosen, opts, positions[li], metrics[li], record=record)
         if record:
             result.refits.append(record)
     result.compress_seconds = time.perf_counter() - t1

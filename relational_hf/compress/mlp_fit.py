@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.modeling_blocks import embed_input
+from .layer_inputs import combined, output_norm_weights
 from .refine import refine_mlp
 
 #: largest |column mean| of a write, relative to its largest entry, taken as mean-free (float32 rounding)
@@ -85,12 +86,25 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blo
         out[:, i : i + block] += (a.T @ b[:, i : i + block]).to(out.dtype)
 
 
-def _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, windows: range, opts):
+def _fit_weights(h_mid, z, m, output_norm, sensitivity: str) -> torch.Tensor | None:
+    """The refit's token weights (tokens, 1) in fp32, or None: the plan's sensitivity (`_token_weights` of the
+    compressed stream h_mid), times, behind a sandwich norm `output_norm`, what the norm gives an error in the dense
+    MLP's output (`layer_inputs.output_norm_weights`; z: the dense units on these tokens)."""
+    behind = None
+    if output_norm is not None:
+        bias = m.get("down_bias")
+        behind = output_norm_weights(output_norm, F.linear(z, m["down"].float(), None if bias is None else bias.float()))
+    tw = combined(_token_weights(h_mid, sensitivity), None if behind is None else behind.reshape(h_mid.shape[:-1]))
+    return None if tw is None else tw.reshape(-1, 1).float()
+
+
+def _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, windows: range, opts, output_norm=None):
     """Per batch of the calibration `windows`: Z (tokens, d_ff) the units on the stream h_in the MLP reads (h_mid, the
     compressed stream after the attention; the layer input with the parallel residual), Z times the tokens' weights
     (the plan's sensitivity), the refit's target Y (tokens, d: the dense trajectory's step from h_mid with `dense_out`,
     less the down bias, blended with the dense MLP's output by `refit_blend`, else the dense MLP's output alone, without
-    its bias) and the weighted energy of Y; Z, Y in fp32."""
+    its bias) and the weighted energy of Y; Z, Y in fp32. output_norm: the layer's sandwich norm behind the MLP
+    (`_fit_weights`)."""
     f, d = m["down"].shape[1], h_mid.shape[-1]
     down = m["down"].float()
     bias = m.get("down_bias")
@@ -98,8 +112,7 @@ def _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, windows: range, opts):
     for b in _batches(len(windows), opts.batch_size):
         s = slice(windows.start + b.start, windows.start + b.stop)
         z = mlp_units(mlp, m, norm(h_in[s])).reshape(-1, f).float()
-        tw = _token_weights(h_mid[s], opts.sensitivity)
-        tw = None if tw is None else tw.reshape(-1, 1).float()
+        tw = _fit_weights(h_mid[s], z, m, output_norm, opts.sensitivity)
         if dense_out is None:
             y = F.linear(z, down)
         else:
@@ -110,7 +123,7 @@ def _mlp_samples(mlp, m, norm, h_in, h_mid, dense_out, windows: range, opts):
         yield z, (z if tw is None else z * tw), y, float((y.double().pow(2) * (1 if tw is None else tw.double())).sum())
 
 
-def _refine(mlp, dense_mlp, kept, norm, h_in, h_mid, dense_out, opts, record: dict | None) -> dict:
+def _refine(mlp, dense_mlp, kept, norm, h_in, h_mid, dense_out, opts, record: dict | None, output_norm=None) -> dict:
     """`refine.refine_mlp` of the kept SwiGLU maps on the refit's own target and token weights (the blend chosen on
     held-back windows, with refit_holdout), every calibration window's rows at once (two copies of h_mid)."""
     n = h_mid.shape[0]
@@ -121,6 +134,13 @@ def _refine(mlp, dense_mlp, kept, norm, h_in, h_mid, dense_out, opts, record: di
     samples = _mlp_samples(mlp, dense_mlp, norm, h_in, h_mid, dense_out, range(0, n), opts)
     y = torch.cat([y for _, _, y, _ in samples])
     weights = _token_weights(h_mid, opts.sensitivity)
+    if output_norm is not None:  # behind a sandwich norm (`_fit_weights`)
+        f = dense_mlp["down"].shape[1]
+        weights = torch.cat([
+            _fit_weights(h_mid[s], mlp_units(mlp, dense_mlp, norm(h_in[s])).reshape(-1, f).float(), dense_mlp,
+                         output_norm, opts.sensitivity)
+            for s in _batches(n, opts.batch_size)
+        ]).reshape(n, -1)  # fmt: skip
     refine_opts = opts.refine_options(n)
     kept, done = refine_mlp(kept, mlp.act_fn, x, y, None if weights is None else weights.reshape(-1), n, refine_opts)
     record.update(done)

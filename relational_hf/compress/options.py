@@ -97,8 +97,11 @@ class LowRankOptions:
         AUTO_REFINE_EPOCHS epochs of refinement when its memory is at most AUTO_REFINE_MAX_BYTES (none with one
         window, which leaves none to hold back, with correction "none", which refits nothing, or for a plain MLP). Measured on
         SmolLM2-135M at 25%: held-out perplexity 50.85 instead of 53.33 (x1.44 instead of x1.51), 27.99 instead of
-        28.68 on the reverse split, for 710 s of compression instead of 308 s on 2 cores. Explicit values are kept."""
+        28.68 on the reverse split, for 710 s of compression instead of 308 s on 2 cores. Explicit values are kept,
+        but for correction "dense" behind sandwich norms (Gemma 3), which becomes "local": the dense trajectory's step
+        is what the sublayer writes after its norm, no linear target for the maps before it (`layer_inputs`)."""
         order, epochs = self.mlp_order, self.refine_epochs
+        correction = "local" if self.correction == "dense" and config.sandwich_norms else self.correction
         if order == "auto":
             widest = max(config.layer_intermediate_size(i) for i in range(config.num_hidden_layers))
             order = "greedy" if widest <= AUTO_GREEDY_MAX_UNITS else "score"
@@ -107,7 +110,7 @@ class LowRankOptions:
             copies = 2 * n * t * config.hidden_size * 4
             fits = n >= 2 and self.correction != "none" and copies <= AUTO_REFINE_MAX_BYTES and config.mlp_gated
             epochs = AUTO_REFINE_EPOCHS if fits else 0
-        return dataclasses.replace(self, mlp_order=order, refine_epochs=epochs)
+        return dataclasses.replace(self, mlp_order=order, refine_epochs=epochs, correction=correction)
 
     def refine_options(self, windows: int) -> RefineOptions:
         """The `refine.RefineOptions` of a compression on `windows` calibration windows."""
@@ -174,6 +177,8 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
             "`refit_blend` blends the dense trajectory's target with the local one: it needs correction 'dense' and "
             "no `refit_holdout` (which chooses the blend itself)"
         )
+    if b is not None and config.sandwich_norms:
+        raise ValueError("`refit_blend`: behind sandwich norms (Gemma 3) the refit's target is the local one alone")
     if held and isinstance(calibration, torch.Tensor) and held >= calibration.shape[0]:
         raise ValueError(f"`refit_holdout` ({held}) must leave windows to fit on (of {calibration.shape[0]})")
     n = calibration.shape[0] if isinstance(calibration, torch.Tensor) and calibration.dim() == 2 else None

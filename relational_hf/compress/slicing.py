@@ -136,6 +136,11 @@ def slice_relational(
     config: RelationalConfig = model.config
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"slicing fraction must be in [0, 1), got {fraction}")
+    if config.sandwich_norms or config.embedding_scale is not None or config.layer_types is not None:
+        raise ValueError(
+            "slicing: sandwich norms, the embedding scale and sliding-window layers (a converted Gemma 3) are not "
+            "sliced yet; --method relational without --slice-fraction compresses it"
+        )
     d = config.hidden_size
     d_new = d - int(round(fraction * d))
     if d_new < max(config.head_dim, config.qk_rank) or d_new < 1:

@@ -351,27 +351,29 @@ def _qk_norms(attn: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] 
 def _attention_output(
     x: torch.Tensor, w: dict, pairs: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
     *, num_heads: int, num_kv_heads: int, return_values: bool = False, qk_norm: tuple | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of full Linear-layout weights w (q, k, v, o, biases) on normalised inputs x (B, T, d); the
     rotary angles of pair pairs[h, j] from the model table cos/sin (B, T, R). Returns (B, T, d), and with
     `return_values` also the mixed values O before W_O (B, T, H, r_v). `qk_norm`: the (query, key) per-head norms
-    applied before the rotary embedding (`RelationalConfig.qk_norm`)."""
+    applied before the rotary embedding (`RelationalConfig.qk_norm`). `mask`: as `_mix`."""
     b, t, _ = x.shape
     q, k, v = (F.linear(x, w[n], w.get(f"{n}_bias")) for n in ("q", "k", "v"))
     if qk_norm is not None:
         r = k.shape[-1] // num_kv_heads
         q, k = (norm(y.unflatten(-1, (-1, r))).flatten(-2) for norm, y in zip(qk_norm, (q, k), strict=True))
-    out = _mix(q, k, v, pairs, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    out = _mix(q, k, v, pairs, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads, mask=mask)
     result = F.linear(out.reshape(b, t, -1), w["o"], w.get("o_bias"))
     return (result, out) if return_values else result
 
 
 def _mix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: torch.Tensor | None, cos: torch.Tensor | None,
-    sin: torch.Tensor | None, *, num_heads: int, num_kv_heads: int,
+    sin: torch.Tensor | None, *, num_heads: int, num_kv_heads: int, mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixed values O (B, T, H, r_v) of causal attention from the projections q (B, T, H r), k (B, T, H_kv r) and
-    v (B, T, H_kv r_v), rotary pair pairs[h, j] at the model table's angles, logits scaled by 1/sqrt(r)."""
+    v (B, T, H_kv r_v), rotary pair pairs[h, j] at the model table's angles, logits scaled by 1/sqrt(r). `mask`: an
+    additive mask (1, 1, T, T) instead of the plain causal one (a sliding window, `layer_inputs.window_mask`)."""
     b, t, _ = q.shape
     r = k.shape[-1] // num_kv_heads
     rv = v.shape[-1] // num_kv_heads
@@ -386,7 +388,8 @@ def _mix(
         n = num_kv_heads * r  # the key heads' part of the layout
         q, k = apply_rotary_pair_subset(q, k, cos, sin, columns[-n:], sign[-n:])
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=r**-0.5).transpose(1, 2)
+    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask.to(q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, scale=r**-0.5, **causal).transpose(1, 2)
 
 
 def _mixed_grams(

@@ -50,7 +50,7 @@ from .relational import float64_logit_difference, max_logit_difference
 
 logger = logging.getLogger(__name__)
 
-EXPORT_TARGETS = ("llama", "free", "qwen3", "smollm3", "phi3", "gpt2", "gpt_neox")
+EXPORT_TARGETS = ("llama", "free", "qwen3", "smollm3", "phi3", "gpt2", "gpt_neox", "gemma3")
 
 
 class ExportError(ValueError):
@@ -423,7 +423,7 @@ def export_checkpoint(
     lock=None,
 ) -> ExportReport:
     """Export `model` (`to_llama`, `to_free_gauge` for `to="free"`, `export_families.to_family` for "qwen3",
-    "smollm3", "phi3", "gpt2", "gpt_neox") and write it to the new or empty folder `out`
+    "smollm3", "phi3", "gpt2", "gpt_neox", "gemma3") and write it to the new or empty folder `out`
     with `tokenizer` (if given)
     and `export_report.json`, through `relational_hf.outputs.write_new_output` (staged beside, moved into place when
     complete; `lock`: the caller's `OutputLock` on `out`): an interrupted export leaves nothing that looks like a

@@ -7,7 +7,8 @@ Phi-3 user may want the fused Phi-3 layout back. `to_family` multiplies every ga
 logits like every export. Only uniform widths (no per-layer widths of a compressed model, QK rank = head width) fit
 these classes; anything else is refused in one line naming what does not fit (`--to llama` or `--to free` hold it).
 GPT-2 and GPT-NeoX (LayerNorms over a mean-free stream, plain MLP, learned positions or partial rotary): `to_family`
-hands them to `export_layernorm.to_layernorm_family`.
+hands them to `export_layernorm.to_layernorm_family`; Gemma 3 (sandwich norms, (1 + w) gains, sliding-window layers) to
+`export_gemma.to_gemma3`.
 """
 
 from __future__ import annotations
@@ -130,8 +131,12 @@ def to_family(model: nn.Module, target: str, *, tolerance: float = 1e-4, verify_
 
     if target in LAYERNORM_TARGETS:  # GPT-2, GPT-NeoX: LayerNorms, plain MLP, learned positions or partial rotary
         return to_layernorm_family(model, target, tolerance=tolerance, verify_length=verify_length)
+    if target == "gemma3":  # sandwich norms, (1 + w) gains, the embedding scale, sliding-window layers
+        from .export_gemma import to_gemma3
+
+        return to_gemma3(model, tolerance=tolerance, verify_length=verify_length)
     if target not in FAMILY_CLASSES:
-        raise ExportError(f"--to must be one of {(*FAMILY_CLASSES, *LAYERNORM_TARGETS)} here, got {target!r}")
+        raise ExportError(f"--to must be one of {(*FAMILY_CLASSES, *LAYERNORM_TARGETS, 'gemma3')} here, got {target!r}")
     _check_family(model, target)
     c = model.config
     source = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()

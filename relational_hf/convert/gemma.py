@@ -146,7 +146,8 @@ def load_output_gains(target: nn.Module, gains: dict[str, torch.Tensor]) -> None
 
 
 def unexported_gemma_option(config: RelationalConfig) -> str | None:
-    """The first option of a converted Gemma 3 model that no export target holds, as one line naming it, or None."""
+    """The first option of a converted Gemma 3 model that the Llama-like export targets do not hold (`--to gemma3`
+    does), as one line naming it, or None."""
     options = {
         "sandwich_norms=True": config.sandwich_norms,
         f"embedding_scale={config.embedding_scale!r}": config.embedding_scale is not None,
@@ -156,21 +157,26 @@ def unexported_gemma_option(config: RelationalConfig) -> str | None:
     if not found:
         return None
     return (
-        f"{found[0]} (a converted Gemma 3 model) has no equivalent there: the sandwich norms, the embedding scale "
-        "and the sliding-window layers are not exported yet"
+        f"{found[0]} (a converted Gemma 3 model) has no equivalent there: export --to gemma3 holds the sandwich "
+        "norms, the embedding scale and the sliding-window layers"
     )
 
 
-#: why `compress` and `convert --slice` refuse Gemma 3 and its conversion
+#: why `convert --slice` refuses Gemma 3 and its conversion
 NOT_COMPRESSED = (
-    "sandwich norms, the embedding scale and sliding-window layers (Gemma 3) are not compressed or sliced yet; "
-    "convert holds it exactly"
+    "sandwich norms, the embedding scale and sliding-window layers (Gemma 3) are not sliced yet; convert holds it "
+    "exactly and compress (in memory) narrows it"
+)
+#: why `compress --stream` refuses Gemma 3 and its conversion (`preflight.streamed_compression_refusal`)
+NOT_STREAMED_GEMMA = (
+    "a Gemma 3 checkpoint or its conversion (sandwich norms, embedding scale, sliding-window layers) is compressed in "
+    "memory, not one layer at a time: leave out --stream"
 )
 
 
 def is_gemma_config(config) -> bool:
-    """Whether `config` (any model's) is Gemma 3's or a converted Gemma 3's (compress, slicing and the layer-by-layer
-    logits do not take them yet)."""
+    """Whether `config` (any model's) is Gemma 3's or a converted Gemma 3's (slicing, the streamed compression and
+    the layer-by-layer logits do not take them yet)."""
     if getattr(config, "model_type", None) == "gemma3_text":
         return True
     return bool(getattr(config, "sandwich_norms", False)) or getattr(config, "embedding_scale", None) is not None or (
@@ -182,6 +188,7 @@ __all__ = [
     "GEMMA_FAMILIES",
     "GEMMA_NOTE",
     "NOT_COMPRESSED",
+    "NOT_STREAMED_GEMMA",
     "OUTPUT_GAINS",
     "check_gemma_convertible",
     "gemma_layer_tensors",

@@ -134,9 +134,9 @@ def _adapter_of(config, trust_remote_code: bool):
 
 def refuse_without_relational_form(config, *, trust_remote_code: bool = False, compress: bool = False) -> None:
     """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
-    when the family's adapter names features the relational architecture cannot hold yet (Gemma 3): commands that
-    convert refuse such a model before any work. Other families pass (their own checks follow). `compress`: the
-    command compresses (every family that converts compresses; streamed or in memory,
+    when the family's adapter names features the relational architecture cannot hold: commands that convert refuse
+    such a model before any work. Other families pass (their own checks follow). `compress`: the command compresses
+    (every family that converts compresses; Gemma 3 in memory only,
     `streamed_compression_refusal`)."""
     from ..architectures import UnsupportedModelError
 
@@ -145,15 +145,15 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False, c
         raise UnsupportedModelError(
             f"unsupported: {type(adapter.model).__name__} ({adapter.relational_obstruction}: no relational form yet)"
         )
-    from .gemma import NOT_COMPRESSED, is_gemma_config
-
-    if compress and adapter is not None and is_gemma_config(adapter.config):  # Gemma 3 and its conversion
-        raise UnsupportedModelError(f"unsupported: {type(adapter.model).__name__} (compress: {NOT_COMPRESSED})")
 
 
 def streamed_compression_refusal(config, *, trust_remote_code: bool = False) -> str | None:
-    """Why the layer-streamed compression (`compress.streamed`) does not take this checkpoint yet, in one line, or
-    None: every family that compresses streams (GPT-2, GPT-NeoX and their conversions too: `convert.layernorm_stream`
-    holds their ends)."""
-    del config, trust_remote_code
-    return None
+    """Why the layer-streamed compression (`compress.streamed`) does not take this checkpoint yet, in one line:
+    `gemma.NOT_STREAMED_GEMMA` for Gemma 3 and its conversion; else None (GPT-2, GPT-NeoX and their conversions stream,
+    `convert.layernorm_stream`)."""
+    from .gemma import NOT_STREAMED_GEMMA, is_gemma_config
+
+    adapter = _adapter_of(config, trust_remote_code)
+    if adapter is None:
+        return None
+    return NOT_STREAMED_GEMMA if is_gemma_config(adapter.config) else None

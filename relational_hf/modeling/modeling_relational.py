@@ -456,8 +456,8 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(residual),
+        hidden_states = self.attention_update(
+            residual,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
@@ -465,12 +465,15 @@ class RelationalDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        if self.attention_output_norm is not None:  # sandwich norms: the sublayers' outputs normalised, with gains
-            hidden_states = self.attention_output_norm(hidden_states)
         if self.parallel_residual:  # GPT-NeoX: the attention and the MLP both read the layer input
             return residual + hidden_states + self._mlp_update(residual)
         hidden_states = residual + hidden_states
         return hidden_states + self._mlp_update(hidden_states)
+
+    def attention_update(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """What the attention adds to the stream h: Attn(norm(h)), through its sandwich norm when there is one."""
+        update, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        return update if self.attention_output_norm is None else self.attention_output_norm(update)
 
     def _mlp_update(self, hidden_states: torch.Tensor) -> torch.Tensor:
         update = self.mlp(self.post_attention_layernorm(hidden_states))
