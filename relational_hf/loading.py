@@ -278,7 +278,10 @@ def load_config_from(source: ModelSource | str, *, trust_remote_code: bool = Fal
 def warn_beyond_context(config, lengths: dict[str, int | None], what: str = "the model") -> list[str]:
     """Warn (one line each, `logging`) for every flag in `lengths` ({flag: tokens}) longer than the context the
     model was made for (`config.max_position_embeddings`): Transformers runs such positions without a word, and a
-    perplexity or a sampled text over them describes positions the model never saw. Returns the lines."""
+    perplexity or a sampled text over them describes positions the model never saw. Returns the lines. A length
+    past a learned position table, which the model cannot run at all, is refused instead
+    (`refuse_beyond_position_table`: ValueError in one line)."""
+    refuse_beyond_position_table(config, lengths, what)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(context, int) or context < 1:
@@ -292,6 +295,29 @@ def warn_beyond_context(config, lengths: dict[str, int | None], what: str = "the
     for line in lines:
         logger.warning(line)
     return lines
+
+
+#: model types whose positions are a learned table (GPT-2's `wpe`): a position past its end has no row at all
+LEARNED_POSITION_TYPES = ("gpt2",)
+
+
+def refuse_beyond_position_table(config, lengths: dict[str, int | None], what: str = "the model") -> None:
+    """ValueError in one line for the first flag in `lengths` ({flag: tokens}) longer than a learned position table
+    (GPT-2 and its relational conversion, `position_encoding="learned"`): those positions have no embedding, so the
+    model cannot run them at all (rotary models only warn, `warn_beyond_context`)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    learned = getattr(text_config, "position_encoding", None) == "learned" or (
+        getattr(text_config, "model_type", None) in LEARNED_POSITION_TYPES
+    )
+    table = getattr(text_config, "max_position_embeddings", None)
+    if not learned or not isinstance(table, int):
+        return
+    for flag, length in lengths.items():
+        if length is not None and length > table:
+            raise ValueError(
+                f"{flag} {length:,} is longer than {what}'s learned position table ({table:,} positions): give "
+                f"{flag} {table:,} or less"
+            )
 
 
 def from_pretrained_checked(model_class, location: str, **kwargs):
@@ -454,6 +480,7 @@ __all__ = [
     "load_model_from",
     "load_tokenizer_from",
     "looks_like_local_path",
+    "refuse_beyond_position_table",
     "resolve_model_source",
     "warn_beyond_context",
     "usable_tokenizer",

@@ -31,6 +31,7 @@ from family_helpers import (
     run,
     save,
     stored,
+    text_file,
     token_ids,
 )
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -315,3 +316,17 @@ def test_export_to_gpt2_refuses_what_gpt2_cannot_hold_in_one_line(converted, tmp
         to_family(to_relational(llama.eval()), "gpt2")
     with pytest.raises(ExportError, match=r"^--to gpt_neox: position_encoding='learned'"):
         to_family(load(converted), "gpt_neox")
+
+
+@pytest.mark.parametrize("command", ["evaluate", "finetune"])
+def test_a_window_past_the_learned_position_table_is_refused_in_one_line(checkpoint, tmp_path, capsys, command):
+    """GPT-2 has no position past its table (a rotary model only warns): every command that reads windows refuses
+    a longer one before any work, naming the table, instead of failing deep inside the embedding lookup."""
+    out = tmp_path / "out"
+    argv = {
+        "evaluate": ["evaluate", checkpoint, "--text", text_file(tmp_path), "--window", P + 1, "--windows", 2],
+        "finetune": ["finetune", checkpoint, "--train-file", text_file(tmp_path), "--block-size", P + 1,
+                     "--max-steps", 1, "--output-dir", out],
+    }[command]
+    _, err = run(argv, capsys, code=2)
+    assert "position table" in error_line(err) and not out.exists()

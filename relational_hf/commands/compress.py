@@ -398,7 +398,7 @@ def _run(args: CompressArguments, lock) -> int:
         if args.stream_asked or args.dtype is not None or args.max_shard_size != "5GB":
             raise UsageError(f"--stream: {unstreamed}")
         args.stream = False
-    warn_beyond_context(config, lengths, "SRC")
+    warn_beyond_context(config, lengths, "SRC")  # refuses a length past a learned position table
     vocab = config.get_text_config().vocab_size
     self_share, why = resolve_self_share(
         args.self_calibration, args.calibration is not None, approximate_parameters(config)
