@@ -330,3 +330,14 @@ def test_a_window_past_the_learned_position_table_is_refused_in_one_line(checkpo
     }[command]
     _, err = run(argv, capsys, code=2)
     assert "position table" in error_line(err) and not out.exists()
+
+
+def test_compress_by_slicing_is_refused_in_one_line(checkpoint, converted, tmp_path, capsys):
+    """The slice method rotates the residual stream, which LayerNorm's centring and biases do not commute with: it is
+    refused before any work, for the checkpoint and for its conversion, and writes nothing."""
+    for name, src in (("source", checkpoint), ("converted", converted)):
+        for extra in (["--method", "slice"], ["--slice-fraction", 0.1]):
+            out = tmp_path / f"{name}{len(extra[0])}"
+            argv = ["compress", src, out, "--remove", 0.1, "--calibration", text_file(tmp_path), "--window", 16]
+            _, err = run([*argv, "--calibration-windows", 2, "--self-calibration", 0, "--no-stream", *extra], capsys, code=2)
+            assert "not sliced" in error_line(err) and not out.exists(), (name, extra)

@@ -141,6 +141,18 @@ def slice_relational(
             "slicing: sandwich norms, the embedding scale and sliding-window layers (a converted Gemma 3) are not "
             "sliced yet; --method relational without --slice-fraction compresses it"
         )
+    layernorm = {
+        "mlp_gated=False": not config.mlp_gated,
+        "embedding_centring=True": config.embedding_centring,
+        "final_norm_bias=True": config.final_norm_bias,
+        "position_encoding='learned'": config.position_encoding == "learned",
+    }
+    found = [name for name, present in layernorm.items() if present]
+    if found:
+        raise ValueError(
+            f"slicing: {found[0]} (a converted GPT-2 or GPT-NeoX: LayerNorm centring, biases, a plain MLP) is not "
+            "sliced yet; --method relational without --slice-fraction compresses it"
+        )
     d = config.hidden_size
     d_new = d - int(round(fraction * d))
     if d_new < max(config.head_dim, config.qk_rank) or d_new < 1:
