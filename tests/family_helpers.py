@@ -231,10 +231,10 @@ def assert_compress(src: Path, tmp: Path, capsys, name: str = "compressed", *ext
     return model
 
 
-def assert_canonicalize(folder: Path, tmp: Path, capsys, reference, name: str) -> None:
-    """`canonicalize` writes a checkpoint with the same function."""
+def assert_canonicalize(folder: Path, tmp: Path, capsys, reference, name: str, *extra) -> None:
+    """`canonicalize` (with `extra` options) writes a checkpoint with the same function."""
     out = tmp / name
-    run(["canonicalize", folder, out], capsys)
+    run(["canonicalize", folder, out, *extra], capsys)
     assert relative_logit_difference(reference, load(out), token_ids()) < 1e-4
 
 

@@ -310,6 +310,8 @@ def test_canonicalize_evaluate_and_finetune_the_converted_model(source, checkpoi
     from family_helpers import assert_canonicalize, assert_finetune, perplexity_of
 
     assert_canonicalize(converted, tmp_path, capsys, source, "canonical_relational")
+    assert_canonicalize(checkpoint, tmp_path, capsys, source, "canonical_gemma")  # the checkpoint itself, streamed
+    assert_canonicalize(checkpoint, tmp_path, capsys, source, "canonical_gemma_in_memory", "--no-stream")
     before, after = perplexity_of(checkpoint, tmp_path, capsys), perplexity_of(converted, tmp_path, capsys)
     assert after == pytest.approx(before, rel=1e-4)
     tuned = assert_finetune(converted, tmp_path, capsys, "tuned")
