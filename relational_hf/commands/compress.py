@@ -392,7 +392,7 @@ def _run(args: CompressArguments, lock) -> int:
         tokenizer = err
     lengths = {"--window": args.window, "--heal-length": args.heal_length}
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
-    refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code, compress=True)  # before any text
+    refuse_without_relational_form(config, trust_remote_code=args.trust_remote_code)  # before any text
     unstreamed = streamed_compression_refusal(config, trust_remote_code=args.trust_remote_code)
     if args.stream and unstreamed is not None:  # not streamed yet: in memory, unless streaming was asked for
         if args.stream_asked or args.dtype is not None or args.max_shard_size != "5GB":

@@ -132,12 +132,11 @@ def _adapter_of(config, trust_remote_code: bool):
         return None
 
 
-def refuse_without_relational_form(config, *, trust_remote_code: bool = False, compress: bool = False) -> None:
+def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -> None:
     """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
-    when the family's adapter names features the relational architecture cannot hold: commands that convert refuse
-    such a model before any work. Other families pass (their own checks follow). `compress`: the command compresses
-    (every family that converts compresses; Gemma 3 in memory only,
-    `streamed_compression_refusal`)."""
+    when the family's adapter names features the relational architecture cannot hold: commands that convert or
+    compress refuse such a model before any work (every family that converts compresses; Gemma 3 in memory only,
+    `streamed_compression_refusal`). Other families pass (their own checks follow)."""
     from ..architectures import UnsupportedModelError
 
     adapter = _adapter_of(config, trust_remote_code)
