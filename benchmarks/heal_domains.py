@@ -47,21 +47,40 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
     return {d: perplexity_on_windows(model, w) for d, w in windows.items()}
 
 
+#: The healing's own settings a dense control must share (`training.heal.heal`'s report; earlier runs healed with the
+#: defaults, which these are).
+HEAL_DEFAULTS = {"learning_rate": 3e-4, "lora_rank": 16, "batch_size": 2}
+
+
 def _earlier_control(
-    path: Path, steps: int, dense: dict[str, float], share: float = 0.0, stream: dict | None = None
+    path: Path,
+    steps: int,
+    dense: dict[str, float],
+    share: float = 0.0,
+    stream: dict | None = None,
+    settings: dict | None = None,
 ) -> tuple[dict, dict]:
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
     same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
     with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
-    alone)."""
+    alone; the same learning rate, LoRA rank and batch size, `settings`, default `HEAL_DEFAULTS`)."""
     import json
 
     earlier = json.loads(path.read_text(encoding="utf-8"))
     same_windows = all(abs(earlier["perplexity"]["dense"][d] / dense[d] - 1) < 1e-6 for d in DOMAINS)
     same_stream = earlier.get("calibration_share", 0.0) == share and (share == 0.0 or earlier.get("stream") == stream)
-    if earlier.get("steps") != steps or not same_windows or not same_stream or "dense, healed" not in earlier["perplexity"]:
+    healed_with = (earlier.get("heal") or {}).get("dense") or {}
+    wanted = settings or HEAL_DEFAULTS
+    same_settings = all(healed_with.get(k, HEAL_DEFAULTS[k]) == v for k, v in wanted.items())
+    if (
+        earlier.get("steps") != steps
+        or not same_windows
+        or not same_stream
+        or not same_settings
+        or "dense, healed" not in earlier["perplexity"]
+    ):
         raise SystemExit(
-            f"{path} healed the dense model another way (steps, windows or healing stream differ): heal it again"
+            f"{path} healed the dense model another way (steps, windows, healing stream or settings differ): heal it again"
         )
     return earlier["perplexity"]["dense, healed"], earlier["heal"]["dense"]
 
@@ -162,8 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration-share", type=float, default=None, help="share of the healing's blocks drawn from the "
         "compression's calibration windows (default: the CLI's, 0.5; 0 heals on the sampled text alone)",
     )
+    parser.add_argument("--lr", type=float, default=HEAL_DEFAULTS["learning_rate"], help="LoRA learning rate")
+    parser.add_argument("--rank", type=int, default=HEAL_DEFAULTS["lora_rank"], help="LoRA rank")
+    parser.add_argument("--batch-size", type=int, default=HEAL_DEFAULTS["batch_size"], help="blocks a step takes")
+    parser.add_argument(
+        "--no-dense-control", action="store_true", help="heal the compressed model alone (an exploratory run: the "
+        "JSON then has no dense control, which a reported healed figure needs)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
+    settings = {"learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size}
     torch.set_num_threads(2)
     from relational_hf.compress.distill import calibration_share, healing_stream
     from relational_hf.training.heal import heal
@@ -185,16 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     perplexity = {"dense": _measure(dense, windows)}
     reports = {}
     control = (
-        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream)
+        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream, settings)
         if args.dense_control else None
     )  # fmt: skip
-    runs = [("compressed", args.workdir / args.compressed)] + ([] if control else [("dense", args.workdir / "dense")])
+    healing_dense = not control and not args.no_dense_control
+    runs = [("compressed", args.workdir / args.compressed)] + ([("dense", args.workdir / "dense")] if healing_dense else [])
     for name, folder in runs:
         model = _load(folder)
         if name == "compressed":
             perplexity["compressed"] = _measure(model, windows)
         started = time.perf_counter()
-        healed, report = heal(model, text, steps=args.steps, loss="kd", teacher=dense, progress=True)
+        healed, report = heal(
+            model, text, steps=args.steps, loss="kd", teacher=dense, progress=True, heal_lr=args.lr,
+            heal_rank=args.rank, heal_batch_size=args.batch_size,
+        )  # fmt: skip
         report["wall_seconds"] = time.perf_counter() - started
         reports[name] = report
         perplexity[f"{name}, healed"] = _measure(healed, windows)
@@ -209,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "dense_control_from": args.dense_control.name if args.dense_control else None,
         "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
         "calibration_share": share,
+        "heal_settings": settings,
+        "dense_control": "none (exploratory)" if args.no_dense_control else "healed the same way",
         "stream": stream,
         "perplexity": perplexity,
         "ratio_to_dense": table,

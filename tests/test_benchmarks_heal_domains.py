@@ -57,6 +57,24 @@ def test_a_dense_control_healed_on_another_stream_is_refused(tmp_path, heal_doma
         heal_domains._earlier_control(path, 200, dense, 0.5, {"calibration_tokens": 11})
 
 
+def test_a_dense_control_healed_with_other_settings_is_refused(tmp_path, heal_domains):
+    """A control healed at another learning rate, LoRA rank or batch size controls nothing for today's run; an earlier
+    run that recorded none of them healed with the defaults, so it controls a run with the defaults only."""
+    dense = {d: 10.0 + i for i, d in enumerate(DOMAINS)}
+    path, healed = _earlier(tmp_path, dense)
+    defaults = dict(heal_domains.HEAL_DEFAULTS)
+    assert heal_domains._earlier_control(path, 200, dense, settings=defaults)[0] == healed
+    for key, other in (("learning_rate", 6e-4), ("lora_rank", 64), ("batch_size", 4)):
+        with pytest.raises(SystemExit, match="settings"):
+            heal_domains._earlier_control(path, 200, dense, settings=defaults | {key: other})
+    payload = json.loads(path.read_text())
+    payload["heal"]["dense"] |= {"lora_rank": 64}
+    path.write_text(json.dumps(payload))
+    assert heal_domains._earlier_control(path, 200, dense, settings=defaults | {"lora_rank": 64})[0] == healed
+    with pytest.raises(SystemExit, match="settings"):
+        heal_domains._earlier_control(path, 200, dense, settings=defaults)
+
+
 def _workdir(tmp_path, user_windows: int = 8, self_windows: int = 4):
     from relational_hf.compress.distill import save_teacher_text
 
