@@ -1,6 +1,7 @@
 """Session setup and shared fixtures: the local Hub server for every Hub request, one torch thread, a fixed seed
-per test, a guard against training in tests of refused input, the shared data folder and the offline SmolLM2
-checkpoint (the tiny models are in tiny_models.py)."""
+per test, a guard against training in tests of refused input, the shared data folder, the offline SmolLM2
+checkpoint and the tiny Gemma 3 model, checkpoint and conversion (the tiny models are in tiny_models.py, the Gemma 3
+ones in gemma3_models.py)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,31 @@ def smollm2_dir() -> Path:
         return smollm2_checkpoint()
     except PretrainedUnavailable as err:
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def gemma3_source():
+    """The tiny Gemma 3 model of the Gemma 3 tests (`gemma3_models.convertible`: random norm gains, a sliding-window
+    layer and a full one, the byte-level vocabulary), fp32, eval mode."""
+    from gemma3_models import convertible
+
+    return convertible()
+
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(gemma3_source, tmp_path_factory) -> Path:
+    """`gemma3_source` saved with the byte-level tokenizer: a checkpoint the commands read."""
+    from family_helpers import save
+
+    return save(gemma3_source, tmp_path_factory.mktemp("gemma3") / "src")
+
+
+@pytest.fixture(scope="module")
+def gemma3_converted(gemma3_checkpoint, tmp_path_factory) -> Path:
+    """`gemma3_checkpoint` converted by the command line (`convert`, streamed): its relational checkpoint."""
+    from family_checks import run_cli
+
+    out = tmp_path_factory.mktemp("gemma3_rel") / "relational"
+    code, _, err = run_cli(["convert", str(gemma3_checkpoint), str(out)])
+    assert code == 0, err
+    return out

@@ -5,7 +5,8 @@ it. `convert` is exact, streamed and in memory (`relational_hf.convert.gemma`: (
 sandwich norms, the embedding scale and the sliding-window layers held by options of the relational architecture),
 with random gains on a model with a sliding and a full layer, on sequences longer than the window; --slice and the
 Llama-like exports refuse it in one line naming the features (compress and `export --to gemma3`:
-tests/test_family_gemma3_compress.py)."""
+tests/test_family_gemma3_compress.py; compress streamed: tests/test_family_gemma3_stream.py). The tiny models are
+gemma3_models.py's, the model, checkpoint and conversion conftest.py's fixtures."""
 
 from __future__ import annotations
 
@@ -26,28 +27,12 @@ from family_checks import (
     run_cli,
     train_projected_and_suppressed,
 )
+from gemma3_models import DH, HKV, D, F, L, V, config, convertible, longer_than_the_window, tiny
 from torch import nn
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3ForCausalLM
 
 from relational_hf.symmetry import redundancy_report
 from relational_hf.symmetry.report import redundancy_report_from_checkpoint
-
-V, D, L, H, HKV, DH, F = 64, 32, 2, 4, 2, 8, 64
-
-
-def config(**overrides) -> Gemma3TextConfig:
-    sizes = dict(
-        vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=HKV, head_dim=DH,
-        intermediate_size=F, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=6,
-        layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
-    return Gemma3TextConfig(**(sizes | overrides))
-
-
-def tiny(random_gains: bool = True, seed: int = 0, **overrides) -> Gemma3ForCausalLM:
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config(**overrides)).eval()
-    return randomize_gains_and_biases(model) if random_gains else model
 
 
 def test_counts_at_initial_gains_equal_the_closed_forms():
@@ -149,79 +134,42 @@ def test_projection_is_horizontal_and_the_trainer_projects_and_suppresses(tmp_pa
     assert 0 < log["parallel_suppression"] <= 0.3 and log["orbit_drift"] >= 0
 
 
-# ---- conversion ---------------------------------------------------------------------------------------------------
+# ---- conversion (the model, its checkpoint and conversion: conftest's gemma3_source, gemma3_checkpoint and
+# gemma3_converted, built by gemma3_models.convertible) ----------------------------------------------------------
 
 
-@torch.no_grad()
-def convertible(seed: int = 0, random_gains: bool = True, **overrides) -> Gemma3ForCausalLM:
-    """The tiny model on the byte-level vocabulary (the commands' texts), one sliding layer (window 4) and one full
-    layer; norm gains w = 0.3 N(0, 1) (so 1 + w differ), weight matrices at 20 x the initial scale (logits of a few
-    units)."""
-    from family_helpers import TOKENS, VOCAB
-
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config(vocab_size=VOCAB, max_position_embeddings=128, **TOKENS, **overrides))
-    if random_gains:
-        randomize_gains_and_biases(model, seed=seed + 1)
-    for p in model.parameters():
-        if p.ndim == 2:
-            p.mul_(20.0)
-    return model.float().eval()
-
-
-@pytest.fixture(scope="module")
-def source():
-    return convertible()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(source, tmp_path_factory):
-    from family_helpers import save
-
-    return save(source, tmp_path_factory.mktemp("gemma3") / "src")
-
-
-@pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemma3_rel") / "relational"
-    code, _, err = run_cli(["convert", str(checkpoint), str(out)])
-    assert code == 0, err
-    return out
-
-
-def _longer_than_the_window(batch: int = 3, length: int = 24, seed: int = 9) -> torch.Tensor:
-    from family_helpers import token_ids
-
-    return token_ids(batch=batch, length=length, seed=seed)
-
-
-def test_the_test_model_has_random_gains_a_window_that_matters_and_logits_of_a_few_units(source):
+def test_the_test_model_has_random_gains_a_window_that_matters_and_logits_of_a_few_units(gemma3_source):
     """A folding mistake would hide behind gains at 1 + 0 or near-zero logits, a mask mistake behind a window that
     changes nothing: the window changes the source's logits on these sequences."""
     import copy
 
     from family_helpers import relative_logit_difference
 
-    layer = source.model.layers[0]
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, source.model.norm):
+    layer = gemma3_source.model.layers[0]
+    for norm in (
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.self_attn.q_norm,
+        gemma3_source.model.norm,
+    ):
         assert float(norm.weight.detach().std()) > 0.1
-    ids = _longer_than_the_window()
+    ids = longer_than_the_window()
     with torch.no_grad():
-        assert 1.0 < float(source(ids).logits.abs().max()) < 100.0
-    assert source.config.layer_types == ["sliding_attention", "full_attention"] and ids.shape[1] > 4
-    wide = copy.deepcopy(source)
+        assert 1.0 < float(gemma3_source(ids).logits.abs().max()) < 100.0
+    assert gemma3_source.config.layer_types == ["sliding_attention", "full_attention"] and ids.shape[1] > 4
+    wide = copy.deepcopy(gemma3_source)
     wide.config.sliding_window = 64
     with torch.no_grad():
-        assert relative_logit_difference(source, wide, ids) > 1e-3
+        assert relative_logit_difference(gemma3_source, wide, ids) > 1e-3
 
 
-def test_convert_is_exact_streamed_and_in_memory(source, checkpoint, tmp_path, capsys):
+def test_convert_is_exact_streamed_and_in_memory(gemma3_source, gemma3_checkpoint, tmp_path, capsys):
     """Logits within 1e-4 of the logit scale both ways (sequences of 24 > the window of 4); the stored count drops by
     the pre-norms' gains (folded: 2 d per layer) and the VO and MLP gauges (pivot); the QK-norm, sandwich and final
     gains are kept; the symmetries the report leaves are the converted model's own."""
     from family_helpers import convert_both_ways, load, stored
 
-    folder, report = convert_both_ways(source, checkpoint, tmp_path, capsys)
+    folder, report = convert_both_ways(gemma3_source, gemma3_checkpoint, tmp_path, capsys)
     model = load(folder)
     c = model.config
     assert c.qk_norm and c.sandwich_norms and c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings
@@ -230,11 +178,11 @@ def test_convert_is_exact_streamed_and_in_memory(source, checkpoint, tmp_path, c
     assert (c.rope_parameters["rope_theta"], c.sliding_rope_parameters["rope_theta"]) == (1e6, 1e4)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert report["removed_orbit_dimensions"] == {"vo_gauge": L * HKV * DH**2, "mlp_scale": L * F}
-    assert stored(model) == stored(source) - 2 * L * D - L * HKV * DH**2 - L * F
-    layer, gemma = model.model.layers[1], source.model.layers[1]
+    assert stored(model) == stored(gemma3_source) - 2 * L * D - L * HKV * DH**2 - L * F
+    layer, gemma = model.model.layers[1], gemma3_source.model.layers[1]
     torch.testing.assert_close(layer.mlp_output_norm.weight, 1 + gemma.post_feedforward_layernorm.weight)
     torch.testing.assert_close(layer.self_attn.k_norm.weight, 1 + gemma.self_attn.k_norm.weight)
-    factor = (DH / source.config.query_pre_attn_scalar) ** 0.5  # the attention scale, carried by the query gain
+    factor = (DH / gemma3_source.config.query_pre_attn_scalar) ** 0.5  # the attention scale, carried by the query gain
     torch.testing.assert_close(layer.self_attn.q_norm.weight, (1 + gemma.self_attn.q_norm.weight) * factor)
     own = redundancy_report(model, descriptors=False).by_group
     assert report["remaining_symmetries"] == own == {"qk_norm_gain_exchange": L * DH // 2}
@@ -264,28 +212,28 @@ def test_variants_convert_exactly(variant):
 
     source = convertible(seed=2, **variant)
     model, report = to_relational(source, return_report=True)
-    assert relative_logit_difference(source, model, _longer_than_the_window()) < 1e-4
+    assert relative_logit_difference(source, model, longer_than_the_window()) < 1e-4
     assert stored(model) == report.relational_parameters == report.expected_parameters
     assert model.config.tie_word_embeddings == source.config.tie_word_embeddings
 
 
-def test_converted_checkpoint_loads_with_remote_code_alone(source, converted, tmp_path):
+def test_converted_checkpoint_loads_with_remote_code_alone(gemma3_source, gemma3_converted, tmp_path):
     from family_helpers import assert_remote_code_load
 
-    assert {"modeling_windows.py", "modeling_blocks.py"} <= {p.name for p in converted.glob("*.py")}
-    assert_remote_code_load(converted, tmp_path, source, _longer_than_the_window(batch=2, length=12))
+    assert {"modeling_windows.py", "modeling_blocks.py"} <= {p.name for p in gemma3_converted.glob("*.py")}
+    assert_remote_code_load(gemma3_converted, tmp_path, gemma3_source, longer_than_the_window(batch=2, length=12))
 
 
-def test_converted_model_generates_the_sources_greedy_tokens(source, converted):
+def test_converted_model_generates_the_sources_greedy_tokens(gemma3_source, gemma3_converted):
     """15 positions through a window of 4: the sliding layer's cache drops what leaves the window, in both models;
     a static cache (masks by layer type prepared by generate) gives the same tokens."""
     from family_helpers import load
 
-    model = load(converted)
-    prompt = _longer_than_the_window(batch=2, length=5, seed=4)
+    model = load(gemma3_converted)
+    prompt = longer_than_the_window(batch=2, length=5, seed=4)
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
     ours = model.generate(prompt, **kw)
-    assert torch.equal(ours, source.generate(prompt, **kw))
+    assert torch.equal(ours, gemma3_source.generate(prompt, **kw))
     assert torch.equal(model.generate(prompt, cache_implementation="static", **kw), ours)
 
 
@@ -300,21 +248,28 @@ def test_a_random_element_of_the_surviving_group_keeps_the_converted_logits(rand
     assert report.remaining_symmetries == by_group
     if not random_gains:
         assert by_group["residual_rotation"] == D * (D - 1) // 2 and by_group["qk_gauge"] == L * HKV * DH // 2
-    ids = _longer_than_the_window(length=12)
+    ids = longer_than_the_window(length=12)
     with torch.no_grad():
         scale = float(model(ids).logits.abs().max())
     assert largest_logit_change_under_random_symmetry(model, ids) < 1e-4 * max(1.0, scale)
 
 
-def test_canonicalize_evaluate_and_finetune_the_converted_model(source, checkpoint, converted, tmp_path, capsys):
+def test_canonicalize_evaluate_and_finetune_the_converted_model(
+    gemma3_source, gemma3_checkpoint, gemma3_converted, tmp_path, capsys
+):
     from family_helpers import assert_canonicalize, assert_finetune, perplexity_of
 
-    assert_canonicalize(converted, tmp_path, capsys, source, "canonical_relational")
-    assert_canonicalize(checkpoint, tmp_path, capsys, source, "canonical_gemma")  # the checkpoint itself, streamed
-    assert_canonicalize(checkpoint, tmp_path, capsys, source, "canonical_gemma_in_memory", "--no-stream")
-    before, after = perplexity_of(checkpoint, tmp_path, capsys), perplexity_of(converted, tmp_path, capsys)
+    assert_canonicalize(gemma3_converted, tmp_path, capsys, gemma3_source, "canonical_relational")
+    assert_canonicalize(
+        gemma3_checkpoint, tmp_path, capsys, gemma3_source, "canonical_gemma"
+    )  # the checkpoint itself, streamed
+    assert_canonicalize(gemma3_checkpoint, tmp_path, capsys, gemma3_source, "canonical_gemma_in_memory", "--no-stream")
+    before, after = (
+        perplexity_of(gemma3_checkpoint, tmp_path, capsys),
+        perplexity_of(gemma3_converted, tmp_path, capsys),
+    )
     assert after == pytest.approx(before, rel=1e-4)
-    tuned = assert_finetune(converted, tmp_path, capsys, "tuned")
+    tuned = assert_finetune(gemma3_converted, tmp_path, capsys, "tuned")
     assert tuned.config.sandwich_norms and tuned.config.layer_types == ["sliding_attention", "full_attention"]
 
 
@@ -336,15 +291,15 @@ def test_variants_without_a_relational_form_are_refused_in_one_line(variant, nam
         assert not (tmp_path / "c").exists()
 
 
-def test_slice_and_the_llama_like_exports_refuse_in_one_line(source, converted, tmp_path):
+def test_slice_and_the_llama_like_exports_refuse_in_one_line(gemma3_source, gemma3_converted, tmp_path):
     from family_helpers import token_ids
 
     from relational_hf.convert import ConversionError, to_relational
 
     with pytest.raises(ConversionError, match="slicing Gemma3ForCausalLM: sandwich norms"):
-        to_relational(source, slice_fraction=0.25, calibration_data=token_ids(batch=4, length=16))
+        to_relational(gemma3_source, slice_fraction=0.25, calibration_data=token_ids(batch=4, length=16))
     for target, named in (("llama", "sandwich_norms=True"), ("qwen3", "sandwich_norms=True"), ("gguf", "GGUF")):
-        code, _, err = run_cli(["export", str(converted), str(tmp_path / target), "--to", target])
+        code, _, err = run_cli(["export", str(gemma3_converted), str(tmp_path / target), "--to", target])
         lines = [line for line in err.splitlines() if "error:" in line]
         assert code == 2 and len(lines) == 1 and named in lines[0], err
         assert target == "gguf" or "--to gemma3 holds" in lines[0], lines[0]

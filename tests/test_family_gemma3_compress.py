@@ -1,13 +1,15 @@
-"""Gemma 3 (text) compressed and exported back: `compress` (in memory) of the Gemma 3 checkpoint and of its
-conversion, with random norm gains, a sliding-window layer (window 4, sequences longer than it) and sandwich norms;
-`export --to gemma3` back to Transformers' Gemma3ForCausalLM. The model is `test_family_gemma3.convertible`."""
+"""Gemma 3 (text) compressed and exported back: `compress` of the Gemma 3 checkpoint and of its conversion, with
+random norm gains, a sliding-window layer (window 4, sequences longer than it) and sandwich norms; `export --to gemma3`
+back to Transformers' Gemma3ForCausalLM. The model, its checkpoint and its conversion are conftest.py's fixtures
+(`gemma3_models.convertible`); the layer-streamed compression against the in-memory one:
+tests/test_family_gemma3_stream.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from family_checks import run_cli
-from test_family_gemma3 import _longer_than_the_window, convertible
+from gemma3_models import convertible, longer_than_the_window
 
 from relational_hf.compress import LowRankOptions, compress_relational
 from relational_hf.convert import to_relational
@@ -17,28 +19,8 @@ SMALL = dict(mlp_step=8, min_mlp_units=8, vo_step=2, min_vo_rank=2, plan_windows
 
 
 @pytest.fixture(scope="module")
-def source():
-    return convertible()
-
-
-@pytest.fixture(scope="module")
-def relational(source):
-    return to_relational(source)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(source, tmp_path_factory):
-    from family_helpers import save
-
-    return save(source, tmp_path_factory.mktemp("gemma3c") / "src")
-
-
-@pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemma3c_rel") / "relational"
-    code, _, err = run_cli(["convert", str(checkpoint), str(out)])
-    assert code == 0, err
-    return out
+def relational(gemma3_source):
+    return to_relational(gemma3_source)
 
 
 def _calibration() -> torch.Tensor:
@@ -59,7 +41,7 @@ def test_the_compression_reads_each_layer_as_the_model_computes_it(relational):
     from relational_hf.compress.layer_inputs import layer_positions
     from relational_hf.compress.lowrank import embedded, layer_error_curves
 
-    ids = _longer_than_the_window(batch=2, length=16)
+    ids = longer_than_the_window(batch=2, length=16)
     expected = relational(ids, output_hidden_states=True).hidden_states
     opts = LowRankOptions(sensitivity="relative", **SMALL).resolved(relational.config, ids)
     positions = layer_positions(relational.config, ids.shape[1])
@@ -73,20 +55,22 @@ def test_the_compression_reads_each_layer_as_the_model_computes_it(relational):
 
 
 @pytest.mark.parametrize("sensitivity", ["fisher", "relative"])
-def test_compress_at_the_full_budget_keeps_the_logits_and_a_small_removal_stays_close(source, relational, sensitivity):
+def test_compress_at_the_full_budget_keeps_the_logits_and_a_small_removal_stays_close(
+    gemma3_source, relational, sensitivity
+):
     """At the full budget (pivot gauge: no width removed) the refitted model computes the source's logits (within
     1e-4 of their scale); at 5% removed, the widths narrow and the logits stay within a third of their scale."""
     from family_helpers import relative_logit_difference
 
     full = _stored(relational)
-    ids = _longer_than_the_window()
+    ids = longer_than_the_window()
     opts = LowRankOptions(gauge="pivot", sensitivity=sensitivity, **SMALL)
     same, result = compress_relational(relational, _calibration(), full, opts, progress=False)
     assert result.widths["mlp"] == [64, 64] and result.widths["vo"] == [8, 8]
-    assert relative_logit_difference(source, same, ids) < 1e-4
+    assert relative_logit_difference(gemma3_source, same, ids) < 1e-4
     smaller, result = compress_relational(relational, _calibration(), int(0.95 * full), opts, progress=False)
     assert _stored(smaller) <= int(0.95 * full)
-    assert relative_logit_difference(source, smaller, ids) < 0.35
+    assert relative_logit_difference(gemma3_source, smaller, ids) < 0.35
     assert result.qk_kept_full  # QK-norm over the whole head: the QK forms keep their width
 
 
@@ -107,49 +91,50 @@ def test_the_compressed_model_keeps_its_options_gains_and_reloads(relational, tm
         assert torch.equal(mine.self_attn.k_norm.weight, theirs.self_attn.k_norm.weight)
     new.save_pretrained(tmp_path / "c")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "c").eval()
-    ids = _longer_than_the_window()
+    ids = longer_than_the_window()
     with torch.no_grad():
         logits = new(ids).logits
         assert torch.isfinite(logits).all()
         torch.testing.assert_close(again(ids).logits, logits)
 
 
-def test_compress_gemma3_and_its_conversion_from_the_command_line(checkpoint, converted, tmp_path, capsys):
-    """`compress --remove 0.1` of the Gemma 3 checkpoint and of its conversion: the report's stored count is the
-    checkpoint's and the closed form's, the tied head stays tied, it loads and generates (`assert_compress`); the MLP
-    or VO widths narrowed; the refit's target behind the sandwich norms is the local one (recorded)."""
+def test_compress_gemma3_and_its_conversion_from_the_command_line(
+    gemma3_checkpoint, gemma3_converted, tmp_path, capsys
+):
+    """`compress --remove 0.1` of the Gemma 3 checkpoint and of its conversion (layer-streamed, the default for a
+    local safetensors folder): the report's stored count is the checkpoint's and the closed form's, the tied head
+    stays tied, it loads and generates (`assert_compress`); the MLP or VO widths narrowed; the refit's target behind
+    the sandwich norms is the local one (recorded)."""
     import json
 
     from family_helpers import assert_compress
 
-    for name, src in (("from_source", checkpoint), ("from_relational", converted)):
+    for name, src in (("from_source", gemma3_checkpoint), ("from_relational", gemma3_converted)):
         model = assert_compress(src, tmp_path, capsys, name)
         c = model.config
         assert c.sandwich_norms and c.layer_types == ["sliding_attention", "full_attention"]
         widths = [c.layer_intermediate_size(i) + c.layer_value_rank(i) for i in range(c.num_hidden_layers)]
         assert sum(widths) < 2 * (64 + 8)
         report = json.loads((tmp_path / name / "compression_report.json").read_text())
-        assert '"correction": "local"' in json.dumps(report)
+        assert report["streamed"] and '"correction": "local"' in json.dumps(report)
 
 
-def test_streamed_compression_is_refused_in_one_line(checkpoint, converted, tmp_path):
-    from family_helpers import error_line
-
-    for name, src in (("from_source", checkpoint), ("from_relational", converted)):
-        argv = ["compress", str(src), str(tmp_path / name), "--remove", "0.1", "--window", "16", "--stream"]
-        code, _, err = run_cli(argv)
-        line = error_line(err)
-        assert code == 2 and "--stream" in line and "Gemma 3" in line and "compressed in memory" in line, line
-        assert not (tmp_path / name).exists()
-
-
-def test_slicing_in_compress_is_refused_in_one_line(checkpoint, tmp_path):
+def test_slicing_in_compress_is_refused_in_one_line(gemma3_checkpoint, tmp_path):
     """`--method slice` and `--slice-fraction` rotate the stream, which the sandwich norms do not commute with."""
     from family_helpers import error_line, text_file
 
-    common = ["--remove", "0.1", "--window", "16", "--calibration-windows", "2", "--calibration", str(text_file(tmp_path))]
+    common = [
+        "--remove",
+        "0.1",
+        "--window",
+        "16",
+        "--calibration-windows",
+        "2",
+        "--calibration",
+        str(text_file(tmp_path)),
+    ]
     for name, extra in (("method", ["--method", "slice"]), ("fraction", ["--slice-fraction", "0.1"])):
-        code, _, err = run_cli(["compress", str(checkpoint), str(tmp_path / name), *common, *extra])
+        code, _, err = run_cli(["compress", str(gemma3_checkpoint), str(tmp_path / name), *common, *extra])
         line = error_line(err)
         assert code != 0 and "sandwich norms" in line and "not sliced" in line, line
         assert not (tmp_path / name).exists()
@@ -175,7 +160,7 @@ def test_export_to_gemma3_gives_the_sources_logits(variant):
     relational = to_relational(source)
     exported, report = to_gemma3(relational)
     assert type(exported).__name__ == "Gemma3ForCausalLM" and exported.config.model_type == "gemma3_text"
-    ids = _longer_than_the_window()
+    ids = longer_than_the_window()
     assert relative_logit_difference(source, exported, ids) < 1e-4
     assert report.max_logit_difference < 1e-4 and report.padding_zeros == 0
     c, mine = exported.config, relational.model.layers[1]
@@ -187,18 +172,20 @@ def test_export_to_gemma3_gives_the_sources_logits(variant):
     torch.testing.assert_close(1 + layer.self_attn.q_norm.weight, mine.self_attn.q_norm.weight)
 
 
-def test_export_command_round_trip_and_a_compressed_model_padded_with_zeros(source, converted, tmp_path, capsys):
+def test_export_command_round_trip_and_a_compressed_model_padded_with_zeros(
+    gemma3_source, gemma3_converted, tmp_path, capsys
+):
     """`export --to gemma3` of the conversion writes a checkpoint that Transformers' Gemma3ForCausalLM loads (no
     plugin code) with the source's logits; a compressed conversion (per-layer VO and MLP widths) exports padded with
     zeros, with its own logits."""
     from family_helpers import load, relative_logit_difference, run
     from transformers import Gemma3ForCausalLM
 
-    run(["export", converted, tmp_path / "g", "--to", "gemma3"], capsys)
+    run(["export", gemma3_converted, tmp_path / "g", "--to", "gemma3"], capsys)
     back = Gemma3ForCausalLM.from_pretrained(tmp_path / "g").eval()
-    ids = _longer_than_the_window()
-    assert relative_logit_difference(source, back, ids) < 1e-4
-    relational = load(converted)
+    ids = longer_than_the_window()
+    assert relative_logit_difference(gemma3_source, back, ids) < 1e-4
+    relational = load(gemma3_converted)
     smaller, _ = compress_relational(relational, _calibration(), int(0.85 * _stored(relational)),
                                      LowRankOptions(**SMALL), progress=False)  # fmt: skip
     c = smaller.config

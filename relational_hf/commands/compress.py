@@ -5,12 +5,12 @@
                                                [--gauge free|pivot] [--stream | --no-stream] [--dtype D]
                                                [--max-shard-size S]
 
-SRC is a local checkpoint folder, a Hub id or a GGUF file of a Llama-family causal LM (or a relational checkpoint).
-A local safetensors folder or GGUF file is compressed one decoder layer in memory at a time
-(`jobs.compress_checkpoint`: each layer read, converted and compressed from the shards, a GGUF file's tensors
-dequantised one at a time, the result written shard by shard, stored in SRC's dtype unless --dtype (float32 for a
-quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU when there is one)
-unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
+SRC is a local checkpoint folder, a Hub id or a GGUF file of a causal LM that convert takes (Llama family, Gemma 3,
+GPT-2, GPT-NeoX...) or a relational checkpoint. A local safetensors folder or GGUF file of any of them is compressed one
+decoder layer in memory at a time (`jobs.compress_checkpoint`: each layer read, converted and compressed from the
+shards, a GGUF file's tensors dequantised one at a time, the result written shard by shard, stored in SRC's dtype unless
+--dtype (float32 for a quantised GGUF file); the same model as in memory to float tolerance; each layer runs on the GPU
+when there is one) unless --no-stream, healing, --method slice or --slice-fraction need the whole model in memory.
 The calibration windows (--calibration-windows of --window tokens) mix the user's text (--calibration, a text file or
 a .pt tensor of token ids; several texts share the windows evenly, interleaved) with text SRC samples itself (--self-calibration, the share of windows it samples: by
 default a third, half as many as the user's added to them; all of them without --calibration), so that the

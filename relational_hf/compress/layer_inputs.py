@@ -9,7 +9,8 @@ the model's own forward pass computes it.
   as N(u) = g * u / rms(u). The truncations fit u (the maps are linear in it); to first order an error e in u enters
   the stream as g * (e - projection on u) / rms(u), so each token's fit and error are weighted by
   mean(g^2) / (mean(u^2) + eps), the energy the norm gives an error at that token (the projection on u, which only
-  lowers it, is left out). The stream itself always goes through the norm (the layers' own modules).
+  lowers it, is left out). The stream itself always goes through the norm (the layers' own modules), so a dense
+  layer released once its maps are assembled (the layer-streamed path, `released`) keeps its sandwich norms.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from ..modeling import RelationalConfig
 from ..modeling.modeling_relational import RelationalRotaryEmbedding
+from ..shards import drop_caches, release
 
 
 def _causal_mask(t: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
@@ -74,6 +76,16 @@ def output_norm_weights(norm: nn.Module | None, u: torch.Tensor) -> torch.Tensor
     return gain / (u.detach().double().pow(2).mean(-1) + norm.variance_epsilon)
 
 
+def released(layer: nn.Module) -> None:
+    """`shards.release` of the dense decoder layer `layer` whose full weights are assembled, but for its sandwich
+    norms (d gains each): the errors behind them are still weighed, and the stream still carried, through them."""
+    kept = [norm for norm in (layer.attention_output_norm, layer.mlp_output_norm) if norm is not None]
+    for child in layer.children():
+        if all(child is not norm for norm in kept):
+            release(child)
+    drop_caches(layer)
+
+
 def combined(*weights: torch.Tensor | None) -> torch.Tensor | None:
     """The product of the given per-token weights (None: all ones), None when every one is None."""
     found = [w for w in weights if w is not None]
@@ -85,4 +97,4 @@ def combined(*weights: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
-__all__ = ["combined", "layer_positions", "output_norm_weights", "sandwiched", "window_mask"]
+__all__ = ["combined", "layer_positions", "output_norm_weights", "released", "sandwiched", "window_mask"]

@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 
 from ..modeling import RelationalConfig, RelationalForCausalLM
-from ..shards import release as release_layer
 from .budget import (
     KINDS,
     WidthOption,
@@ -59,6 +58,7 @@ from .budget import (
     width_grid,
 )
 from .layer_inputs import _positions, combined, layer_positions, output_norm_weights, sandwiched, window_mask  # noqa: F401
+from .layer_inputs import released as release_layer
 from .mlp_fit import (  # noqa: F401  (_accumulate_product, _batches, _token_weights: public here too)
     _accumulate_product,
     _batches,
@@ -167,7 +167,7 @@ def layer_error_curves(
     this layer: a sliding-window layer's own; errors behind sandwich norms as `layer_inputs` weighs them). The
     same function serves the in-memory (`measure_error_curves`) and the layer-streamed (`compress.streamed`) paths.
     release: the layer's parameters are dropped once its full weights are assembled (a layer the caller is done with:
-    its memory is not held twice)."""
+    its memory is not held twice), its sandwich norms' gains kept (`layer_inputs.released`)."""
     _require_resolved(opts)
     attn, mlp = layer.self_attn, layer.mlp
     li = attn.layer_idx
@@ -353,8 +353,9 @@ def compress_layer(
     "mlp": d_ff}) the truncation of the dense `layer` fitted on the calibration hidden states h (N, T, d) that reach
     it through the already-compressed layers (`h_dense`: the dense model's own, for correction="dense", else None).
     Returns the next (h, h_dense); h is updated in place. Shared by the in-memory and the layer-streamed paths.
-    release: the dense layer's parameters are dropped once its full weights are assembled and, with
-    correction="dense", once it has carried h_dense one layer on (the caller is done with it). record: a dict that
+    release: the dense layer's parameters (but its sandwich norms' gains, `layer_inputs.released`) are dropped once
+    its full weights are assembled and, with correction="dense", once it has carried h_dense one layer on (the caller
+    is done with it). record: a dict that
     receives the refit chosen on held-back windows (`LowRankOptions.refit_holdout`)."""
     _require_resolved(opts)
     cos, sin, mask, pos = positions

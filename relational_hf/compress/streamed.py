@@ -11,10 +11,12 @@ compression) with sensitivity "fisher", twice otherwise.
 Where the layers come from is a `LayerSource`: `RelationalCheckpointLayers` reads a relational safetensors
 checkpoint; `relational_hf.convert.streaming.LlamaCheckpointLayers` converts each layer of a Llama-family checkpoint
 on the fly (the exact conversion of `convert`), and of a GPT-2 / GPT-NeoX one (its embedding, position table, final
-LayerNorm and head as the conversion writes them: `convert.layernorm_stream`). Learned positions and the input
-centring enter through `relational_embed`, the final norm's bias through `relational_head`, the plain MLP and the
-parallel residual through the shared per-layer functions. The compressed layers go to a `shards.ShardWriter` as they
-are made.
+LayerNorm and head as the conversion writes them: `convert.layernorm_stream`) or a Gemma 3 one (its final 1 + w gain
+in front of the tied head, as `convert` stores it). Learned positions, the input centring and Gemma's embedding scale
+enter through `relational_embed`, the final norm's bias through `relational_head`, the plain MLP, the parallel
+residual and the sandwich norms through the shared per-layer functions, and each layer runs with its own rotary table
+and mask (`layer_inputs.layer_positions`: Gemma's sliding-window layers), as in memory. The compressed layers go to a
+`shards.ShardWriter` as they are made.
 
 Memory: one dense and one compressed layer (fp32), the embedding or the head while they are used (fp32), the hidden
 states of the calibration windows (N x T x d fp32, twice with correction="dense"), in pass 1 with "fisher" the
@@ -24,6 +26,7 @@ disk, L x plan_windows x T x d fp32), and the MLP statistics of one layer (d_ff 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -45,7 +48,8 @@ from ..modeling.modeling_relational import RelationalDecoderLayer, RelationalRMS
 from ..params import stored_parameters
 from ..shards import ShardWriter, open_checkpoint, trim_heap
 from .budget import KINDS, WidthOption, check_budget, fixed_parameters, in_gauge
-from .lowrank import ErrorCurves, _batches, _positions, compress_layer, compressed_config, layer_error_curves, plan
+from .layer_inputs import layer_positions
+from .lowrank import ErrorCurves, _batches, compress_layer, compressed_config, layer_error_curves, plan
 from .options import LowRankOptions, LowRankResult
 from .options import _check as check_options
 from .sensitivity import head_label_gradients, layer_fisher_step
@@ -93,8 +97,8 @@ def relational_head(
 def relational_embed(config: RelationalConfig, rows: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
     """The stream's first state (N, T, d) fp32 of windows starting at position 0, from their token embedding rows
     (N, T, d) as the relational model stores them and its learned position table (P, d; None without one): what the
-    model's forward computes (`modeling_blocks.embed_input`: positions added, the input centred with
-    `embedding_centring`)."""
+    model's forward computes (`modeling_blocks.embed_input`: scaled by `embedding_scale`, positions added, the input
+    centred with `embedding_centring`)."""
     positions = None if table is None else nn.Embedding.from_pretrained(table[: rows.shape[1]].float())
     return embed_input(config, rows.float(), positions, torch.arange(rows.shape[1])[None])
 
@@ -167,18 +171,19 @@ def streamed_perplexity(
     source: LayerSource, ids: torch.Tensor, *, batch_size: int = 4, device=None, progress: bool = False
 ) -> float:
     """exp(mean next-token NLL) of the model of `source` on token ids (N, T), one layer in memory at a time."""
-    positions = _positions(source.config, ids.shape[1], device=device)
+    positions = layer_positions(source.config, ids.shape[1], device=device)
     h = source.embed(ids).to(device)
     for i in tqdm(range(source.config.num_hidden_layers), desc="perplexity", disable=not progress):
         layer = source.layer(i, device)
         for s in _batches(h.shape[0], batch_size):
-            h[s] = _run(layer, h[s], positions)
+            h[s] = _run(layer, h[s], positions[i])
         del layer
         trim_heap()
     return _perplexity(source.head(device), h, ids, batch_size)
 
 
 def _run(layer: nn.Module, hidden: torch.Tensor, positions: tuple) -> torch.Tensor:
+    """The decoder layer's output on `hidden`, with its own `positions` (`layer_inputs.layer_positions`)."""
     cos, sin, mask, pos = positions
     rope = cos is not None
     return layer(hidden, attention_mask=mask, position_embeddings=(cos, sin) if rope else None, position_ids=pos)
@@ -197,7 +202,7 @@ def measure_error_curves_streamed(
     opts = opts.resolved(config, calibration)
     n_layers = config.num_hidden_layers
     plan_ids = calibration[: opts.plan_windows]
-    positions = _positions(config, plan_ids.shape[1], device=device)
+    positions = layer_positions(config, plan_ids.shape[1], device=device)  # each layer's own (sliding windows)
     weights = opts.layer_weights or [1.0] * n_layers
     seconds = seconds if seconds is not None else [{} for _ in range(n_layers)]
     options: dict[tuple[int, str], list[WidthOption]] = {}
@@ -206,7 +211,7 @@ def measure_error_curves_streamed(
         for li in tqdm(range(n_layers), desc="measuring error curves", disable=not progress):
             start = time.perf_counter()
             layer = source.layer(li, device)
-            kinds, h = layer_error_curves(config, layer, h, opts, positions, weight=weights[li], release=True)
+            kinds, h = layer_error_curves(config, layer, h, opts, positions[li], weight=weights[li], release=True)
             options.update({(li, kind): o for kind, o in kinds.items()})
             del layer
             trim_heap()
@@ -221,27 +226,24 @@ def measure_error_curves_streamed(
             start = time.perf_counter()
             torch.save(h.cpu(), path(li))
             layer = source.layer(li, device)
-            h = torch.cat([_run(layer, h[s], positions) for s in _batches(h.shape[0], opts.batch_size)])
+            h = torch.cat([_run(layer, h[s], positions[li]) for s in _batches(h.shape[0], opts.batch_size)])
             del layer
             trim_heap()
             seconds[li]["fisher"] = time.perf_counter() - start
         last = h
         grads = head_label_gradients(source.head(device), last, samples=opts.fisher_samples, batch_size=opts.batch_size)
-
-        def run(layer, x):
-            return _run(layer, x, positions)
-
         for li in tqdm(reversed(range(n_layers)), total=n_layers, desc="measuring error curves", disable=not progress):
             start = time.perf_counter()
             layer = source.layer(li, device)
             x = torch.load(path(li)).to(device)
             os.remove(path(li))
+            run = functools.partial(_run, positions=positions[li])
             grads, dirs = layer_fisher_step(layer, run, x, grads, batch_size=opts.batch_size)
             seconds[li]["fisher"] += time.perf_counter() - start
             start = time.perf_counter()
             dirs = {k: v.to(device) for k, v in dirs.items()}
             kinds, _ = layer_error_curves(
-                config, layer, x, opts, positions, directions=dirs, weight=weights[li], release=True
+                config, layer, x, opts, positions[li], directions=dirs, weight=weights[li], release=True
             )
             options.update({(li, kind): o for kind, o in kinds.items()})
             del layer, dirs, x
@@ -304,7 +306,7 @@ def compress_streamed(
         writer.add(name, tensor, dtype if tensor.is_floating_point() else tensor.dtype)
         written[name] = tuple(tensor.shape)
 
-    positions = _positions(config, calibration.shape[1], device=device)
+    positions = layer_positions(config, calibration.shape[1], device=device)
     n = calibration.shape[0]
     h = torch.cat([source.embed(calibration[s]) for s in _batches(n, max(opts.batch_size, 64))]).to(device)
     h_dense = h.clone() if opts.correction == "dense" else None
@@ -316,7 +318,7 @@ def compress_streamed(
         target = target.float().eval().to(device)
         chosen = {kind: widths[kind][li] for kind in KINDS}
         record: dict[str, float] = {}
-        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions, release=True, record=record)
+        h, h_dense = compress_layer(dense, target, h, h_dense, chosen, opts, positions[li], release=True, record=record)
         if record:
             result.refits.append(record)
         del dense

@@ -165,18 +165,13 @@ def unexported_gemma_option(config: RelationalConfig) -> str | None:
 #: why `convert --slice` refuses Gemma 3 and its conversion
 NOT_COMPRESSED = (
     "sandwich norms, the embedding scale and sliding-window layers (Gemma 3) are not sliced yet; convert holds it "
-    "exactly and compress (in memory) narrows it"
-)
-#: why `compress --stream` refuses Gemma 3 and its conversion (`preflight.streamed_compression_refusal`)
-NOT_STREAMED_GEMMA = (
-    "a Gemma 3 checkpoint or its conversion (sandwich norms, embedding scale, sliding-window layers) is compressed in "
-    "memory, not one layer at a time: leave out --stream"
+    "exactly and compress narrows it"
 )
 
 
 def is_gemma_config(config) -> bool:
-    """Whether `config` (any model's) is Gemma 3's or a converted Gemma 3's (slicing, the streamed compression and
-    the layer-by-layer logits do not take them yet)."""
+    """Whether `config` (any model's) is Gemma 3's or a converted Gemma 3's (the layer-by-layer logits,
+    `streaming.layerwise_logits`, do not take them yet)."""
     if getattr(config, "model_type", None) == "gemma3_text":
         return True
     return bool(getattr(config, "sandwich_norms", False)) or getattr(config, "embedding_scale", None) is not None or (
@@ -188,7 +183,6 @@ __all__ = [
     "GEMMA_FAMILIES",
     "GEMMA_NOTE",
     "NOT_COMPRESSED",
-    "NOT_STREAMED_GEMMA",
     "OUTPUT_GAINS",
     "check_gemma_convertible",
     "gemma_layer_tensors",

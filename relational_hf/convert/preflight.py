@@ -135,7 +135,7 @@ def _adapter_of(config, trust_remote_code: bool):
 def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -> None:
     """`UnsupportedModelError` in one line, from the config alone (a meta-device model: nothing read or allocated),
     when the family's adapter names features the relational architecture cannot hold: commands that convert or
-    compress refuse such a model before any work (every family that converts compresses; Gemma 3 in memory only,
+    compress refuse such a model before any work (every family that converts compresses, streamed or in memory:
     `streamed_compression_refusal`). Other families pass (their own checks follow)."""
     from ..architectures import UnsupportedModelError
 
@@ -147,12 +147,9 @@ def refuse_without_relational_form(config, *, trust_remote_code: bool = False) -
 
 
 def streamed_compression_refusal(config, *, trust_remote_code: bool = False) -> str | None:
-    """Why the layer-streamed compression (`compress.streamed`) does not take this checkpoint yet, in one line:
-    `gemma.NOT_STREAMED_GEMMA` for Gemma 3 and its conversion; else None (GPT-2, GPT-NeoX and their conversions stream,
-    `convert.layernorm_stream`)."""
-    from .gemma import NOT_STREAMED_GEMMA, is_gemma_config
-
-    adapter = _adapter_of(config, trust_remote_code)
-    if adapter is None:
-        return None
-    return NOT_STREAMED_GEMMA if is_gemma_config(adapter.config) else None
+    """Why the layer-streamed compression (`compress.streamed`) does not take this checkpoint yet, in one line, or
+    None: every family that compresses streams (GPT-2, GPT-NeoX and their conversions: `convert.layernorm_stream`
+    holds their ends; Gemma 3 and its conversion: each layer's own mask and rotary table, the sandwich norms and the
+    embedding scale as in memory, `compress.layer_inputs`)."""
+    del config, trust_remote_code
+    return None

@@ -378,11 +378,12 @@ def layerwise_logits(
 
 class LlamaCheckpointLayers:
     """`compress.streamed.LayerSource` of a Llama / Mistral / Qwen2 (or GPT-2 / GPT-NeoX: the ends as
-    `layernorm_stream.LayerNormEnds` holds them) safetensors checkpoint or GGUF file (each tensor
+    `layernorm_stream.LayerNormEnds` holds them; or Gemma 3) safetensors checkpoint or GGUF file (each tensor
     dequantised as it is read, `shards.GGUFCheckpointReader`): each decoder layer read in fp32 and converted to the relational pivot gauge when it is asked for (`convert_layer`, the exact conversion
     of `stream_to_relational`), the embedding, final gain and head as `stream_to_relational` writes them (an untied
-    head with the final gain folded in). Nothing is converted ahead: a layer-streamed compression of a Llama
-    checkpoint needs no relational copy on disk."""
+    head with the final gain folded in; Gemma's gain as 1 + w, `gemma.norm_gain`, its embedding scale applied by
+    `compress.streamed.relational_embed` from the relational config). Nothing is converted ahead: a layer-streamed
+    compression of a Llama checkpoint needs no relational copy on disk."""
 
     def __init__(self, path: str | os.PathLike, *, pivot_scale: float | None = None, trust_remote_code: bool = False):
         from ..params import stored_parameters
@@ -418,9 +419,12 @@ class LlamaCheckpointLayers:
         return layer.float().eval().to(device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        from ..compress.streamed import relational_embed
+
         if self._ends is not None:  # GPT-2 / GPT-NeoX: positions, centring (`layernorm_stream`)
             return self._ends.embed(ids)
-        return self._reader.get([self._embed_key])[self._embed_key][ids].float()
+        rows = self._reader.get([self._embed_key])[self._embed_key][ids]
+        return relational_embed(self.config, rows, None)  # Gemma 3: times its embedding scale
 
     def _head_weight(self) -> torch.Tensor:
         if self._tied:
