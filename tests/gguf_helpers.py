@@ -5,7 +5,9 @@ The reference reads nothing of the plugin: the hyperparameters from the file's m
 tensors, and computes what llama.cpp's `llama` / `deci` graphs compute: RMSNorm times the norm weight, query/key
 rows rotated in adjacent pairs (2i, 2i + 1) by theta_i = pos * freq_base^(-2i / rope.dimension_count), scores
 scaled by 1/sqrt(key_length), each key/value head shared by head_count / head_count_kv query heads (per layer for
-`deci`), SwiGLU silu(x W_gate) * (x W_up) W_down, the head `output` or, without it, `token_embd`.
+`deci`), SwiGLU silu(x W_gate) * (x W_up) W_down, the head `output` or, without it, `token_embd`. `qwen3` also
+RMS-normalises each query/key head times its `attn_q_norm` / `attn_k_norm` gains before the rotation, which pairs i
+with i + D/2 (NEOX); `smollm3` rotates in no layer il with (il + 1) % 4 == 0.
 """
 
 from __future__ import annotations
@@ -125,7 +127,10 @@ def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
     def norm(x, weight):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
-    def rotate(x):  # (T, heads, D): pairs (2i, 2i + 1)
+    def rotate(x):  # (T, heads, D): pairs (2i, 2i + 1); qwen3 (NEOX): pairs (i, i + D/2)
+        if arch == "qwen3":
+            first, second = x[..., : rot // 2], x[..., rot // 2 :]
+            return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
         even, odd = x[..., 0::2], x[..., 1::2]
         out = torch.empty_like(x)
         out[..., 0::2] = even * cos - odd * sin
@@ -142,8 +147,12 @@ def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
         b = f"blk.{i}."
         h_kv = kv[i] if isinstance(kv, list) else kv
         h = norm(x, w[b + "attn_norm.weight"])
-        q = rotate(linear(h, b + "attn_q").view(n, heads, width))
-        k = rotate(linear(h, b + "attn_k").view(n, h_kv, width)).repeat_interleave(heads // h_kv, dim=1)
+        q, k = linear(h, b + "attn_q").view(n, heads, width), linear(h, b + "attn_k").view(n, h_kv, width)
+        if b + "attn_q_norm.weight" in w:
+            q, k = norm(q, w[b + "attn_q_norm.weight"]), norm(k, w[b + "attn_k_norm.weight"])
+        if not (arch == "smollm3" and (i + 1) % 4 == 0):
+            q, k = rotate(q), rotate(k)
+        k = k.repeat_interleave(heads // h_kv, dim=1)
         v = linear(h, b + "attn_v").view(n, h_kv, width).repeat_interleave(heads // h_kv, dim=1)
         scores = torch.einsum("thd,shd->hts", q, k) / width**0.5 + mask
         o = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, heads * width)

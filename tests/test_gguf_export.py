@@ -222,8 +222,8 @@ def _assert_no_file(folder):
         (dict(position_encoding="none"), "position_encoding"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}), "rope_type"),
-        (dict(qk_norm=True), "qk_norm"),
-        (dict(rope_layers=[True, False]), "rope_layers"),
+        (dict(qk_norm=True, qk_rank=4), "qk_rank"),  # qwen3 (tests/test_gguf_families.py): QK-norm over the head
+        (dict(rope_layers=[True, False]), "rope_layers"),  # smollm3: without rotary in every 4th layer only
     ],
 )
 def test_what_gguf_cannot_hold_is_refused_in_one_line_naming_the_field(overrides, field, tmp_path, capsys):
@@ -253,7 +253,9 @@ def test_every_option_of_the_architecture_is_mapped_or_refused(monkeypatch):
     fields = dataclasses.fields(RelationalConfig)
     extra = dataclasses.field(default=False)
     extra.name, extra.type, extra._field_type = "future_option", bool, dataclasses._FIELD
-    monkeypatch.setattr(RelationalConfig, "__dataclass_fields__", {**{f.name: f for f in fields}, "future_option": extra})
+    monkeypatch.setattr(
+        RelationalConfig, "__dataclass_fields__", {**{f.name: f for f in fields}, "future_option": extra}
+    )
     monkeypatch.setitem(RelationalConfig.__annotations__, "future_option", bool)
     object.__setattr__(config, "future_option", True)
     assert "future_option=True" in gguf_refusal(config)

@@ -1,13 +1,14 @@
 """Relational checkpoints -> one GGUF file for llama.cpp (`relational-hf export SRC OUT.gguf --to gguf`).
 
 `export_gguf(source, out)` writes the layout of `relational_hf.convert.gguf_layout` (architecture `llama`, or `deci`
-for per-layer SwiGLU widths; heads padded exactly to one width; rows interleaved for llama.cpp's rope; unit norm
-weights; a tied head kept tied) and the tokenizer as vocabulary metadata (`relational_hf.convert.gguf_vocab`), one
-tensor at a time: a safetensors checkpoint folder is read a decoder layer at a time
-(`relational_hf.compress.streamed.RelationalCheckpointLayers`), so memory holds one layer and the embedding, never
-the model. Everything that can be refused is refused before the file is opened (`GGUFExportError`, one line). The
-file is written as a temporary sibling, fsynced and renamed over OUT (the rule of `relational_hf.outputs`): a
-reader, or a crash, never sees half a GGUF file.
+for per-layer SwiGLU widths, `qwen3` for a per-head QK-norm, `smollm3` for every 4th layer without rotary
+(`relational_hf.convert.gguf_families`); heads padded exactly to one width; rows interleaved where llama.cpp's rope
+pairs adjacent coordinates; unit norm weights; a tied head kept tied) and the tokenizer as vocabulary metadata
+(`relational_hf.convert.gguf_vocab`), one tensor at a time: a safetensors checkpoint folder is read a decoder layer
+at a time (`relational_hf.compress.streamed.RelationalCheckpointLayers`), so memory holds one layer and the
+embedding, never the model. Everything that can be refused is refused before the file is opened (`GGUFExportError`,
+one line). The file is written as a temporary sibling, fsynced and renamed over OUT (the rule of
+`relational_hf.outputs`): a reader, or a crash, never sees half a GGUF file.
 
 Types (`--outtype`): f32, f16 (default), bf16 (weight matrices; norms and biases stay f32, as llama.cpp's own
 converter keeps them), q8_0 (matrices whose rows are a multiple of 32 long; the others, e.g. a compressed layer's
@@ -182,7 +183,7 @@ def _metadata(writer, layout: GGUFLayout, outtype: str, name: str, any_quantized
     writer.add_context_length(layout.context_length)
     writer.add_embedding_length(layout.hidden_size)
     writer.add_block_count(layout.num_layers)
-    if layout.arch == "deci":
+    if layout.arch == "deci":  # per-layer arrays; qwen3 and smollm3 take one SwiGLU width (`gguf_families`)
         writer.add_feed_forward_length(list(layout.feed_forward))
         writer.add_head_count(layout.num_heads)
         writer.add_head_count_kv([layout.num_kv_heads] * layout.num_layers)

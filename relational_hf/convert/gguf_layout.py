@@ -2,23 +2,31 @@
 GGUF layout maths, pure torch (the file itself is written by `relational_hf.convert.gguf_export`).
 
 - **Architecture.** Uniform SwiGLU widths: llama.cpp's `llama`. Per-layer SwiGLU widths (a compressed model):
-  `deci`, whose `feed_forward_length` and `attention.head_count_kv` llama.cpp reads as per-layer arrays. The head
-  width D, the rotary width (= D) and the head counts stay global in both.
+  `deci`, whose `feed_forward_length` and `attention.head_count_kv` llama.cpp reads as per-layer arrays. A per-head
+  QK-norm (`qk_norm`, from Qwen3): `qwen3`, with per-layer `attn_q_norm` / `attn_k_norm` gains. Layers without rotary
+  positions (`rope_layers`, from SmolLM3): `smollm3`, which skips rotary in every 4th layer. What those two read and
+  refuse: `relational_hf.convert.gguf_families`. The head width D, the rotary width (= D) and the head counts stay
+  global in all four.
 - **Heads.** One head width D = r * ceil(d_h / r) holds a QK form of rank r and value width d_h exactly (the same
   embedding as the plain Llama export, `relational_hf.convert.export`): relational rotary pair p of a key head goes
   to the Llama pair p D / r, which turns at the same frequency (theta^(-2p/r)); every other query/key coordinate is
   zero, so a layer's QK width r_l < D adds exactly 0 to each score; W_Q is scaled by sqrt(D / r_l) so that
   llama.cpp's 1/sqrt(D) score scale gives the relational 1/sqrt(r_l). A value width r_v < D: zero rows of W_V and
-  zero columns of W_O.
+  zero columns of W_O. (`qwen3` takes r = D only: its norm sees the whole head.)
 - **Rotary layout.** The relational (and Transformers) rotation pairs coordinate j with j + D/2 of a head; llama.cpp's
-  `llama` and `deci` (its "normal" rope) pair 2j with 2j + 1. The rows of each query and key head are reordered so
-  that half-split pair j lands on adjacent coordinates (2j, 2j + 1) (`rope_interleave`); scores are unchanged
-  because queries and keys are reordered alike.
+  `llama`, `deci` and `smollm3` (its "normal" rope) pair 2j with 2j + 1. The rows of each query and key head are
+  reordered so that half-split pair j lands on adjacent coordinates (2j, 2j + 1) (`rope_interleave`); scores are
+  unchanged because queries and keys are reordered alike. `qwen3`'s rope is NEOX (half-split, the relational layout):
+  its rows and QK-norm gains go in unreordered.
 - **Norms.** The gain-free layer norms are RMSNorms with unit weights; the final norm carries the final gain (in
-  front of a tied head) or unit weights. A tied head stays tied: no `output` tensor (llama.cpp reads `token_embd`).
+  front of a tied head) or unit weights; the QK-norm gains (`qwen3`) as stored. A tied head stays tied: no `output`
+  tensor (llama.cpp reads `token_embd`).
 
 Refused before anything is written (`gguf_refusal`, one line naming the config field): value-space parallel removal,
-models without rotary positions, rotary types other than the default, and activations other than SiLU.
+models without rotary positions, partial rotary, rotary types other than the default, activations other than SiLU,
+any config field the layout does not map, and what `qwen3` / `smollm3` cannot hold (`gguf_families.family_refusal`:
+a QK-norm with a QK rank below the head width, layer patterns without rotary other than every 4th layer, a QK-norm
+together with layers without rotary, per-layer SwiGLU widths, an output bias).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 from torch import nn
 
 from .export import ExportError, _layer_qk_coordinates, _pad_heads, llama_head_dim
+from .gguf_families import NEOX_ROPE_ARCHS, family_arch, family_refusal
 
 #: the relational model_type (config.json); anything else is converted first
 RELATIONAL_MODEL_TYPE = "relational-transformer"
@@ -40,8 +49,8 @@ class GGUFExportError(ExportError):
 
 
 def gguf_refusal(config) -> str | None:
-    """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` (one line naming the config
-    field), or None when it has one."""
+    """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` / `qwen3` / `smollm3` (one line
+    naming the config field), or None when it has one."""
     if getattr(config, "model_type", None) != RELATIONAL_MODEL_TYPE:
         kind = getattr(config, "model_type", None) or type(config).__name__
         return (
@@ -71,7 +80,7 @@ def gguf_refusal(config) -> str | None:
         )
     if config.hidden_act != "silu":
         return f"hidden_act={config.hidden_act!r} has no GGUF form: llama.cpp's llama and deci gate with SiLU"
-    return _unmapped_option(config)
+    return _unmapped_option(config) or family_refusal(config)
 
 
 #: The relational config's own fields the GGUF layout maps (or that do not change the function). Any other field of
@@ -84,15 +93,9 @@ MAPPED_FIELDS = frozenset(
         "gauge", "pivot_scale", "attention_bias", "attention_output_bias", "value_parallel_removal", "hidden_act",
         "tie_word_embeddings", "final_norm_gain", "initializer_range", "rms_norm_eps", "attention_dropout", "use_cache",
         "pad_token_id", "bos_token_id", "eos_token_id", "layer_qk_ranks", "layer_value_ranks",
-        "layer_intermediate_sizes",
+        "layer_intermediate_sizes", "qk_norm", "rope_layers",
     }
 )  # fmt: skip
-
-#: why the options llama.cpp's `llama` / `deci` cannot hold are refused (others: a generic line naming the field)
-_UNMAPPED_REASONS = {
-    "qk_norm": "llama.cpp's llama and deci normalise no query or key (its qwen3 architecture does; not exported yet)",
-    "rope_layers": "llama.cpp's llama and deci rotate in every layer (layers without rotary are not exported yet)",
-}
 
 
 def _unmapped_option(config) -> str | None:
@@ -106,16 +109,16 @@ def _unmapped_option(config) -> str | None:
             continue  # the base class's bookkeeping, or a field the layout maps
         default = field.default if field.default is not dataclasses.MISSING else None
         value = getattr(config, field.name, default)
-        if value != default and not (field.name == "rope_layers" and value is not None and all(value)):
-            reason = _UNMAPPED_REASONS.get(field.name, "the GGUF export does not map this option")
-            return f"{field.name}={value!r} has no GGUF form: {reason}"
+        if value != default:
+            return f"{field.name}={value!r} has no GGUF form: the GGUF export does not map this option"
     return None
 
 
 @dataclass(frozen=True)
 class GGUFLayout:
-    """The llama.cpp hyperparameters of a relational model: `arch` ("llama" or "deci"), head width D (= rotary
-    width, key and value length), per-layer SwiGLU widths and the global counts."""
+    """The llama.cpp hyperparameters of a relational model: `arch` ("llama", "deci", "qwen3" or "smollm3"), head width
+    D (= rotary width, key and value length), per-layer SwiGLU widths, the global counts, whether each layer holds QK-norm
+    gains (`qk_norm`)."""
 
     arch: str
     head_dim: int
@@ -133,6 +136,12 @@ class GGUFLayout:
     rope_theta: float
     rms_norm_eps: float
     context_length: int
+    qk_norm: bool = False
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """Whether llama.cpp's rope of `arch` pairs adjacent coordinates (2j, 2j + 1), so rows are reordered."""
+        return self.arch not in NEOX_ROPE_ARCHS
 
     @property
     def padding_zeros(self) -> int:
@@ -151,7 +160,7 @@ def gguf_layout(config) -> GGUFLayout:
     layers = range(config.num_hidden_layers)
     widths = tuple(config.layer_intermediate_size(i) for i in layers)
     return GGUFLayout(
-        arch="llama" if len(set(widths)) == 1 else "deci",
+        arch=family_arch(config) or ("llama" if len(set(widths)) == 1 else "deci"),
         head_dim=llama_head_dim(config.qk_rank, config.head_dim),
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
@@ -167,6 +176,7 @@ def gguf_layout(config) -> GGUFLayout:
         rope_theta=float(dict(config.rope_parameters).get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.rms_norm_eps),
         context_length=int(config.max_position_embeddings),
+        qk_norm=bool(config.qk_norm),
     )
 
 
@@ -179,6 +189,8 @@ def tensor_shapes(layout: GGUFLayout) -> list[tuple[str, tuple[int, ...]]]:
     for i, f in enumerate(layout.feed_forward):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (q_rows, d)), (b + "attn_k.weight", (kv_rows, d))]
+        if layout.qk_norm:
+            out += [(b + "attn_q_norm.weight", (width,)), (b + "attn_k_norm.weight", (width,))]
         out += [(b + "attn_v.weight", (kv_rows, d)), (b + "attn_output.weight", (d, q_rows))]
         if layout.q_bias:
             out += [(b + "attn_q.bias", (q_rows,)), (b + "attn_k.bias", (kv_rows,)), (b + "attn_v.bias", (kv_rows,))]
@@ -205,19 +217,29 @@ def rope_interleave(w: torch.Tensor, heads: int, width: int) -> torch.Tensor:
 @torch.no_grad()
 def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_rank: int) -> dict[str, torch.Tensor]:
     """The GGUF tensors (float32, computed in float64; Linear layout) of relational decoder layer `index`, in `tensor_shapes` order:
-    unit norm weights, W_Q/W_K padded to the head width D by rotary pair and interleaved for llama.cpp's rope, W_Q
-    scaled by sqrt(D / r_l), W_V/W_O padded with zeros, the SwiGLU maps at the layer's own width."""
+    unit norm weights, W_Q/W_K padded to the head width D by rotary pair and (adjacent-pair rope) interleaved for
+    llama.cpp's rope, W_Q scaled by sqrt(D / r_l), the QK-norm gains (`qwen3`), W_V/W_O padded with zeros, the SwiGLU
+    maps at the layer's own width."""
     attn = layer.self_attn
     h, h_kv, width, d = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.hidden_size
     k_coords = _layer_qk_coordinates(attn, model_qk_rank, width)  # (H_kv, r_l) Llama coordinates per key head
     q_coords = k_coords.repeat_interleave(h // h_kv, dim=0)
     vo = torch.arange(attn.head_dim)
     q_scale = math.sqrt(width / attn.qk_rank)
+
+    def order(rows: torch.Tensor, heads: int) -> torch.Tensor:
+        return rope_interleave(rows, heads, width) if layout.rope_interleaved else rows
+
     w = attn.full_weights()
     b = f"blk.{index}."
     out = {b + "attn_norm.weight": torch.ones(d, dtype=torch.float64)}
-    out[b + "attn_q.weight"] = rope_interleave(_pad_heads(w["q"], h, width, q_coords, q_scale), h, width)
-    out[b + "attn_k.weight"] = rope_interleave(_pad_heads(w["k"], h_kv, width, k_coords), h_kv, width)
+    out[b + "attn_q.weight"] = order(_pad_heads(w["q"], h, width, q_coords, q_scale), h)
+    out[b + "attn_k.weight"] = order(_pad_heads(w["k"], h_kv, width, k_coords), h_kv)
+    if layout.qk_norm:  # gains over the whole head (r = D, `gguf_families`): nothing padded, moved or scaled
+        if k_coords.shape[1] != width or not bool((k_coords == torch.arange(width)).all()):
+            raise GGUFExportError(f"{b}attn_q_norm: the QK coordinates are not the head's own in order: no qwen3 form")
+        for key in ("q_norm", "k_norm"):
+            out[f"{b}attn_{key}.weight"] = order(w[key].double().reshape(width, 1), 1).reshape(width)
     out[b + "attn_v.weight"] = _pad_heads(w["v"], h_kv, width, vo)
     out[b + "attn_output.weight"] = _pad_heads(w["o"].double().T, h, width, vo).T.contiguous()
     if layout.q_bias:
@@ -233,7 +255,7 @@ def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_ran
                 if value is None
                 else _pad_heads(value, heads, width, coords, scale)
             )
-            out[f"{b}attn_{key}.bias"] = rope_interleave(padded, heads, width) if interleave else padded
+            out[f"{b}attn_{key}.bias"] = order(padded, heads) if interleave else padded
     if layout.o_bias:
         value = w.get("o_bias")
         out[b + "attn_output.bias"] = torch.zeros(d, dtype=torch.float64) if value is None else value.double()
