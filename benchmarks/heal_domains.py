@@ -188,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-dense-control", action="store_true", help="heal the compressed model alone (an exploratory run: the "
         "JSON then has no dense control, which a reported healed figure needs)",
     )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
     settings = {"learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size}
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from relational_hf.compress.distill import calibration_share, healing_stream
     from relational_hf.training.heal import heal
 
