@@ -74,7 +74,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["--refit-prior", "zero"],
         "the MLP refit's ridge pulled towards zero (the default pulls towards the kept units' own W_down columns)",
     ),
-    "self-half": ("compressed-self-half", ["--self-calibration", "0.5"], "half the calibration windows sampled"),
+    "self-half": (
+        "compressed-self-half",
+        ["--self-calibration", "0.5"],
+        "half the calibration windows sampled: every WikiText-2 window kept and as many sampled ones added (128 + 128; "
+        "the default adds half as many, 128 + 64)",
+    ),
 }
 
 
