@@ -7,7 +7,14 @@ rows rotated in adjacent pairs (2i, 2i + 1) by theta_i = pos * freq_base^(-2i / 
 scaled by 1/sqrt(key_length), each key/value head shared by head_count / head_count_kv query heads (per layer for
 `deci`), SwiGLU silu(x W_gate) * (x W_up) W_down, the head `output` or, without it, `token_embd`. `qwen3` also
 RMS-normalises each query/key head times its `attn_q_norm` / `attn_k_norm` gains before the rotation, which pairs i
-with i + D/2 (NEOX); `smollm3` rotates in no layer il with (il + 1) % 4 == 0.
+with i + D/2 (NEOX); `smollm3` rotates in no layer il with (il + 1) % 4 == 0. `gemma3` (src/models/gemma3.cpp):
+the embedded input times sqrt(embedding_length) in f32, QK-norm and NEOX rope as qwen3, the sliding layers
+(`attention.sliding_window_pattern`) masking keys at or beyond `attention.sliding_window` positions back and turning at
+`rope.freq_base_swa`, the full layers' frequencies divided by a linear `rope.scaling.factor`, queries scaled by
+1/sqrt(key_length) (1/sqrt(embedding_length / head_count) at 62 layers), `post_attention_norm` / `post_ffw_norm` on
+the sublayers' outputs, the gated MLP gelu_tanh(x W_gate) * (x W_up) W_down, and final logit soft-capping when the
+file has it. `gelu_f16=True` computes the GELU as llama.cpp's CPU backend does (`GGML_GELU_FP16`: the input rounded
+to f16, the value looked up in a table of f16 results; exact outside (-10, 10)).
 """
 
 from __future__ import annotations
@@ -106,7 +113,17 @@ def dequantized(reader) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
+def gelu_tanh(x: torch.Tensor, f16: bool = False) -> torch.Tensor:
+    """GELU, tanh approximation, in float64; `f16`: as llama.cpp's CPU table computes it (module docstring)."""
+    if not f16:
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    h = x.half().float()  # ggml_gelu_f32 of the f16 input, in f32 and in its order, rounded to f16
+    c, a = torch.tensor(0.79788456080286535587989211986876, dtype=torch.float32), torch.tensor(0.044715)
+    table = (0.5 * h * (1.0 + torch.tanh(c * h * (1.0 + a * h * h)))).half().double()
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
+
+
+def reference_logits(path, ids: torch.Tensor, gelu_f16: bool = False) -> torch.Tensor:
     """Logits (T, vocab) of the token ids `ids` (T,) by llama.cpp's conventions, from the GGUF file alone (module
     docstring), in float64."""
     import gguf
@@ -121,14 +138,25 @@ def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
     base, eps = meta[f"{arch}.rope.freq_base"], meta[f"{arch}.attention.layer_norm_rms_epsilon"]
     n = ids.shape[0]
     pos = torch.arange(n, dtype=torch.float64)
-    angle = pos[:, None] * base ** (-2 * torch.arange(rot // 2, dtype=torch.float64) / rot)  # (T, D/2)
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    gemma3 = arch == "gemma3"
+    swa = meta.get(f"{arch}.attention.sliding_window_pattern", [False] * meta[f"{arch}.block_count"])
+    window = meta.get(f"{arch}.attention.sliding_window")
+
+    def angles(layer):  # (cos, sin) of shape (T, 1, D/2) for this layer's rotary base and scale
+        theta = meta[f"{arch}.rope.freq_base_swa"] if swa[layer] else base
+        scale = 1.0 if swa[layer] else 1.0 / meta.get(f"{arch}.rope.scaling.factor", 1.0)
+        angle = scale * pos[:, None] * theta ** (-2 * torch.arange(rot // 2, dtype=torch.float64) / rot)
+        return angle.cos()[:, None, :], angle.sin()[:, None, :]
+
+    q_scale = 1 / width**0.5
+    if gemma3 and meta[f"{arch}.block_count"] == 62:  # llama.cpp's "27B" rule
+        q_scale = 1 / (meta[f"{arch}.embedding_length"] / heads) ** 0.5
 
     def norm(x, weight):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
-    def rotate(x):  # (T, heads, D): pairs (2i, 2i + 1); qwen3 (NEOX): pairs (i, i + D/2)
-        if arch == "qwen3":
+    def rotate(x, cos, sin):  # (T, heads, D): pairs (2i, 2i + 1); qwen3, gemma3 (NEOX): pairs (i, i + D/2)
+        if arch in ("qwen3", "gemma3"):
             first, second = x[..., : rot // 2], x[..., rot // 2 :]
             return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
         even, odd = x[..., 0::2], x[..., 1::2]
@@ -141,26 +169,37 @@ def reference_logits(path, ids: torch.Tensor) -> torch.Tensor:
         y = x @ w[name + ".weight"].T
         return y + w[name + ".bias"] if name + ".bias" in w else y
 
-    mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+    causal = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+    behind = pos[:, None] - pos[None, :]  # query position minus key position
     x = w["token_embd.weight"][ids]
+    if gemma3:
+        x = x * float(np.float32(np.sqrt(np.float32(meta[f"{arch}.embedding_length"]))))
     for i in range(meta[f"{arch}.block_count"]):
         b = f"blk.{i}."
         h_kv = kv[i] if isinstance(kv, list) else kv
+        mask = causal.masked_fill(behind >= window, float("-inf")) if swa[i] else causal
         h = norm(x, w[b + "attn_norm.weight"])
         q, k = linear(h, b + "attn_q").view(n, heads, width), linear(h, b + "attn_k").view(n, h_kv, width)
         if b + "attn_q_norm.weight" in w:
             q, k = norm(q, w[b + "attn_q_norm.weight"]), norm(k, w[b + "attn_k_norm.weight"])
         if not (arch == "smollm3" and (i + 1) % 4 == 0):
-            q, k = rotate(q), rotate(k)
+            cos, sin = angles(i)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k = k.repeat_interleave(heads // h_kv, dim=1)
         v = linear(h, b + "attn_v").view(n, h_kv, width).repeat_interleave(heads // h_kv, dim=1)
-        scores = torch.einsum("thd,shd->hts", q, k) / width**0.5 + mask
+        scores = torch.einsum("thd,shd->hts", q, k) * q_scale + mask
         o = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, heads * width)
-        x = x + linear(o, b + "attn_output")
+        o = linear(o, b + "attn_output")
+        x = x + (norm(o, w[b + "post_attention_norm.weight"]) if gemma3 else o)
         h = norm(x, w[b + "ffn_norm.weight"])
-        x = x + linear(torch.nn.functional.silu(linear(h, b + "ffn_gate")) * linear(h, b + "ffn_up"), b + "ffn_down")
+        gate = linear(h, b + "ffn_gate")
+        act = gelu_tanh(gate, gelu_f16) if gemma3 else torch.nn.functional.silu(gate)
+        m = linear(act * linear(h, b + "ffn_up"), b + "ffn_down")
+        x = x + (norm(m, w[b + "post_ffw_norm.weight"]) if gemma3 else m)
     head = w.get("output.weight", w["token_embd.weight"])
-    return norm(x, w["output_norm.weight"]) @ head.T
+    logits = norm(x, w["output_norm.weight"]) @ head.T
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return logits if not cap else cap * torch.tanh(logits / cap)
 
 
 @torch.no_grad()

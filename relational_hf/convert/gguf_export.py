@@ -1,9 +1,10 @@
 """Relational checkpoints -> one GGUF file for llama.cpp (`relational-hf export SRC OUT.gguf --to gguf`).
 
 `export_gguf(source, out)` writes the layout of `relational_hf.convert.gguf_layout` (architecture `llama`, or `deci`
-for per-layer SwiGLU widths, `qwen3` for a per-head QK-norm, `smollm3` for every 4th layer without rotary
-(`relational_hf.convert.gguf_families`); heads padded exactly to one width; rows interleaved where llama.cpp's rope
-pairs adjacent coordinates; unit norm weights; a tied head kept tied) and the tokenizer as vocabulary metadata
+for per-layer SwiGLU widths, `qwen3` for a per-head QK-norm, `smollm3` for every 4th layer without rotary, `gemma3`
+for a Gemma 3 conversion with its sandwich norms and sliding-window metadata (`relational_hf.convert.gguf_families`);
+heads padded exactly to one width; rows interleaved where llama.cpp's rope pairs adjacent coordinates; unit weights
+for the gain-free norms; a tied head kept tied) and the tokenizer as vocabulary metadata
 (`relational_hf.convert.gguf_vocab`), one tensor at a time: a safetensors checkpoint folder is read a decoder layer
 at a time (`relational_hf.compress.streamed.RelationalCheckpointLayers`), so memory holds one layer and the
 embedding, never the model. Everything that can be refused is refused before the file is opened (`GGUFExportError`,
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from .gguf_families import gemma3_metadata
 from .gguf_layout import GGUFExportError, GGUFLayout, gguf_layout, layer_tensors, tensor_shapes
 from .gguf_vocab import gguf_vocabulary
 
@@ -183,7 +185,7 @@ def _metadata(writer, layout: GGUFLayout, outtype: str, name: str, any_quantized
     writer.add_context_length(layout.context_length)
     writer.add_embedding_length(layout.hidden_size)
     writer.add_block_count(layout.num_layers)
-    if layout.arch == "deci":  # per-layer arrays; qwen3 and smollm3 take one SwiGLU width (`gguf_families`)
+    if layout.arch == "deci":  # per-layer arrays; qwen3, smollm3 and gemma3 take one SwiGLU width (`gguf_families`)
         writer.add_feed_forward_length(list(layout.feed_forward))
         writer.add_head_count(layout.num_heads)
         writer.add_head_count_kv([layout.num_kv_heads] * layout.num_layers)
@@ -196,6 +198,8 @@ def _metadata(writer, layout: GGUFLayout, outtype: str, name: str, any_quantized
     writer.add_rope_dimension_count(layout.head_dim)
     writer.add_rope_freq_base(layout.rope_theta)
     writer.add_layer_norm_rms_eps(layout.rms_norm_eps)
+    if layout.gemma3 is not None:
+        gemma3_metadata(writer, layout.gemma3)
 
 
 def _tensors(source, layout: GGUFLayout):

@@ -4,29 +4,35 @@ GGUF layout maths, pure torch (the file itself is written by `relational_hf.conv
 - **Architecture.** Uniform SwiGLU widths: llama.cpp's `llama`. Per-layer SwiGLU widths (a compressed model):
   `deci`, whose `feed_forward_length` and `attention.head_count_kv` llama.cpp reads as per-layer arrays. A per-head
   QK-norm (`qk_norm`, from Qwen3): `qwen3`, with per-layer `attn_q_norm` / `attn_k_norm` gains. Layers without rotary
-  positions (`rope_layers`, from SmolLM3): `smollm3`, which skips rotary in every 4th layer. What those two read and
-  refuse: `relational_hf.convert.gguf_families`. The head width D, the rotary width (= D) and the head counts stay
-  global in all four.
+  positions (`rope_layers`, from SmolLM3): `smollm3`, which skips rotary in every 4th layer. Gemma 3's options
+  (`sandwich_norms`, `embedding_scale`, sliding-window `layer_types`, from `relational_hf.convert.gemma`): `gemma3`,
+  with per-layer `post_attention_norm` / `post_ffw_norm` gains and its sliding-window metadata. What those three read
+  and refuse: `relational_hf.convert.gguf_families`. The head width D, the rotary width (= D) and the head counts stay
+  global in all five.
 - **Heads.** One head width D = r * ceil(d_h / r) holds a QK form of rank r and value width d_h exactly (the same
   embedding as the plain Llama export, `relational_hf.convert.export`): relational rotary pair p of a key head goes
   to the Llama pair p D / r, which turns at the same frequency (theta^(-2p/r)); every other query/key coordinate is
   zero, so a layer's QK width r_l < D adds exactly 0 to each score; W_Q is scaled by sqrt(D / r_l) so that
   llama.cpp's 1/sqrt(D) score scale gives the relational 1/sqrt(r_l). A value width r_v < D: zero rows of W_V and
-  zero columns of W_O. (`qwen3` takes r = D only: its norm sees the whole head.)
+  zero columns of W_O. (`qwen3` and `gemma3` take r = D only: their norm sees the whole head; `gemma3` scales its
+  query-norm gains instead where llama.cpp's score scale is not 1/sqrt(D).)
 - **Rotary layout.** The relational (and Transformers) rotation pairs coordinate j with j + D/2 of a head; llama.cpp's
   `llama`, `deci` and `smollm3` (its "normal" rope) pair 2j with 2j + 1. The rows of each query and key head are
   reordered so that half-split pair j lands on adjacent coordinates (2j, 2j + 1) (`rope_interleave`); scores are
-  unchanged because queries and keys are reordered alike. `qwen3`'s rope is NEOX (half-split, the relational layout):
-  its rows and QK-norm gains go in unreordered.
+  unchanged because queries and keys are reordered alike. `qwen3`'s and `gemma3`'s rope is NEOX (half-split, the
+  relational layout): their rows and QK-norm gains go in unreordered.
 - **Norms.** The gain-free layer norms are RMSNorms with unit weights; the final norm carries the final gain (in
-  front of a tied head) or unit weights; the QK-norm gains (`qwen3`) as stored. A tied head stays tied: no `output`
-  tensor (llama.cpp reads `token_embd`).
+  front of a tied head) or unit weights; the QK-norm gains (`qwen3`, `gemma3`) and the sandwich-norm gains
+  (`gemma3`: Gemma's 1 + w, which the relational model stores as the factor itself) as stored. A tied head stays
+  tied: no `output` tensor (llama.cpp reads `token_embd`).
 
 Refused before anything is written (`gguf_refusal`, one line naming the config field): value-space parallel removal,
-models without rotary positions, partial rotary, rotary types other than the default, activations other than SiLU,
-any config field the layout does not map, and what `qwen3` / `smollm3` cannot hold (`gguf_families.family_refusal`:
-a QK-norm with a QK rank below the head width, layer patterns without rotary other than every 4th layer, a QK-norm
-together with layers without rotary, per-layer SwiGLU widths, an output bias).
+models without rotary positions, partial rotary, rotary types other than the default (`gemma3`: also linear on its
+full layers), activations other than SiLU (`gemma3`: the tanh GELU), any config field the layout does not map, and
+what `qwen3` / `smollm3` / `gemma3` cannot hold (`gguf_families.family_refusal`: a QK-norm with a QK rank below the
+head width, layer patterns without rotary other than every 4th layer, a QK-norm together with layers without rotary,
+per-layer SwiGLU widths, an output bias; for `gemma3` an embedding scale other than sqrt(hidden_size), a missing
+QK-norm or sandwich norm, scaled rotary frequencies on sliding layers).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch
 from torch import nn
 
 from .export import ExportError, _layer_qk_coordinates, _pad_heads, llama_head_dim
-from .gguf_families import NEOX_ROPE_ARCHS, family_arch, family_refusal
+from .gguf_families import NEOX_ROPE_ARCHS, Gemma3Params, family_arch, family_refusal, gemma3_params
 
 #: the relational model_type (config.json); anything else is converted first
 RELATIONAL_MODEL_TYPE = "relational-transformer"
@@ -49,8 +55,8 @@ class GGUFExportError(ExportError):
 
 
 def gguf_refusal(config) -> str | None:
-    """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` / `qwen3` / `smollm3` (one line
-    naming the config field), or None when it has one."""
+    """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` / `qwen3` / `smollm3` / `gemma3`
+    (one line naming the config field), or None when it has one."""
     if getattr(config, "model_type", None) != RELATIONAL_MODEL_TYPE:
         kind = getattr(config, "model_type", None) or type(config).__name__
         return (
@@ -68,17 +74,18 @@ def gguf_refusal(config) -> str | None:
             "every query/key coordinate"
         )
     rope = dict(config.rope_parameters or {})
+    gemma3 = family_arch(config) == "gemma3"  # its rotary types and activation: `gguf_families`
     if 0 < config.rotary_dim < config.qk_rank:
         return (
             f"rope_parameters partial_rotary_factor={rope.get('partial_rotary_factor')!r} (partial rotary) has no GGUF form: "
             "llama.cpp's llama and deci, as this export writes them, rotate every query/key coordinate"
         )
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") != "default" and not gemma3:
         return (
             f"rope_parameters rope_type={rope.get('rope_type')!r}: only the default rotary type is exported to GGUF "
             "(its frequencies are checked exactly; scaled types are not)"
         )
-    if config.hidden_act != "silu":
+    if config.hidden_act != "silu" and not gemma3:
         return f"hidden_act={config.hidden_act!r} has no GGUF form: llama.cpp's llama and deci gate with SiLU"
     return _unmapped_option(config) or family_refusal(config)
 
@@ -94,6 +101,8 @@ MAPPED_FIELDS = frozenset(
         "tie_word_embeddings", "final_norm_gain", "initializer_range", "rms_norm_eps", "attention_dropout", "use_cache",
         "pad_token_id", "bos_token_id", "eos_token_id", "layer_qk_ranks", "layer_value_ranks",
         "layer_intermediate_sizes", "qk_norm", "rope_layers",
+        # Gemma 3's: any of them makes the architecture gemma3, which checks every one (`gguf_families`)
+        "sandwich_norms", "embedding_scale", "layer_types", "sliding_window", "sliding_rope_parameters",
     }
 )  # fmt: skip
 
@@ -116,9 +125,9 @@ def _unmapped_option(config) -> str | None:
 
 @dataclass(frozen=True)
 class GGUFLayout:
-    """The llama.cpp hyperparameters of a relational model: `arch` ("llama", "deci", "qwen3" or "smollm3"), head width
-    D (= rotary width, key and value length), per-layer SwiGLU widths, the global counts, whether each layer holds QK-norm
-    gains (`qk_norm`)."""
+    """The llama.cpp hyperparameters of a relational model: `arch` ("llama", "deci", "qwen3", "smollm3" or "gemma3"),
+    head width D (= rotary width, key and value length), per-layer SwiGLU widths, the global counts, whether each layer
+    holds QK-norm gains (`qk_norm`), and gemma3's sandwich norms and sliding-window settings (`gemma3`)."""
 
     arch: str
     head_dim: int
@@ -137,6 +146,7 @@ class GGUFLayout:
     rms_norm_eps: float
     context_length: int
     qk_norm: bool = False
+    gemma3: Gemma3Params | None = None
 
     @property
     def rope_interleaved(self) -> bool:
@@ -159,8 +169,9 @@ def gguf_layout(config) -> GGUFLayout:
         raise GGUFExportError(reason)
     layers = range(config.num_hidden_layers)
     widths = tuple(config.layer_intermediate_size(i) for i in layers)
+    arch = family_arch(config) or ("llama" if len(set(widths)) == 1 else "deci")
     return GGUFLayout(
-        arch=family_arch(config) or ("llama" if len(set(widths)) == 1 else "deci"),
+        arch=arch,
         head_dim=llama_head_dim(config.qk_rank, config.head_dim),
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
@@ -177,6 +188,7 @@ def gguf_layout(config) -> GGUFLayout:
         rms_norm_eps=float(config.rms_norm_eps),
         context_length=int(config.max_position_embeddings),
         qk_norm=bool(config.qk_norm),
+        gemma3=gemma3_params(config) if arch == "gemma3" else None,
     )
 
 
@@ -196,8 +208,12 @@ def tensor_shapes(layout: GGUFLayout) -> list[tuple[str, tuple[int, ...]]]:
             out += [(b + "attn_q.bias", (q_rows,)), (b + "attn_k.bias", (kv_rows,)), (b + "attn_v.bias", (kv_rows,))]
         if layout.o_bias:
             out += [(b + "attn_output.bias", (d,))]
+        if layout.gemma3 is not None:
+            out += [(b + "post_attention_norm.weight", (d,))]
         out += [(b + "ffn_norm.weight", (d,)), (b + "ffn_gate.weight", (f, d)), (b + "ffn_up.weight", (f, d))]
         out += [(b + "ffn_down.weight", (d, f))]
+        if layout.gemma3 is not None:
+            out += [(b + "post_ffw_norm.weight", (d,))]
     out += [("output_norm.weight", (d,))]
     if not layout.tied:
         out += [("output.weight", (layout.vocab_size, d))]
@@ -218,8 +234,9 @@ def rope_interleave(w: torch.Tensor, heads: int, width: int) -> torch.Tensor:
 def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_rank: int) -> dict[str, torch.Tensor]:
     """The GGUF tensors (float32, computed in float64; Linear layout) of relational decoder layer `index`, in `tensor_shapes` order:
     unit norm weights, W_Q/W_K padded to the head width D by rotary pair and (adjacent-pair rope) interleaved for
-    llama.cpp's rope, W_Q scaled by sqrt(D / r_l), the QK-norm gains (`qwen3`), W_V/W_O padded with zeros, the SwiGLU
-    maps at the layer's own width."""
+    llama.cpp's rope, W_Q scaled by sqrt(D / r_l), the QK-norm gains (`qwen3`, `gemma3`: the query's times
+    `Gemma3Params.query_gain`), W_V/W_O padded with zeros, the sandwich-norm gains (`gemma3`), the SwiGLU maps at the
+    layer's own width."""
     attn = layer.self_attn
     h, h_kv, width, d = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.hidden_size
     k_coords = _layer_qk_coordinates(attn, model_qk_rank, width)  # (H_kv, r_l) Llama coordinates per key head
@@ -240,6 +257,8 @@ def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_ran
             raise GGUFExportError(f"{b}attn_q_norm: the QK coordinates are not the head's own in order: no qwen3 form")
         for key in ("q_norm", "k_norm"):
             out[f"{b}attn_{key}.weight"] = order(w[key].double().reshape(width, 1), 1).reshape(width)
+        if layout.gemma3 is not None and layout.gemma3.query_gain != 1.0:
+            out[b + "attn_q_norm.weight"] = out[b + "attn_q_norm.weight"] * layout.gemma3.query_gain
     out[b + "attn_v.weight"] = _pad_heads(w["v"], h_kv, width, vo)
     out[b + "attn_output.weight"] = _pad_heads(w["o"].double().T, h, width, vo).T.contiguous()
     if layout.q_bias:
@@ -259,11 +278,15 @@ def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_ran
     if layout.o_bias:
         value = w.get("o_bias")
         out[b + "attn_output.bias"] = torch.zeros(d, dtype=torch.float64) if value is None else value.double()
+    if layout.gemma3 is not None:  # the sandwich norms' gains (Gemma's 1 + w, stored as the factor)
+        out[b + "post_attention_norm.weight"] = layer.attention_output_norm.weight.detach().double()
     mlp = layer.mlp.full_weights()
     out[b + "ffn_norm.weight"] = torch.ones(d, dtype=torch.float64)
     out[b + "ffn_gate.weight"] = mlp["gate"].double()
     out[b + "ffn_up.weight"] = mlp["up"].double()
     out[b + "ffn_down.weight"] = mlp["down"].double()
+    if layout.gemma3 is not None:
+        out[b + "post_ffw_norm.weight"] = layer.mlp_output_norm.weight.detach().double()
     return {k: v.detach().to(torch.float32).cpu() for k, v in out.items()}
 
 
