@@ -11,8 +11,9 @@ against the relational model's logits in fp32 before anything is written. `--to 
 architecture and writes every map as its full weight (the free gauge, `to_free_gauge`): a checkpoint for inference,
 which reads the weights as stored (no gauge-fixed weight assembled), at the cost of the pivot entries stored again.
 OUT must be new or empty; it is written beside and moved into place when complete. `--to gguf` writes one GGUF file
-for llama.cpp instead (`relational_hf.convert.gguf_export`: architecture llama, or deci for per-layer widths; a
-checkpoint folder is read a layer at a time), replaced atomically.
+for llama.cpp instead (`relational_hf.convert.gguf_export`: architecture llama, or deci for per-layer widths; qwen3,
+smollm3 and gemma3 for those families' conversions, `convert.gguf_families`; a checkpoint folder is read a layer at a
+time), replaced atomically.
 """
 
 from __future__ import annotations
