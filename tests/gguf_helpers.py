@@ -58,11 +58,9 @@ CASES = {
 
 
 @torch.no_grad()
-def tiny_case(name: str, seed: int = 0) -> RelationalForCausalLM:
-    """The model of CASES[name], with weights wide enough for clearly separated logits, non-trivial biases and
-    final gain, and (per-layer widths) key heads that keep different rotary pairs."""
-    torch.manual_seed(seed)
-    model = RelationalForCausalLM(RelationalConfig(**(BASE | CASES[name]))).eval()
+def spread(model: RelationalForCausalLM) -> RelationalForCausalLM:
+    """`model` with weights wide enough for clearly separated logits (x6), biases N(0, 0.2) and every gain (norms,
+    QK-norms) uniform in [0.5, 1.5]: never the unit or zero gains that hide a folding mistake. In place."""
     for pname, p in model.named_parameters():
         if "bias" in pname:
             p.normal_(0.0, 0.2)
@@ -70,6 +68,45 @@ def tiny_case(name: str, seed: int = 0) -> RelationalForCausalLM:
             p.uniform_(0.5, 1.5)
         else:
             p.mul_(6.0)
+    return model
+
+
+def export_f32(model, path, **kwargs):
+    """`export_gguf` of `model` to `path` in f32 with the byte-level tokenizer."""
+    from relational_hf.convert.gguf_export import export_gguf
+    from relational_hf.lm.data import byte_level_tokenizer
+
+    return export_gguf(model, path, outtype="f32", tokenizer=byte_level_tokenizer(), **kwargs)
+
+
+def assert_refused_in_one_line(model, field: str, tmp_path, capsys, also: str = "") -> None:
+    """`model` is refused naming `field`: by `export_gguf` (GGUFExportError) and by `relational-hf export --to gguf`
+    on its saved checkpoint (one line on stderr, which names `also` too, exit status non-zero), with no file written
+    either way."""
+    import pytest
+
+    from relational_hf.commands.main import main
+    from relational_hf.convert.gguf_layout import GGUFExportError
+
+    def nothing_written():
+        assert [p.name for p in tmp_path.iterdir() if p.name != "src"] == []
+
+    with pytest.raises(GGUFExportError, match=field):
+        export_f32(model, tmp_path / "out.gguf")
+    nothing_written()
+    model.save_pretrained(tmp_path / "src")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and also in err[0], err
+    nothing_written()
+
+
+def tiny_case(name: str, seed: int = 0) -> RelationalForCausalLM:
+    """The model of CASES[name], with weights wide enough for clearly separated logits, non-trivial biases and
+    final gain, and (per-layer widths) key heads that keep different rotary pairs."""
+    torch.manual_seed(seed)
+    model = spread(RelationalForCausalLM(RelationalConfig(**(BASE | CASES[name]))).eval())
     for layer in model.model.layers:
         pairs = getattr(layer.self_attn, "rope_pair_index", None)
         if pairs is not None and pairs.shape[1] < model.config.qk_rank // 2:

@@ -17,15 +17,24 @@ from __future__ import annotations
 import pytest
 import torch
 from family_helpers import TINY, randomize
-from gguf_helpers import BASE, VOCAB, dequantized, fields, plugin_logits, reference_logits, relative_difference
+from gguf_helpers import (
+    BASE,
+    VOCAB,
+    assert_refused_in_one_line,
+    dequantized,
+    export_f32,
+    fields,
+    plugin_logits,
+    reference_logits,
+    relative_difference,
+    spread,
+)
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package: pip install 'relational-hf[real]'")
 
 from relational_hf.commands.main import main  # noqa: E402
 from relational_hf.convert import gguf_runtime  # noqa: E402
-from relational_hf.convert.gguf_export import export_gguf  # noqa: E402
-from relational_hf.convert.gguf_layout import GGUFExportError, rope_interleave  # noqa: E402
-from relational_hf.lm.data import byte_level_tokenizer  # noqa: E402
+from relational_hf.convert.gguf_layout import rope_interleave  # noqa: E402
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM  # noqa: E402
 
 needs_llama_cpp = pytest.mark.skipif(
@@ -77,14 +86,7 @@ def _tiny(overrides: dict, seed: int = 3) -> RelationalForCausalLM:
     """A hand-made relational model (gguf_helpers.BASE | overrides) with random weights, norm gains in [0.5, 1.5]
     (the QK-norm's included) and, in compressed layers, key heads keeping different rotary pairs."""
     torch.manual_seed(seed)
-    model = RelationalForCausalLM(RelationalConfig(**(BASE | overrides))).eval()
-    for name, p in model.named_parameters():
-        if "bias" in name:
-            p.normal_(0.0, 0.2)
-        elif p.ndim == 1:
-            p.uniform_(0.5, 1.5)
-        else:
-            p.mul_(6.0)
+    model = spread(RelationalForCausalLM(RelationalConfig(**(BASE | overrides))).eval())
     generator = torch.Generator().manual_seed(seed)
     for layer in model.model.layers:
         pairs = getattr(layer.self_attn, "rope_pair_index", None)
@@ -103,12 +105,7 @@ HAND_MADE = {
 }
 
 
-def _export(model, path, **kwargs):
-    return export_gguf(model, path, outtype="f32", tokenizer=byte_level_tokenizer(), **kwargs)
-
-
-def _assert_no_file(folder):
-    assert [p.name for p in folder.iterdir() if p.name != "src"] == []
+_export = export_f32
 
 
 def test_qwen3_conversion_becomes_qwen3_with_its_qk_norm_gains(sources, tmp_path):
@@ -272,15 +269,7 @@ def test_a_compressed_conversion_with_per_layer_swiglu_widths_is_refused_in_one_
     compressed = _compressed(model)
     widths = compressed.config.layer_intermediate_sizes
     assert widths is not None and len(set(widths)) > 1
-    with pytest.raises(GGUFExportError, match="layer_intermediate_sizes"):
-        _export(compressed, tmp_path / "out.gguf")
-    _assert_no_file(tmp_path)
-    compressed.save_pretrained(tmp_path / "src")
-    capsys.readouterr()
-    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "layer_intermediate_sizes" in err[0] and family in err[0], err
-    _assert_no_file(tmp_path)
+    assert_refused_in_one_line(compressed, "layer_intermediate_sizes", tmp_path, capsys, also=family)
 
 
 @pytest.mark.parametrize(
@@ -296,13 +285,4 @@ def test_a_compressed_conversion_with_per_layer_swiglu_widths_is_refused_in_one_
     ],
 )
 def test_what_qwen3_and_smollm3_cannot_hold_is_refused_in_one_line(overrides, field, tmp_path, capsys):
-    model = RelationalForCausalLM(RelationalConfig(**(BASE | overrides))).eval()
-    with pytest.raises(GGUFExportError, match=field):
-        _export(model, tmp_path / "out.gguf")
-    _assert_no_file(tmp_path)
-    model.save_pretrained(tmp_path / "src")
-    capsys.readouterr()
-    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and field in err[0], err
-    _assert_no_file(tmp_path)
+    assert_refused_in_one_line(RelationalForCausalLM(RelationalConfig(**(BASE | overrides))).eval(), field, tmp_path, capsys)

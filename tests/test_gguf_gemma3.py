@@ -21,15 +21,21 @@ import math
 import pytest
 import torch
 from gemma3_models import convertible, longer_than_the_window
-from gguf_helpers import BASE, dequantized, fields, plugin_logits, reference_logits, relative_difference
+from gguf_helpers import (
+    BASE,
+    assert_refused_in_one_line,
+    dequantized,
+    export_f32,
+    fields,
+    plugin_logits,
+    reference_logits,
+    relative_difference,
+)
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package: pip install 'relational-hf[real]'")
 
 from relational_hf.commands.main import main  # noqa: E402
 from relational_hf.convert import gguf_runtime  # noqa: E402
-from relational_hf.convert.gguf_export import export_gguf  # noqa: E402
-from relational_hf.convert.gguf_layout import GGUFExportError  # noqa: E402
-from relational_hf.lm.data import byte_level_tokenizer  # noqa: E402
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM  # noqa: E402
 
 needs_llama_cpp = pytest.mark.skipif(
@@ -72,12 +78,7 @@ def pair():
     return source, to_relational(source, verify_length=16).eval()
 
 
-def _export(model, path, **kwargs):
-    return export_gguf(model, path, outtype="f32", tokenizer=byte_level_tokenizer(), **kwargs)
-
-
-def _assert_no_file(folder):
-    assert [p.name for p in folder.iterdir() if p.name != "src"] == []
+_export = export_f32
 
 
 def test_the_conversion_becomes_gemma3_with_gemmas_gains_and_windows(pair, tmp_path):
@@ -236,15 +237,7 @@ def test_a_compressed_conversion_with_per_layer_mlp_widths_is_refused_in_one_lin
     compressed = _compressed(model, kinds=("mlp",), remove=0.1)
     widths = compressed.config.layer_intermediate_sizes
     assert widths is not None and len(set(widths)) > 1
-    with pytest.raises(GGUFExportError, match="layer_intermediate_sizes"):
-        _export(compressed, tmp_path / "out.gguf")
-    _assert_no_file(tmp_path)
-    compressed.save_pretrained(tmp_path / "src")
-    capsys.readouterr()
-    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "layer_intermediate_sizes" in err[0] and "gemma3" in err[0], err
-    _assert_no_file(tmp_path)
+    assert_refused_in_one_line(compressed, "layer_intermediate_sizes", tmp_path, capsys, also="gemma3")
 
 
 #: a linear rotary table: held on the full layers only
@@ -290,13 +283,4 @@ def test_a_hand_made_model_with_gemmas_options_and_no_sliding_layer_is_gemma3_wi
 def test_what_gemma3_cannot_hold_is_refused_in_one_line(overrides, field, tmp_path, capsys):
     """Each option llama.cpp's gemma3 has no exact form for is refused naming its config field, by the function and
     by the command (one line on stderr), before any file is written."""
-    model = RelationalForCausalLM(RelationalConfig(**(GEMMA | overrides))).eval()
-    with pytest.raises(GGUFExportError, match=field):
-        _export(model, tmp_path / "out.gguf")
-    _assert_no_file(tmp_path)
-    model.save_pretrained(tmp_path / "src")
-    capsys.readouterr()
-    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--to", "gguf"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and field in err[0], err
-    _assert_no_file(tmp_path)
+    assert_refused_in_one_line(RelationalForCausalLM(RelationalConfig(**(GEMMA | overrides))).eval(), field, tmp_path, capsys)
