@@ -136,7 +136,9 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xticks(range(len(DOMAINS)), DOMAINS)
     ax.set_ylabel("perplexity / dense perplexity")
     ax.set_title("relational-hf compress --remove 0.25 (SmolLM2-135M-Instruct): held-out domains", fontsize=10)
-    ax.legend(fontsize=8)
+    top = max(max(c["ratio"].values()) for c in cells.values())
+    ax.set_ylim(0, top * 1.35)  # room above the bars for the legend
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     save_figure(fig, path)
 
 
