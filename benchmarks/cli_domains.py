@@ -74,6 +74,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["--refit-prior", "zero"],
         "the MLP refit's ridge pulled towards zero (the default pulls towards the kept units' own W_down columns)",
     ),
+    "plan-token": (
+        "compressed-plan-token",
+        ["--plan-error", "token"],
+        "the plan spends the budget by each token's error relative to its residual energy (the default plans by the "
+        "predicted KL of the next-token distributions, from Fisher directions on the calibration windows)",
+    ),
     "self-half": (
         "compressed-self-half",
         ["--self-calibration", "0.5"],

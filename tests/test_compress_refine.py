@@ -198,3 +198,39 @@ def test_compress_help_quotes_the_refinement_default_the_run_uses():
 
     quoted = re.search(r"\(default: ([0-9.e+-]+)\)", CompressOptions.__dataclass_fields__["refine_lr"].metadata["help"])
     assert quoted and float(quoted.group(1)) == DEFAULT_REFINE_LR
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_cli_plan_error_reaches_the_plan_on_either_path(tmp_path, capsys, byte_llama_checkpoint, stream):
+    """`compress --plan-error token` plans in the token currency on the streamed and in-memory paths: the report
+    records it, and the stored size still meets the budget; without the option the report keeps the Fisher plan."""
+    import json
+
+    text = tmp_path / "cal.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    reports = {}
+    for error in ("token", None):
+        out = tmp_path / f"out-{error}"
+        args = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.2", "--calibration", str(text),
+                "--window", "32", "--calibration-windows", "4", "--refine-epochs", "0", stream]  # fmt: skip
+        assert main(args + (["--plan-error", error] if error else [])) == 0, capsys.readouterr().err
+        reports[error] = json.loads((out / "compression_report.json").read_text())
+    assert reports["token"]["options"]["sensitivity"] == "token"
+    assert reports[None]["options"]["sensitivity"] == "fisher"
+    for report in reports.values():
+        assert report["parameters_after"] <= 0.8 * report["parameters_before"] + 1
+
+
+def test_cli_refuses_plan_error_for_the_slice_method_in_one_line(tmp_path, capsys):
+    src = tmp_path / "src"
+    _llama().save_pretrained(src)
+    text = tmp_path / "t.txt"
+    text.write_text("words " * 400)
+    args = ["compress", str(src), str(tmp_path / "out"), "--remove", "0.2", "--calibration", str(text),
+            "--method", "slice", "--plan-error", "token"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--plan-error sets" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert main([*args[:-2], "--plan-error", "kl"]) == 2
+    assert "--plan-error" in capsys.readouterr().err

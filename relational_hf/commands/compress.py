@@ -208,6 +208,12 @@ class CompressOptions:
         metavar="N",
     )
     refine_lr: OpenFraction | None = option(None, "learning rate of --refine-epochs (default: 3e-4)", metavar="LR")
+    plan_error: Literal["fisher", "token"] | None = option(
+        None,
+        "the error the plan spends the budget by across layers and kinds: fisher (the default: the predicted KL of the "
+        "next-token distributions, from sampled Fisher directions) or token (each token's error relative to its "
+        "residual energy, the default before)",
+    )
     width_multiple: PositiveInt | None = option(
         None,
         "every SwiGLU width the plan narrows a multiple of N, the stored budget still met: 256 lets llama.cpp's "
@@ -341,6 +347,8 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
     if args.gauge is not None and args.method != "relational":
         raise UsageError("--gauge applies to --method relational (the slice method writes the pivot gauge)")
+    if args.plan_error is not None and args.method != "relational":
+        raise UsageError("--plan-error sets the plan of --method relational (the slice method plans no widths)")
     if args.width_multiple and args.method != "relational":
         raise UsageError("--width-multiple sets the widths of --method relational (the slice method keeps every unit)")
     if list(args.kinds) != list(KINDS) and args.method != "relational":
@@ -473,22 +481,11 @@ def _run(args: CompressArguments, lock) -> int:
             model, tokenizer, progress=True, **{k: v for k, v in chosen.items() if v is not None}
         )
     eval_before = {name: perplexity(model, ids, progress=True) for name, ids in evaluations.items()}
-    options = (
-        {"correction": args.correction, "mlp_order": args.mlp_order, "slice_fraction": args.slice_fraction,
-         "refit_holdout": args.refit_holdout, "refit_blend": args.refit_blend,
-         "refine_epochs": args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
-         **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
-         **({"width_multiple": args.width_multiple} if args.width_multiple else {}),
-         **({"kinds": tuple(args.kinds)} if list(args.kinds) != list(KINDS) else {})}
-        if args.method == "relational"
-        else {}
-    )
+    options = _relational_options(args) | {"slice_fraction": args.slice_fraction} if args.method == "relational" else {}
     if args.heal_lr is not None:
         options["heal_lr"] = args.heal_lr
     if args.heal_batch_size is not None:
         options["heal_batch_size"] = args.heal_batch_size
-    if args.refine_lr is not None:
-        options["refine_lr"] = args.refine_lr
     if share is not None:
         options["heal_calibration_share"] = share
     compressed, report = compress_model(
@@ -547,6 +544,17 @@ def _run(args: CompressArguments, lock) -> int:
     return 0
 
 
+def _relational_options(args: CompressArguments) -> dict:
+    """The `LowRankOptions` fields of --method relational that both paths pass: the optional ones only when given,
+    so that the library's defaults hold."""
+    kinds = tuple(args.kinds) if list(args.kinds) != list(KINDS) else None
+    given = {"gauge": args.gauge, "refit_prior": args.refit_prior, "width_multiple": args.width_multiple,
+             "kinds": kinds, "refine_lr": args.refine_lr, "sensitivity": args.plan_error}  # fmt: skip
+    fixed = {"correction": args.correction, "mlp_order": args.mlp_order, "refit_holdout": args.refit_holdout,
+             "refit_blend": args.refit_blend, "refine_epochs": args.refine_epochs}  # fmt: skip
+    return fixed | {k: v for k, v in given.items() if v is not None}
+
+
 def _gauge_note(report: dict) -> str:
     gauge = (report.get("options") or {}).get("gauge")
     return f", {gauge} gauge" if gauge else ""
@@ -569,13 +577,7 @@ def _run_streamed(
         args.local_gguf() or args.src, args.out, remove=args.remove, calibration=calibration, evaluations=evaluations,
         dtype=args.dtype,
         device="cuda" if torch.cuda.is_available() else None, max_shard_size=args.max_shard_size,
-        trust_remote_code=args.trust_remote_code, lock=lock, correction=args.correction,
-        mlp_order=args.mlp_order, refit_holdout=args.refit_holdout, refit_blend=args.refit_blend,
-        refine_epochs=args.refine_epochs, **({"gauge": args.gauge} if args.gauge else {}),
-        **({"refit_prior": args.refit_prior} if args.refit_prior else {}),
-        **({"width_multiple": args.width_multiple} if args.width_multiple else {}),
-        **({"kinds": tuple(args.kinds)} if list(args.kinds) != list(KINDS) else {}),
-        **({"refine_lr": args.refine_lr} if args.refine_lr is not None else {}),
+        trust_remote_code=args.trust_remote_code, lock=lock, **_relational_options(args),
         report_extra={"source": str(args.src), "calibration": calibration_info}
         | ({"eval_file": next(iter(evaluations))} if evaluations else {}),
     )
