@@ -102,6 +102,28 @@ def assert_refused_in_one_line(model, field: str, tmp_path, capsys, also: str = 
     nothing_written()
 
 
+def export_padded_from_the_command(model, ids: torch.Tensor, tmp_path, capsys) -> tuple:
+    """`relational-hf export SRC OUT.gguf --to gguf --outtype f32 --pad-mlp` of `model`'s checkpoint saved at
+    tmp_path/src (as `assert_refused_in_one_line` leaves it; streamed, a layer at a time): the file is written with
+    every layer at the widest SwiGLU width, the report names the zero units it added, and the file's own forward pass
+    gives the plugin's logits of `ids` to 1e-4 of their scale. Returns (path, the file's feed_forward_length)."""
+    import gguf
+
+    from relational_hf.commands.main import main
+
+    widths = [model.config.layer_intermediate_size(i) for i in range(model.config.num_hidden_layers)]
+    path = tmp_path / "padded.gguf"
+    capsys.readouterr()
+    args = ["export", str(tmp_path / "src"), str(path), "--to", "gguf", "--outtype", "f32", "--pad-mlp"]
+    assert main(args) == 0, capsys.readouterr().err
+    units = sum(max(widths) - w for w in widths)
+    assert f"padded with {units:,} zero SwiGLU units to the width {max(widths)}" in capsys.readouterr().out
+    meta = fields(gguf.GGUFReader(str(path)))
+    arch = meta["general.architecture"]
+    assert relative_difference(reference_logits(path, ids), plugin_logits(model, ids)) < 1e-4
+    return path, meta[f"{arch}.feed_forward_length"]
+
+
 def tiny_case(name: str, seed: int = 0) -> RelationalForCausalLM:
     """The model of CASES[name], with weights wide enough for clearly separated logits, non-trivial biases and
     final gain, and (per-layer widths) key heads that keep different rotary pairs."""

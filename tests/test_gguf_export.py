@@ -330,3 +330,19 @@ def test_without_llama_cpp_the_export_works_and_quantize_is_refused_before_writi
     assert "relational-hf[gguf]" in capsys.readouterr().out and out.stat().st_size > 0
     assert main(["export", str(src), str(tmp_path / "plain"), "--quantize", "Q8_0"]) == 2
     assert "--to gguf" in capsys.readouterr().err
+
+
+def test_pad_mlp_changes_nothing_where_deci_holds_the_widths_and_is_refused_off_gguf(tmp_path, capsys):
+    """`--pad-mlp` only permits padding where llama.cpp needs it: a per-layer-width model still goes to `deci` at its
+    own widths (the same bytes as without the flag, no zero units noted), and the flag off `--to gguf` is refused in
+    one line before anything is written."""
+    src = _save(_case("pivot-per-layer-widths"), tmp_path / "src")
+    plain, padded = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"  # one name: the file's general.name
+    assert main(["export", str(src), str(plain), "--to", "gguf", "--outtype", "f32"]) == 0
+    assert main(["export", str(src), str(padded), "--to", "gguf", "--outtype", "f32", "--pad-mlp"]) == 0
+    assert "zero SwiGLU units" not in capsys.readouterr().out
+    assert plain.read_bytes() == padded.read_bytes()
+    assert main(["export", str(src), str(tmp_path / "llama"), "--to", "llama", "--pad-mlp"]) == 2
+    err = capsys.readouterr().err
+    assert "--pad-mlp applies to --to gguf only" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "llama").exists()

@@ -23,6 +23,7 @@ from gguf_helpers import (
     assert_refused_in_one_line,
     dequantized,
     export_f32,
+    export_padded_from_the_command,
     fields,
     plugin_logits,
     reference_logits,
@@ -260,7 +261,7 @@ def test_a_compressed_qwen3_conversion_with_one_swiglu_width_runs_in_llama_cpp(s
 def test_a_compressed_conversion_with_per_layer_swiglu_widths_is_refused_in_one_line(family, sources, tmp_path, capsys):
     """llama.cpp's qwen3 and smollm3 make every layer's SwiGLU one width: a compressed conversion whose layers keep
     different widths is refused naming layer_intermediate_sizes, by the function and the command, before any file is
-    written (no zero units added)."""
+    written (no zero units added silently); with --pad-mlp the command writes it at the widest width, exactly."""
     import copy
 
     model = copy.deepcopy(sources[family][1])
@@ -270,6 +271,11 @@ def test_a_compressed_conversion_with_per_layer_swiglu_widths_is_refused_in_one_
     widths = compressed.config.layer_intermediate_sizes
     assert widths is not None and len(set(widths)) > 1
     assert_refused_in_one_line(compressed, "layer_intermediate_sizes", tmp_path, capsys, also=family)
+    # asked for, the narrower layers are padded with zero units: exact, from the file alone and in llama.cpp
+    path, written = export_padded_from_the_command(compressed, IDS, tmp_path, capsys)
+    assert written == max(widths)
+    if gguf_runtime.available():
+        _llama_cpp_matches(compressed, path)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from gguf_helpers import (
     assert_refused_in_one_line,
     dequantized,
     export_f32,
+    export_padded_from_the_command,
     fields,
     plugin_logits,
     reference_logits,
@@ -228,7 +229,8 @@ def test_a_compressed_conversion_with_one_mlp_width_runs_in_llama_cpp(pair, tmp_
 
 def test_a_compressed_conversion_with_per_layer_mlp_widths_is_refused_in_one_line(pair, tmp_path, capsys):
     """llama.cpp's gemma3 makes every layer's gated MLP one width: a compressed conversion whose layers keep different
-    widths is refused naming layer_intermediate_sizes, by the function and the command, before any file is written."""
+    widths is refused naming layer_intermediate_sizes, by the function and the command, before any file is written;
+    with --pad-mlp the command writes it at the widest width, exactly."""
     import copy
 
     model = copy.deepcopy(pair[1])
@@ -238,6 +240,11 @@ def test_a_compressed_conversion_with_per_layer_mlp_widths_is_refused_in_one_lin
     widths = compressed.config.layer_intermediate_sizes
     assert widths is not None and len(set(widths)) > 1
     assert_refused_in_one_line(compressed, "layer_intermediate_sizes", tmp_path, capsys, also="gemma3")
+    # asked for, the narrower layers are padded with zero units (GELU-tanh(0) * 0 = 0): exact
+    path, written = export_padded_from_the_command(compressed, IDS, tmp_path, capsys)
+    assert written == max(widths)
+    if gguf_runtime.available():
+        _llama_cpp_matches(compressed, path)
 
 
 #: a linear rotary table: held on the full layers only

@@ -4,7 +4,7 @@ remote code.
     relational-hf export SRC OUT --to llama
     relational-hf export SRC OUT --to free
     relational-hf export SRC OUT --to qwen3 | smollm3 | phi3 | gpt2 | gpt_neox | gemma3
-    relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0] [--quantize Q4_K_M]
+    relational-hf export SRC OUT.gguf --to gguf [--outtype f32|f16|bf16|q8_0] [--quantize Q4_K_M] [--pad-mlp]
 
 The gauge-fixed factors are multiplied back out (`relational_hf.convert.export.to_llama`) and the result is checked
 against the relational model's logits in fp32 before anything is written. `--to free` keeps the relational
@@ -57,6 +57,12 @@ class ExportOptions:
         "gguf extra); written from --outtype f16, or f32/bf16 when given",
         metavar="TYPE",
     )
+    pad_mlp: bool = option(
+        False,
+        "with --to gguf: a compressed Qwen3, SmolLM3 or Gemma 3 conversion, whose layers keep different SwiGLU "
+        "widths, written at the widest layer's width, the narrower layers padded with zero units (llama.cpp's qwen3, "
+        "smollm3 and gemma3 hold one width; exact, but the padded units are stored again); llama and deci need none",
+    )
     tolerance: PositiveFloat = option(1e-4, "max |logit difference| accepted (fp32)")
     trust_remote_code: bool = option(False, "passed to from_pretrained")
 
@@ -75,10 +81,11 @@ def run(args: ExportArguments) -> int:
     from ..outputs import OutputLock, check_new_output
 
     args.src = check_model_argument(args.src, "SRC")
-    if args.quantize is not None and args.to != "gguf":
-        from ..errors import UsageError
+    for flag, given in (("--quantize", args.quantize is not None), ("--pad-mlp", args.pad_mlp)):
+        if given and args.to != "gguf":
+            from ..errors import UsageError
 
-        raise UsageError(f"--quantize {args.quantize} applies to --to gguf only (nothing was written)")
+            raise UsageError(f"{flag} applies to --to gguf only (nothing was written)")
     if args.to == "gguf":
         from .export_gguf import run_gguf
 

@@ -34,7 +34,7 @@ def run_gguf(args) -> int:
             "Llama-family model first)"
         )
     config = load_config_from(source, trust_remote_code=args.trust_remote_code)
-    reason = gguf_refusal(config)
+    reason = gguf_refusal(config, args.pad_mlp)
     if reason is not None:
         raise GGUFExportError(reason)
     target = file_target(args.out, "OUT")
@@ -52,7 +52,10 @@ def run_gguf(args) -> int:
             model = source.location  # read a decoder layer at a time
         else:
             model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code)
-        export = dict(outtype=args.outtype, tokenizer=tokenizer, config=config, trust_remote_code=args.trust_remote_code)
+        export = dict(
+            outtype=args.outtype, tokenizer=tokenizer, config=config, trust_remote_code=args.trust_remote_code,
+            pad_mlp=args.pad_mlp,
+        )
         if quantize_type is None:
             report = export_gguf(model, target.path, **export)
         else:
@@ -105,7 +108,7 @@ def _export_quantized(model, path: Path, file_type: str, export: dict):
                 tmp.unlink()
     fsync_dir(path.parent)
     block = gguf_runtime.BLOCK_SIZES[file_type]
-    layout = gguf_layout(export["config"] if export.get("config") is not None else model.config)
+    layout = gguf_layout(export["config"] if export.get("config") is not None else model.config, export.get("pad_mlp", False))
     short = sorted({s[-1] for _, s in tensor_shapes(layout) if len(s) > 1 and s[-1] % block})
     report.outtype = f"{file_type} (llama.cpp's quantiser, from {report.outtype})"
     report.path, report.file_bytes = str(path), path.stat().st_size

@@ -239,12 +239,15 @@ def export_gguf(
     name: str | None = None,
     trust_remote_code: bool = False,
     on_tensor: Callable[[str], None] | None = None,
+    pad_mlp: bool = False,
 ) -> GGUFExportReport:
     """Write the relational model `source` (a `RelationalForCausalLM`, or a local relational safetensors folder,
     read a layer at a time) as the GGUF file `out` of type `outtype` (`GGUF_OUTTYPES`), with `tokenizer` (a
     Transformers fast tokenizer, or None: the file then holds no vocabulary, `tokenizer.ggml.model = none`).
     `config`: the source's config when the caller has read it (checked before the folder is opened). Refusals
-    (`GGUFExportError`, one line) come before OUT is touched; OUT is replaced atomically."""
+    (`GGUFExportError`, one line) come before OUT is touched; OUT is replaced atomically. `pad_mlp`: per-layer
+    SwiGLU widths in `qwen3` / `smollm3` / `gemma3` written at the widest layer's, padded with zero units
+    (`gguf_layout.gguf_layout`; refused without it)."""
     gguf = require_gguf()
 
     from ..errors import UsageError
@@ -256,12 +259,12 @@ def export_gguf(
     if config is None and not isinstance(source, (str, os.PathLike)):
         config = source.config
     if config is not None:
-        gguf_layout(config)  # refusals before anything is opened
+        gguf_layout(config, pad_mlp)  # refusals before anything is opened
     target = file_target(out, "OUT")
     if target.is_stream:
         raise UsageError(f"OUT {out}: a GGUF file is written to a file path, not to a stream (nothing was written)")
     layers = _open_source(source, trust_remote_code)
-    layout = gguf_layout(layers.config)
+    layout = gguf_layout(layers.config, pad_mlp)
     vocabulary = None if tokenizer is None else gguf_vocabulary(tokenizer, layout.vocab_size)
     shapes = tensor_shapes(layout)
     types = {n: tensor_type(s, outtype) for n, s in shapes}
@@ -327,6 +330,13 @@ def export_gguf(
         report.notes.append(
             f"QK widths {sorted(set(layout.qk_ranks))} below the head width {layout.head_dim}: query/key heads padded "
             "with zero rows by rotary pair, W_Q scaled to llama.cpp's 1/sqrt(head width)"
+        )
+    if layout.mlp_padding:
+        padded = sum(1 for units in layout.mlp_padding if units)
+        report.notes.append(
+            f"{padded} layer(s) padded with {sum(layout.mlp_padding):,} zero SwiGLU units to the width "
+            f"{layout.feed_forward[0]} (llama.cpp's {layout.arch} holds one width): exact, "
+            f"{3 * layout.hidden_size * sum(layout.mlp_padding):,} entries stored again"
         )
     logger.info("wrote %s (%s, %s, %d tensors)", path, layout.arch, outtype, len(shapes))
     return report

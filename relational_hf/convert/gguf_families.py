@@ -22,8 +22,9 @@ What llama.cpp reads (the version llama-cpp-python 0.3.36 carries: `src/models/q
   below D are padded by rotary pair and W_Q scaled, as for `llama`.
 - Both read `feed_forward_length` through the common loader (a per-layer array is accepted there) but create every
   layer's SwiGLU tensors at the width of layer 0, so per-layer SwiGLU widths (`layer_intermediate_sizes` that
-  differ) have no form in them and are refused: padding the narrower layers with zero units would be exact, but it
-  would silently give back the compression. Neither creates `attn_output.bias`: `attention_output_bias` is refused
+  differ) have no form in them and are refused unless asked for (`pad_mlp`, `export --pad-mlp`): padding the
+  narrower layers with zero units to the widest is exact, but it gives back that part of the compression, so it is
+  never done silently. Neither creates `attn_output.bias`: `attention_output_bias` is refused
   (q/k/v biases are optional tensors both read). Head counts are global.
 - A model with both `qk_norm` and layers without rotary has no llama.cpp architecture here (qwen3 rotates every
   layer, smollm3 normalises no query or key) and is refused.
@@ -64,6 +65,8 @@ import numpy as np
 
 #: llama.cpp architectures whose rope pairs coordinate j with j + D/2 (NEOX); the others pair 2j with 2j + 1
 NEOX_ROPE_ARCHS = frozenset({"qwen3", "gemma3"})
+#: the llama.cpp architectures this module maps (`family_arch`); each holds one SwiGLU width for every layer
+FAMILY_ARCHS = frozenset({"qwen3", "smollm3", "gemma3"})
 #: the relational config's Gemma 3 options: any of them set makes the export llama.cpp's gemma3
 GEMMA3_OPTIONS = ("sandwich_norms", "embedding_scale", "layer_types", "sliding_window", "sliding_rope_parameters")
 #: activations llama.cpp's gemma3 computes (GELU, tanh approximation)
@@ -100,9 +103,10 @@ def smollm3_rope_layers(num_layers: int) -> list[bool]:
     return [(i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(num_layers)]
 
 
-def family_refusal(config) -> str | None:
+def family_refusal(config, pad_mlp: bool = False) -> str | None:
     """Why the relational `config` (a `qwen3`, `smollm3` or `gemma3` one, `family_arch`) has no exact form in that llama.cpp
-    architecture (one line naming the config field), or None when it has one (or is neither)."""
+    architecture (one line naming the config field), or None when it has one (or is neither). `pad_mlp`: per-layer
+    SwiGLU widths are held, padded with zero units to the widest layer (`gguf_layout.gguf_layout`)."""
     arch = family_arch(config)
     if arch is None:
         return None
@@ -128,11 +132,11 @@ def family_refusal(config) -> str | None:
             f"positions in every {SMOLLM3_NO_ROPE_STEP}th layer exactly ({want!r} here), and llama and deci in none"
         )
     widths = sorted({config.layer_intermediate_size(i) for i in range(config.num_hidden_layers)})
-    if len(widths) > 1:
+    if len(widths) > 1 and not pad_mlp:
         return (
             f"layer_intermediate_sizes={config.layer_intermediate_sizes!r} (per-layer SwiGLU widths) has no GGUF form "
-            f"in llama.cpp's {arch}: it creates every layer's SwiGLU at one width (zero units would pad them back "
-            "to the widest, undoing the compression)"
+            f"in llama.cpp's {arch}: it creates every layer's SwiGLU at one width; --pad-mlp writes the narrower "
+            f"layers padded with zero units to {widths[-1]} (exact, but those units are stored again)"
         )
     if config.attention_output_bias:
         return f"attention_output_bias=True has no GGUF form in llama.cpp's {arch}: it reads no attn_output.bias"

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .export import ExportError, _layer_qk_coordinates, _pad_heads, llama_head_dim
-from .gguf_families import NEOX_ROPE_ARCHS, Gemma3Params, family_arch, family_refusal, gemma3_params
+from .gguf_families import FAMILY_ARCHS, NEOX_ROPE_ARCHS, Gemma3Params, family_arch, family_refusal, gemma3_params
 
 #: the relational model_type (config.json); anything else is converted first
 RELATIONAL_MODEL_TYPE = "relational-transformer"
@@ -54,9 +54,10 @@ class GGUFExportError(ExportError):
     """A checkpoint that has no exact GGUF form, or a GGUF export that cannot be written (one line, naming the cause)."""
 
 
-def gguf_refusal(config) -> str | None:
+def gguf_refusal(config, pad_mlp: bool = False) -> str | None:
     """Why the relational `config` has no exact form in llama.cpp's `llama` / `deci` / `qwen3` / `smollm3` / `gemma3`
-    (one line naming the config field), or None when it has one."""
+    (one line naming the config field), or None when it has one. `pad_mlp`: per-layer SwiGLU widths, which `qwen3`,
+    `smollm3` and `gemma3` cannot hold, are accepted, to be padded with zero units (`gguf_layout`)."""
     if getattr(config, "model_type", None) != RELATIONAL_MODEL_TYPE:
         kind = getattr(config, "model_type", None) or type(config).__name__
         return (
@@ -87,7 +88,7 @@ def gguf_refusal(config) -> str | None:
         )
     if config.hidden_act != "silu" and not gemma3:
         return f"hidden_act={config.hidden_act!r} has no GGUF form: llama.cpp's llama and deci gate with SiLU"
-    return _unmapped_option(config) or family_refusal(config)
+    return _unmapped_option(config) or family_refusal(config, pad_mlp)
 
 
 #: The relational config's own fields the GGUF layout maps (or that do not change the function). Any other field of
@@ -147,6 +148,7 @@ class GGUFLayout:
     context_length: int
     qk_norm: bool = False
     gemma3: Gemma3Params | None = None
+    mlp_padding: tuple[int, ...] = ()  # zero SwiGLU units added to each layer (`pad_mlp`; empty: none)
 
     @property
     def rope_interleaved(self) -> bool:
@@ -155,21 +157,27 @@ class GGUFLayout:
 
     @property
     def padding_zeros(self) -> int:
-        """Zero entries the fixed head width D adds to the stored maps (QK and value widths below D)."""
+        """Zero entries the fixed head width D adds to the stored maps (QK and value widths below D), and the zero
+        SwiGLU units of `mlp_padding` (gate and up rows, down columns)."""
         d, h, h_kv, width = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        return sum(
+        heads = sum(
             d * ((h + h_kv) * (width - r) + (h_kv + h) * (width - v)) for r, v in zip(self.qk_ranks, self.value_ranks)
         )
+        return heads + 3 * d * sum(self.mlp_padding)
 
 
-def gguf_layout(config) -> GGUFLayout:
-    """The `GGUFLayout` of a relational config; `GGUFExportError` (one line) when `gguf_refusal` refuses it."""
-    reason = gguf_refusal(config)
+def gguf_layout(config, pad_mlp: bool = False) -> GGUFLayout:
+    """The `GGUFLayout` of a relational config; `GGUFExportError` (one line) when `gguf_refusal` refuses it.
+    `pad_mlp`: in `qwen3` / `smollm3` / `gemma3`, which hold one SwiGLU width, per-layer widths are written at the
+    widest layer's, the narrower layers padded with zero units (`mlp_padding`: each unit's gate and up rows and down
+    column zero, so it adds act(0) * 0 = 0 exactly); `llama` and `deci` need none."""
+    reason = gguf_refusal(config, pad_mlp)
     if reason is not None:
         raise GGUFExportError(reason)
     layers = range(config.num_hidden_layers)
-    widths = tuple(config.layer_intermediate_size(i) for i in layers)
-    arch = family_arch(config) or ("llama" if len(set(widths)) == 1 else "deci")
+    own = tuple(config.layer_intermediate_size(i) for i in layers)
+    arch = family_arch(config) or ("llama" if len(set(own)) == 1 else "deci")
+    widths = (max(own),) * len(own) if arch in FAMILY_ARCHS and len(set(own)) > 1 else own
     return GGUFLayout(
         arch=arch,
         head_dim=llama_head_dim(config.qk_rank, config.head_dim),
@@ -189,6 +197,7 @@ def gguf_layout(config) -> GGUFLayout:
         context_length=int(config.max_position_embeddings),
         qk_norm=bool(config.qk_norm),
         gemma3=gemma3_params(config) if arch == "gemma3" else None,
+        mlp_padding=tuple(w - o for w, o in zip(widths, own)) if widths != own else (),
     )
 
 
@@ -236,7 +245,7 @@ def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_ran
     unit norm weights, W_Q/W_K padded to the head width D by rotary pair and (adjacent-pair rope) interleaved for
     llama.cpp's rope, W_Q scaled by sqrt(D / r_l), the QK-norm gains (`qwen3`, `gemma3`: the query's times
     `Gemma3Params.query_gain`), W_V/W_O padded with zeros, the sandwich-norm gains (`gemma3`), the SwiGLU maps at the
-    layer's own width."""
+    layer's own width (padded with `mlp_padding`'s zero units)."""
     attn = layer.self_attn
     h, h_kv, width, d = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.hidden_size
     k_coords = _layer_qk_coordinates(attn, model_qk_rank, width)  # (H_kv, r_l) Llama coordinates per key head
@@ -282,9 +291,10 @@ def layer_tensors(layer: nn.Module, index: int, layout: GGUFLayout, model_qk_ran
         out[b + "post_attention_norm.weight"] = layer.attention_output_norm.weight.detach().double()
     mlp = layer.mlp.full_weights()
     out[b + "ffn_norm.weight"] = torch.ones(d, dtype=torch.float64)
-    out[b + "ffn_gate.weight"] = mlp["gate"].double()
-    out[b + "ffn_up.weight"] = mlp["up"].double()
-    out[b + "ffn_down.weight"] = mlp["down"].double()
+    extra = layout.mlp_padding[index] if layout.mlp_padding else 0  # zero units up to the written width
+    out[b + "ffn_gate.weight"] = nn.functional.pad(mlp["gate"].double(), (0, 0, 0, extra))
+    out[b + "ffn_up.weight"] = nn.functional.pad(mlp["up"].double(), (0, 0, 0, extra))
+    out[b + "ffn_down.weight"] = nn.functional.pad(mlp["down"].double(), (0, extra))
     if layout.gemma3 is not None:
         out[b + "post_ffw_norm.weight"] = layer.mlp_output_norm.weight.detach().double()
     return {k: v.detach().to(torch.float32).cpu() for k, v in out.items()}
