@@ -59,16 +59,22 @@ def _earlier_control(
     share: float = 0.0,
     stream: dict | None = None,
     settings: dict | None = None,
+    prompts: str = "generic",
 ) -> tuple[dict, dict]:
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
     same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
     with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
-    alone; the same learning rate, LoRA rank and batch size, `settings`, default `HEAL_DEFAULTS`)."""
+    alone; the same prompts seeding the healing text; the same learning rate, LoRA rank and batch size, `settings`,
+    default `HEAL_DEFAULTS`)."""
     import json
 
     earlier = json.loads(path.read_text(encoding="utf-8"))
     same_windows = all(abs(earlier["perplexity"]["dense"][d] / dense[d] - 1) < 1e-6 for d in DOMAINS)
-    same_stream = earlier.get("calibration_share", 0.0) == share and (share == 0.0 or earlier.get("stream") == stream)
+    same_stream = (
+        earlier.get("calibration_share", 0.0) == share
+        and (share == 0.0 or earlier.get("stream") == stream)
+        and earlier.get("heal_prompts", "generic") == prompts
+    )
     healed_with = (earlier.get("heal") or {}).get("dense") or {}
     wanted = settings or HEAL_DEFAULTS
     same_settings = all(healed_with.get(k, HEAL_DEFAULTS[k]) == v for k, v in wanted.items())
@@ -85,17 +91,26 @@ def _earlier_control(
     return earlier["perplexity"]["dense, healed"], earlier["heal"]["dense"]
 
 
-def heal_text(workdir: Path, teacher) -> torch.Tensor:
-    """The CLI's default healing text (cached in workdir as heal_text.safetensors)."""
+def heal_text(workdir: Path, teacher, prompts: str = "generic") -> torch.Tensor:
+    """The healing text: the CLI's default (`prompts` "generic", cached in workdir as heal_text.safetensors), or the
+    same settings with the chat rows seeded from `GENERIC_PROMPTS` and `CALIBRATION_PROMPTS` together ("both",
+    heal_text_both.safetensors)."""
     from transformers import AutoTokenizer
 
-    from relational_hf.compress.distill import load_teacher_text, save_teacher_text, teacher_text
+    from relational_hf.compress.distill import (
+        CALIBRATION_PROMPTS,
+        GENERIC_PROMPTS,
+        load_teacher_text,
+        save_teacher_text,
+        teacher_text,
+    )  # fmt: skip
     from relational_hf.pretrained import smollm2_checkpoint
 
-    path = workdir / "heal_text.safetensors"
+    path = workdir / ("heal_text.safetensors" if prompts == "generic" else f"heal_text_{prompts}.safetensors")
     if path.exists():
         return load_teacher_text(path)[0]
-    ids, settings = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()))
+    chosen = {"generic": None, "both": GENERIC_PROMPTS + CALIBRATION_PROMPTS}[prompts]
+    ids, settings = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()), prompts=chosen)
     save_teacher_text(path, ids, settings)
     return ids
 
@@ -188,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-dense-control", action="store_true", help="heal the compressed model alone (an exploratory run: the "
         "JSON then has no dense control, which a reported healed figure needs)",
     )
+    parser.add_argument(
+        "--heal-prompts", choices=("generic", "both"), default="generic", help="what the healing text's chat rows are "
+        "seeded from: the CLI's GENERIC_PROMPTS (default), or those and CALIBRATION_PROMPTS together",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         share = calibration_share(args.calibration_share, "--calibration-share")
     except ValueError as err:
         parser.error(str(err))
-    text = heal_text(args.workdir, dense)
+    text = heal_text(args.workdir, dense, args.heal_prompts)
     stream: dict = {"calibration_share": share, "text_tokens": text.numel()}
     if share > 0.0:
         calibration, info = calibration_windows(args.workdir, args.workdir / args.compressed, dense)
@@ -213,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     perplexity = {"dense": _measure(dense, windows)}
     reports = {}
     control = (
-        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream, settings)
+        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream, settings, args.heal_prompts)
         if args.dense_control else None
     )  # fmt: skip
     healing_dense = not control and not args.no_dense_control
@@ -239,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "compressed": args.compressed,
         "dense_control_from": args.dense_control.name if args.dense_control else None,
-        "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default",
+        "heal_text": "256 samples x 256 tokens the dense model writes itself (seed 0, half chat): the CLI's default"
+        + ("" if args.heal_prompts == "generic" else ", the chat rows seeded from GENERIC_PROMPTS + CALIBRATION_PROMPTS"),
+        "heal_prompts": args.heal_prompts,
         "calibration_share": share,
         "heal_settings": settings,
         "dense_control": "none (exploratory)" if args.no_dense_control else "healed the same way",
