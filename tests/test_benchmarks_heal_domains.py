@@ -57,6 +57,20 @@ def test_a_dense_control_healed_on_another_stream_is_refused(tmp_path, heal_doma
         heal_domains._earlier_control(path, 200, dense, 0.5, {"calibration_tokens": 11})
 
 
+def test_a_dense_control_healed_on_text_seeded_otherwise_is_refused(tmp_path, heal_domains):
+    """A healing text seeded from both prompt sets is another text: an earlier run that recorded no prompts healed on
+    the generic ones, so it controls a generic run only, and a run seeded from both controls only its like."""
+    dense = {d: 10.0 + i for i, d in enumerate(DOMAINS)}
+    path, healed = _earlier(tmp_path, dense)
+    assert heal_domains._earlier_control(path, 200, dense, prompts="generic")[0] == healed
+    with pytest.raises(SystemExit, match="healing stream"):
+        heal_domains._earlier_control(path, 200, dense, prompts="both")
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"heal_prompts": "both"}))
+    assert heal_domains._earlier_control(path, 200, dense, prompts="both")[0] == healed
+    with pytest.raises(SystemExit, match="healing stream"):
+        heal_domains._earlier_control(path, 200, dense)
+
+
 def test_a_dense_control_healed_with_other_settings_is_refused(tmp_path, heal_domains):
     """A control healed at another learning rate, LoRA rank or batch size controls nothing for today's run; an earlier
     run that recorded none of them healed with the defaults, so it controls a run with the defaults only."""
