@@ -212,7 +212,8 @@ class CompressOptions:
         None,
         "the error the plan spends the budget by across layers and kinds: fisher (the default: the predicted KL of the "
         "next-token distributions, from sampled Fisher directions) or token (each token's error relative to its "
-        "residual energy, the default before)",
+        "residual energy, the default before: on SmolLM2 at 25%%, worse on each of five held-out domains, the worst "
+        "x2.14 of dense against x1.91)",
     )
     width_multiple: PositiveInt | None = option(
         None,
