@@ -91,28 +91,36 @@ def _earlier_control(
     return earlier["perplexity"]["dense, healed"], earlier["heal"]["dense"]
 
 
+def _prompt_set(name: str):
+    """The prompts a teacher text's chat rows are seeded from, by name: "generic" (the CLI's healing text),
+    "calibration" (the CLI's calibration samples) or "both"; None for a name no set has."""
+    from relational_hf.compress.distill import CALIBRATION_PROMPTS, GENERIC_PROMPTS
+
+    sets = {"generic": GENERIC_PROMPTS, "calibration": CALIBRATION_PROMPTS, "both": GENERIC_PROMPTS + CALIBRATION_PROMPTS}
+    return sets.get(name)
+
+
+def _cached_teacher_text(path: Path, teacher, **settings) -> tuple[torch.Tensor, dict]:
+    """`compress.distill.teacher_text` of the dense `teacher` with SmolLM2's tokenizer and `settings`, read from
+    `path` when an earlier run saved it there, else sampled and saved."""
+    from transformers import AutoTokenizer
+
+    from relational_hf.compress.distill import load_teacher_text, save_teacher_text, teacher_text
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    if path.exists():
+        return load_teacher_text(path)
+    ids, info = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()), **settings)
+    save_teacher_text(path, ids, info)
+    return ids, info
+
+
 def heal_text(workdir: Path, teacher, prompts: str = "generic") -> torch.Tensor:
     """The healing text: the CLI's default (`prompts` "generic", cached in workdir as heal_text.safetensors), or the
     same settings with the chat rows seeded from `GENERIC_PROMPTS` and `CALIBRATION_PROMPTS` together ("both",
     heal_text_both.safetensors)."""
-    from transformers import AutoTokenizer
-
-    from relational_hf.compress.distill import (
-        CALIBRATION_PROMPTS,
-        GENERIC_PROMPTS,
-        load_teacher_text,
-        save_teacher_text,
-        teacher_text,
-    )  # fmt: skip
-    from relational_hf.pretrained import smollm2_checkpoint
-
     path = workdir / ("heal_text.safetensors" if prompts == "generic" else f"heal_text_{prompts}.safetensors")
-    if path.exists():
-        return load_teacher_text(path)[0]
-    chosen = {"generic": None, "both": GENERIC_PROMPTS + CALIBRATION_PROMPTS}[prompts]
-    ids, settings = teacher_text(teacher, AutoTokenizer.from_pretrained(smollm2_checkpoint()), prompts=chosen)
-    save_teacher_text(path, ids, settings)
-    return ids
+    return _cached_teacher_text(path, teacher, prompts=None if prompts == "generic" else _prompt_set(prompts))[0]
 
 
 def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch.Tensor, dict]:
@@ -123,17 +131,7 @@ def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch
     tokens (sampling from a model that differs in the last bits may diverge)."""
     import json
 
-    from transformers import AutoTokenizer
-
     from relational_hf.compress.calibration import mixed_calibration
-    from relational_hf.compress.distill import (
-        CALIBRATION_PROMPTS,
-        GENERIC_PROMPTS,
-        load_teacher_text,
-        save_teacher_text,
-        teacher_text,
-    )  # fmt: skip
-    from relational_hf.pretrained import smollm2_checkpoint
 
     report = json.loads((compressed / "compression_report.json").read_text(encoding="utf-8"))
     info = report.get("calibration") or {}
@@ -141,17 +139,13 @@ def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch
     sampling = info.get("sampling")
     if not info.get("self_windows"):
         return user, {"user_windows": user.shape[0], "self_windows": 0}
-    prompts = {"calibration": CALIBRATION_PROMPTS, "generic": GENERIC_PROMPTS}.get(sampling.get("prompts", "generic"))
+    name = sampling.get("prompts", "generic")
+    prompts = _prompt_set(name) if name in ("generic", "calibration") else None
     if prompts is None or info.get("user_windows") != user.shape[0]:
         raise SystemExit(f"{compressed.name}: its calibration ({info}) cannot be rebuilt from the workdir's texts")
     keys = ("samples", "length", "seed", "chat_share")
     path = workdir / ("calibration_sampled_{prompts}_{samples}x{length}_seed{seed}.safetensors".format(**sampling))
-    if path.exists():
-        rows, settings = load_teacher_text(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-        rows, settings = teacher_text(teacher, tokenizer, prompts=prompts, **{k: sampling[k] for k in keys})
-        save_teacher_text(path, rows, settings)
+    rows, settings = _cached_teacher_text(path, teacher, prompts=prompts, **{k: sampling[k] for k in keys})
     share = info["self_windows"] / (info["self_windows"] + info["user_windows"])
     windows, mixed = mixed_calibration(user, share, sampled=rows)
     return windows, mixed | {"sampling": {k: settings[k] for k in (*keys, "prompts")}}
