@@ -20,9 +20,16 @@ to f16, the value looked up in a table of f16 results; exact outside (-10, 10)).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from relational_hf.convert import gguf_runtime
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM
+
+#: marks a test that runs llama.cpp itself: skipped, naming the extra that installs it, where it cannot be imported
+needs_llama_cpp = pytest.mark.skipif(
+    not gguf_runtime.available(), reason=f"llama.cpp checks need the gguf extra: {gguf_runtime.INSTALL_HINT}"
+)
 
 #: the byte-level tokenizer's vocabulary (3 special tokens + 256 bytes), so that every model carries a tokenizer
 VOCAB = 259
@@ -79,12 +86,28 @@ def export_f32(model, path, **kwargs):
     return export_gguf(model, path, outtype="f32", tokenizer=byte_level_tokenizer(), **kwargs)
 
 
+def assert_llama_cpp_agrees(model, path, ids: torch.Tensor, new_tokens: int, tolerance: float) -> tuple:
+    """llama.cpp (f32 key/value cache) gives the GGUF file `path` the plugin's logits of `ids` to `tolerance` of their
+    scale and its greedy continuation of `new_tokens` tokens (a token at a time with its cache). Returns
+    (llama.cpp's logits, its greedy tokens, the difference)."""
+    prompt = ids.tolist()
+    with gguf_runtime.LlamaCpp(path, n_ctx=64, threads=2, f32_cache=True) as llm:
+        logits = torch.from_numpy(llm.logits(prompt)).double()
+        greedy = llm.greedy(prompt, new_tokens)
+    reference = plugin_logits(model, ids)
+    assert logits.shape == reference.shape
+    difference = relative_difference(logits, reference)
+    assert difference < tolerance, difference
+    with torch.no_grad():
+        out = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert greedy == out[0, len(prompt) :].tolist()
+    return logits, greedy, difference
+
+
 def assert_refused_in_one_line(model, field: str, tmp_path, capsys, also: str = "") -> None:
     """`model` is refused naming `field`: by `export_gguf` (GGUFExportError) and by `relational-hf export --to gguf`
     on its saved checkpoint (one line on stderr, which names `also` too, exit status non-zero), with no file written
     either way."""
-    import pytest
-
     from relational_hf.commands.main import main
     from relational_hf.convert.gguf_layout import GGUFExportError
 

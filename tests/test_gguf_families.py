@@ -20,11 +20,13 @@ from family_helpers import TINY, randomize
 from gguf_helpers import (
     BASE,
     VOCAB,
+    assert_llama_cpp_agrees,
     assert_refused_in_one_line,
     dequantized,
     export_f32,
     export_padded_from_the_command,
     fields,
+    needs_llama_cpp,
     plugin_logits,
     reference_logits,
     relative_difference,
@@ -37,10 +39,6 @@ from relational_hf.commands.main import main  # noqa: E402
 from relational_hf.convert import gguf_runtime  # noqa: E402
 from relational_hf.convert.gguf_layout import rope_interleave  # noqa: E402
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM  # noqa: E402
-
-needs_llama_cpp = pytest.mark.skipif(
-    not gguf_runtime.available(), reason=f"llama.cpp checks need the gguf extra: {gguf_runtime.INSTALL_HINT}"
-)
 
 PROMPT = [1, 40, 7, 200, 13, 13, 90, 250, 3, 64, 128, 5]
 IDS = torch.tensor(PROMPT)
@@ -183,22 +181,8 @@ def test_per_layer_qk_and_value_widths_are_padded_exactly(name, tmp_path):
     assert relative_difference(reference_logits(tmp_path / "m.gguf", IDS), plugin_logits(model, IDS)) < 1e-4
 
 
-@torch.no_grad()
-def _plugin_greedy(model, steps):
-    out = model.generate(IDS[None], max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(PROMPT) :].tolist()
-
-
 def _llama_cpp_matches(model, path):
-    with gguf_runtime.LlamaCpp(path, n_ctx=64, threads=2, f32_cache=True) as llm:
-        logits = torch.from_numpy(llm.logits(PROMPT)).double()
-        greedy = llm.greedy(PROMPT, NEW_TOKENS)
-    reference = plugin_logits(model, IDS)
-    assert logits.shape == reference.shape
-    difference = relative_difference(logits, reference)
-    assert difference < 1e-4, difference
-    assert greedy == _plugin_greedy(model, NEW_TOKENS)
-    return difference
+    return assert_llama_cpp_agrees(model, path, IDS, NEW_TOKENS, 1e-4)[2]
 
 
 @needs_llama_cpp

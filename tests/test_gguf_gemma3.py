@@ -23,11 +23,13 @@ import torch
 from gemma3_models import convertible, longer_than_the_window
 from gguf_helpers import (
     BASE,
+    assert_llama_cpp_agrees,
     assert_refused_in_one_line,
     dequantized,
     export_f32,
     export_padded_from_the_command,
     fields,
+    needs_llama_cpp,
     plugin_logits,
     reference_logits,
     relative_difference,
@@ -38,10 +40,6 @@ gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package: p
 from relational_hf.commands.main import main  # noqa: E402
 from relational_hf.convert import gguf_runtime  # noqa: E402
 from relational_hf.modeling import RelationalConfig, RelationalForCausalLM  # noqa: E402
-
-needs_llama_cpp = pytest.mark.skipif(
-    not gguf_runtime.available(), reason=f"llama.cpp checks need the gguf extra: {gguf_runtime.INSTALL_HINT}"
-)
 
 #: 24 tokens: six times the sliding window of 4
 IDS = longer_than_the_window(batch=1, length=24)[0]
@@ -140,24 +138,11 @@ def test_the_commands_convert_and_export_gemma3(gemma3_source, gemma3_converted,
     assert (tmp_path / "memory.gguf").read_bytes() == out.read_bytes()
 
 
-@torch.no_grad()
-def _plugin_greedy(model, steps):
-    out = model.generate(IDS[None], max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(PROMPT) :].tolist()
-
-
 def _llama_cpp_matches(model, path, tolerance=GELU_F16_TOLERANCE):
     """llama.cpp's logits of PROMPT (f32 cache) against the plugin's, and its greedy tokens (a token at a time with
     its sliding-window cache); the difference of the logits, the same with the file's reference forward pass that
     computes the GELU through llama.cpp's f16 table."""
-    with gguf_runtime.LlamaCpp(path, n_ctx=64, threads=2, f32_cache=True) as llm:
-        logits = torch.from_numpy(llm.logits(PROMPT)).double()
-        greedy = llm.greedy(PROMPT, NEW_TOKENS)
-    reference = plugin_logits(model, IDS)
-    assert logits.shape == reference.shape
-    difference = relative_difference(logits, reference)
-    assert difference < tolerance, difference
-    assert greedy == _plugin_greedy(model, NEW_TOKENS)
+    logits, greedy, difference = assert_llama_cpp_agrees(model, path, IDS, NEW_TOKENS, tolerance)
     assert len(set(greedy)) > 1  # a continuation that depends on the context
     return logits, difference
 
