@@ -126,12 +126,16 @@ def heal_text(workdir: Path, teacher, prompts: str = "generic") -> torch.Tensor:
 def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch.Tensor, dict]:
     """The calibration windows `relational-hf compress` fitted the compressed model on: the user's windows
     (texts/calibration.pt) and the source's samples its report records (count, length, seed, prompt set), mixed as the
-    command mixes them (`compress.calibration.mixed_calibration`). The samples are cached in the workdir by their
-    settings; they are drawn from the dense conversion, so they are the command's recipe, not necessarily its very
-    tokens (sampling from a model that differs in the last bits may diverge)."""
+    command mixes them (`compress.calibration.mixed_calibration`). The samples are read from the folder's
+    calibration_sampled.safetensors, the very tokens, where the command kept them; for a folder made before it kept
+    them, sampled again from the recorded settings (cached in the workdir; drawn from the dense conversion, so the
+    command's recipe, not necessarily its very tokens: sampling from a model that differs in the last bits may
+    diverge)."""
     import json
 
+    from relational_hf.commands.compress_texts import SAMPLED_CALIBRATION_NAME
     from relational_hf.compress.calibration import mixed_calibration
+    from relational_hf.compress.distill import load_teacher_text
 
     report = json.loads((compressed / "compression_report.json").read_text(encoding="utf-8"))
     info = report.get("calibration") or {}
@@ -144,11 +148,17 @@ def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch
     if prompts is None or info.get("user_windows") != user.shape[0]:
         raise SystemExit(f"{compressed.name}: its calibration ({info}) cannot be rebuilt from the workdir's texts")
     keys = ("samples", "length", "seed", "chat_share")
-    path = workdir / ("calibration_sampled_{prompts}_{samples}x{length}_seed{seed}.safetensors".format(**sampling))
-    rows, settings = _cached_teacher_text(path, teacher, prompts=prompts, **{k: sampling[k] for k in keys})
+    kept = compressed / SAMPLED_CALIBRATION_NAME  # the very tokens, where the command kept them
+    if kept.is_file():
+        rows, settings = load_teacher_text(kept)
+        settings = settings | {"from": f"{compressed.name}/{SAMPLED_CALIBRATION_NAME}"}
+    else:
+        path = workdir / ("calibration_sampled_{prompts}_{samples}x{length}_seed{seed}.safetensors".format(**sampling))
+        rows, settings = _cached_teacher_text(path, teacher, prompts=prompts, **{k: sampling[k] for k in keys})
+        settings = settings | {"from": "sampled again from the recorded settings"}
     share = info["self_windows"] / (info["self_windows"] + info["user_windows"])
     windows, mixed = mixed_calibration(user, share, sampled=rows)
-    return windows, mixed | {"sampling": {k: settings[k] for k in (*keys, "prompts")}}
+    return windows, mixed | {"sampling": {k: settings.get(k, sampling.get(k)) for k in (*keys, "prompts", "from")}}
 
 
 def plot(payload: dict, path: Path) -> None:

@@ -118,6 +118,21 @@ def test_the_calibration_windows_are_the_commands_mixture_with_nothing_lost(tmp_
     assert all(sum(sampled[: 3 * (k + 1)]) == k + 1 for k in range(4))
 
 
+def test_the_samples_the_compressed_folder_kept_are_read_before_the_workdir_cache(tmp_path, heal_domains):
+    """Where the command kept its sampled windows in OUT (calibration_sampled.safetensors), those very tokens are the
+    calibration's samples, not the workdir's re-sampled cache."""
+    from relational_hf.commands.compress_texts import SAMPLED_CALIBRATION_NAME
+    from relational_hf.compress.distill import save_teacher_text
+
+    torch = pytest.importorskip("torch")
+    user, cached = _workdir(tmp_path)
+    kept = torch.randint(300, 400, cached.shape)
+    save_teacher_text(tmp_path / "compressed" / SAMPLED_CALIBRATION_NAME, kept, {"seed": 1})
+    windows, info = heal_domains.calibration_windows(tmp_path, tmp_path / "compressed", teacher=None)
+    assert sorted(map(tuple, windows.tolist())) == sorted(map(tuple, user.tolist() + kept.tolist()))
+    assert info["sampling"]["from"] == f"compressed/{SAMPLED_CALIBRATION_NAME}"
+
+
 def test_a_calibration_the_workdir_cannot_rebuild_is_refused(tmp_path, heal_domains):
     _workdir(tmp_path, user_windows=64)
     with pytest.raises(SystemExit, match="cannot be rebuilt"):

@@ -15,6 +15,7 @@ from relational_hf.compress.calibration import (
     DEFAULT_SELF_SHARE,
     added_self_windows,
     approximate_parameters,
+    deinterleave,
     interleave,
     mixed_calibration,
     resolve_self_share,
@@ -43,6 +44,17 @@ def test_interleave_keeps_every_row_once_in_order_and_every_prefix_in_proportion
     for k in range(1, total + 1):
         for i, n in enumerate(sizes):
             assert abs(owner[:k].count(i) - n / total * k) <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("sizes", [(5, 3), (0, 4), (3, 0), (4, 4, 4), (10, 0, 1, 3)])
+def test_deinterleave_gives_the_parts_back(sizes):
+    """`deinterleave(interleave(parts), sizes)` is `parts` (empty parts included, as empty tensors)."""
+    parts = [_rows(n, 3, 1000 * i) for i, n in enumerate(sizes)]
+    back = deinterleave(interleave(parts), list(sizes))
+    assert len(back) == len(parts) and all(torch.equal(a, b) for a, b in zip(back, parts))
+    for bad in ([*sizes[:-1], sizes[-1] + 1], [-1, sum(sizes) + 1]):
+        with pytest.raises(ValueError, match="must be counts adding up"):
+            deinterleave(interleave(parts), bad)
 
 
 def test_interleave_refuses_windows_of_different_lengths():
@@ -261,6 +273,44 @@ def test_cli_several_calibration_texts_share_the_windows_interleaved(tmp_path, c
     err = capsys.readouterr().err
     assert "--calibration: two texts are named prose.txt" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_cli_keeps_the_sampled_windows_and_they_reproduce_the_compression(tmp_path, capsys, texts, mode):
+    """OUT holds the windows SRC sampled (never the user's), as a file the report names; given back as a --calibration
+    text beside the user's, with nothing sampled, they rebuild the very calibration: the same widths, the same
+    calibration perplexity and the same weights. A .safetensors that is not such a file is refused in one line."""
+    from tiny_models import stored_tensors
+
+    from relational_hf.commands.compress_texts import SAMPLED_CALIBRATION_NAME
+    from relational_hf.commands.main import main
+    from relational_hf.compress.distill import load_teacher_text
+
+    src, prose, code = texts
+    first, again = tmp_path / "first", tmp_path / "again"
+    args = [*COMMON, "--calibration", str(prose), mode]  # the default share: 6 user windows, 3 sampled added
+    assert main(["compress", str(src), str(first), *args]) == 0, capsys.readouterr().err
+    report = json.loads((first / "compression_report.json").read_text())
+    assert report["calibration"]["sampling"]["file"] == SAMPLED_CALIBRATION_NAME
+    sampled, settings = load_teacher_text(first / SAMPLED_CALIBRATION_NAME)
+    assert sampled.shape == (3, 32) and settings["source"] == report["calibration"]["sampling"]["source"]
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    user = torch.tensor(tokenizer(prose.read_text())["input_ids"][: 6 * 32]).view(6, 32)
+    assert not any(torch.equal(row, u) for row in sampled for u in user)  # SRC's own text, none of the user's
+    rebuilt = [*COMMON, "--calibration-windows", "9", "--self-calibration", "0", mode]
+    rebuilt += ["--calibration", str(prose), str(first / SAMPLED_CALIBRATION_NAME)]
+    assert main(["compress", str(src), str(again), *rebuilt]) == 0, capsys.readouterr().err
+    second = json.loads((again / "compression_report.json").read_text())
+    assert second["calibration"]["self_windows"] == 0 and not (again / SAMPLED_CALIBRATION_NAME).exists()
+    assert second["widths"] == report["widths"]
+    assert second["calibration_perplexity_before"] == pytest.approx(report["calibration_perplexity_before"], rel=1e-6)
+    a, b = stored_tensors(first), stored_tensors(again)
+    assert torch.equal(a.pop("input_ids"), sampled)  # the sampled windows' file, beside the model's
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    bad = [*COMMON, "--calibration", str(first / "model.safetensors"), mode]
+    assert main(["compress", str(src), str(tmp_path / "bad"), *bad]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration" in err and "not a teacher-text file" in err and "Traceback" not in err
 
 
 def test_card_of_a_folder_without_or_with_a_broken_compression_report(tmp_path, byte_llama_checkpoint):

@@ -55,9 +55,10 @@ def dataset_source(name: str | None, flag: str = "--dataset") -> None:
 
 
 def text_or_ids(path: str | os.PathLike, flag: str) -> Path:
-    """A `.pt` tensor of token ids (it must exist) or a UTF-8 text file (`check_text_file`)."""
+    """A `.pt` tensor of token ids or a `.safetensors` file of sampled text (either must exist) or a UTF-8 text file
+    (`check_text_file`)."""
     path = Path(path).expanduser()
-    if path.suffix == ".pt":
+    if path.suffix in (".pt", ".safetensors"):
         if not path.is_file():
             raise UsageError(f"{flag} {path}: no such file")
         return path

@@ -14,7 +14,8 @@ when there is one) unless --no-stream, healing, --method slice or --slice-fracti
 The calibration windows (--calibration-windows of --window tokens) mix the user's text (--calibration, a text file or
 a .pt tensor of token ids; several texts share the windows evenly, interleaved) with text SRC samples itself (--self-calibration, the share of windows it samples: by
 default a third, half as many as the user's added to them; all of them without --calibration), so that the
-compressed model stays close to SRC on text unlike the user's; the report's "calibration" says what was mixed. The result is a relational checkpoint in the free gauge
+compressed model stays close to SRC on text unlike the user's; the report's "calibration" says what was mixed, and OUT
+keeps the sampled windows as `calibration_sampled.safetensors` (a --calibration text). The result is a relational checkpoint in the free gauge
 (every map a plain weight, what inference reads fastest), or with --gauge pivot in the gauge-fixed form; --remove is
 counted in the gauge written.
 OUT must be new or empty: the model, its tokenizer and `compression_report.json` are
@@ -52,7 +53,9 @@ from .compress_texts import (
     calibration_summary,
     eval_name,
     eval_summary,
+    gauge_note,
     sampled_calibration,
+    save_sampled_calibration,
     user_calibration,
     warn_if_fitted,
     windows_of,
@@ -93,7 +96,8 @@ class CompressOptions:
     method: Literal["relational", "slice"] = option("relational", "compression method")
     calibration: list[str] | None = option(
         None,
-        "calibration text file or a .pt tensor of token ids (default: text SRC samples itself); several (--calibration "
+        "calibration text file, a .pt tensor of token ids or the calibration_sampled.safetensors an earlier run left "
+        "in its OUT (default: text SRC samples itself); several (--calibration "
         "A B, or given again) share the --calibration-windows evenly, interleaved: a mixture of unlike texts (on "
         "SmolLM2 at 25%%, a quarter each of WikiText-2, verse, Python source and SRC's own text took unseen technical "
         "prose from x2.40 of dense to x1.61, WikiText-2 from x1.42 to x1.90; README, 'Across domains')",
@@ -429,6 +433,7 @@ def _run(args: CompressArguments, lock) -> int:
     if len(taken) > 1:
         calibration_info["texts"] = taken
     mixed = {"self_windows": 0, "user_windows": int(calibration.shape[0])} if calibration is not None else {}
+    sampled = None
     if calibration is not None and args.refit_holdout >= calibration.shape[0]:  # a text shorter than --calibration-windows asked for
         raise UsageError(
             f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on: --calibration holds "
@@ -448,20 +453,20 @@ def _run(args: CompressArguments, lock) -> int:
         if self_share > 0.0:  # the source samples its share: the whole model in memory for that, then freed
             recheck_cpu_threads("sampling calibration text")
             sampler = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()
-            calibration, mixed = sampled_calibration(args, sampler, tokenizer, calibration, self_share)
+            calibration, mixed, sampled = sampled_calibration(args, sampler, tokenizer, calibration, self_share)
             del sampler
         calibration_info.update(mixed)
         for name, ids in evaluations.items():
             warn_if_fitted(name, ids, calibration)
         return _run_streamed(
-            args, lock, calibration, evaluations, calibration_info, has_tokenizer=not isinstance(tokenizer, Exception)
+            args, lock, calibration, evaluations, calibration_info, not isinstance(tokenizer, Exception), sampled
         )
     if isinstance(tokenizer, Exception):  # every text came as token ids
         tokenizer = None
     model = load_model_from(source, dtype="float32", trust_remote_code=args.trust_remote_code).eval()
     if self_share > 0.0:
         recheck_cpu_threads("sampling calibration text")
-        calibration, mixed = sampled_calibration(args, model, tokenizer, calibration, self_share)
+        calibration, mixed, sampled = sampled_calibration(args, model, tokenizer, calibration, self_share)
     calibration_info.update(mixed)
     if args.refit_holdout >= calibration.shape[0]:
         raise UsageError(f"--refit-holdout {args.refit_holdout} must leave calibration windows to fit on")
@@ -526,12 +531,13 @@ def _run(args: CompressArguments, lock) -> int:
             save_tokenizer(tokenizer, folder)
         if "heal" in report and text_settings is not None:
             save_teacher_text(folder / TEACHER_TEXT_NAME, heal_data, text_settings)
+        save_sampled_calibration(folder, sampled, calibration_info)
         (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
     write_new_output(args.out, write, command="compress", kind=args.method, lock=lock)
     summary = (
         f"compressed {args.src} with {args.method}: {report['parameters_before']:,} -> {report['parameters_after']:,} "
-        f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
+        f"stored parameters ({report['removed_share']:.1%} fewer{gauge_note(report)}); calibration perplexity "
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}"
     )
     summary += calibration_summary(calibration_info)
@@ -556,11 +562,6 @@ def _relational_options(args: CompressArguments) -> dict:
     return fixed | {k: v for k, v in given.items() if v is not None}
 
 
-def _gauge_note(report: dict) -> str:
-    gauge = (report.get("options") or {}).get("gauge")
-    return f", {gauge} gauge" if gauge else ""
-
-
 def _run_streamed(
     args: CompressArguments,
     lock,
@@ -568,6 +569,7 @@ def _run_streamed(
     evaluations: dict[str, torch.Tensor],
     calibration_info: dict,
     has_tokenizer: bool,
+    sampled: torch.Tensor | None,
 ) -> int:
     """The layer-streamed compression (`jobs.compress_checkpoint`, --eval perplexities one layer at a time too)."""
     from ..jobs.compress import compress_checkpoint
@@ -581,10 +583,11 @@ def _run_streamed(
         trust_remote_code=args.trust_remote_code, lock=lock, **_relational_options(args),
         report_extra={"source": str(args.src), "calibration": calibration_info}
         | ({"eval_file": next(iter(evaluations))} if evaluations else {}),
+        write_extra=lambda folder: save_sampled_calibration(folder, sampled, calibration_info),
     )
     summary = (
         f"compressed {args.src} one layer at a time: {report['parameters_before']:,} -> {report['parameters_after']:,} "
-        f"stored parameters ({report['removed_share']:.1%} fewer{_gauge_note(report)}); calibration perplexity "
+        f"stored parameters ({report['removed_share']:.1%} fewer{gauge_note(report)}); calibration perplexity "
         f"{report['calibration_perplexity_before']:.2f} -> {report['calibration_perplexity_after']:.2f}; peak memory "
         f"{report['peak_rss_mib']:,.0f} MiB"
     )

@@ -18,14 +18,23 @@ def eval_name(path: str) -> str:
 
 
 def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
-    """Consecutive windows (n', window) of token ids of a text file or string, or of a .pt tensor of token ids
-    (each a row of the model's `vocab` embedding rows) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
+    """Consecutive windows (n', window) of token ids of a text file or string, of a .pt tensor of token ids (each a
+    row of the model's `vocab` embedding rows), or of a sampled-text .safetensors file that `compress` or its healing
+    wrote (its rows read in order) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
     error that kept it from loading (a UsageError for a text, which needs one)."""
     from ..compress.eval import id_windows, text_windows
 
     ids = None
     if isinstance(source, Path) and source.suffix == ".pt":
         ids = check_token_ids(read_token_ids(source, lambda: None, flag), vocab, flag)  # a .pt needs no tokenizer
+    elif isinstance(source, Path) and source.suffix == ".safetensors":  # text a model sampled, as `compress` saves it
+        from ..compress.distill import load_teacher_text
+
+        try:
+            sampled = load_teacher_text(source)[0].reshape(-1)
+        except ValueError as err:
+            raise UsageError(f"{flag}: {err}") from None
+        ids = check_token_ids(sampled, vocab, f"{flag} {source}")
     elif isinstance(tokenizer, Exception):
         what = f"{flag} {source}" if isinstance(source, Path) else f"{flag} (not given: the built-in text)"
         raise UsageError(f"{what}: SRC has no tokenizer ({tokenizer}); pass a .pt tensor of token ids")
@@ -63,17 +72,37 @@ def user_calibration(
     return interleave(parts), {Path(p).name: c for p, c in zip(paths, counts)}
 
 
-def sampled_calibration(args, model, tokenizer, user: torch.Tensor | None, share: float) -> tuple[torch.Tensor, dict]:
+#: The file in OUT that holds the calibration windows SRC sampled itself (not the user's windows, which OUT never
+#: holds: a published compression carries no private calibration text).
+SAMPLED_CALIBRATION_NAME = "calibration_sampled.safetensors"
+
+
+def sampled_calibration(
+    args, model, tokenizer, user: torch.Tensor | None, share: float
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
     """The calibration windows with text `model` samples itself (`compress.calibration.mixed_calibration`): the
     user's windows all kept and sampled ones added to make `share` of the whole, or --calibration-windows sampled
-    windows without user windows; and what was mixed (counts and the sampling's settings, the source's fingerprint
-    included)."""
-    from ..compress.calibration import mixed_calibration
+    windows without user windows; what was mixed (counts and the sampling's settings, the source's fingerprint
+    included); and the sampled windows alone (None when none were sampled), which `save_sampled_calibration` keeps."""
+    from ..compress.calibration import deinterleave, mixed_calibration
 
     tokenizer = None if isinstance(tokenizer, Exception) else tokenizer
     n = args.calibration_windows if user is None else None
     windows, info = mixed_calibration(user, share, model, tokenizer, n=n, window=args.window, progress=True)
-    return windows, {k: v for k, v in info.items() if k != "self_share"}
+    sampled = deinterleave(windows, [info["user_windows"], info["self_windows"]])[1] if info["self_windows"] else None
+    if sampled is not None:
+        info["sampling"]["file"] = SAMPLED_CALIBRATION_NAME
+    return windows, {k: v for k, v in info.items() if k != "self_share"}, sampled
+
+
+def save_sampled_calibration(folder: Path, sampled: torch.Tensor | None, info: dict) -> None:
+    """Write the sampled calibration windows into the output folder being staged, with their sampling settings (what
+    --calibration reads back: the very tokens the compression fitted, not only the recipe that made them)."""
+    if sampled is not None:
+        from ..compress.distill import save_teacher_text
+
+        settings = {k: v for k, v in info["sampling"].items() if k != "file"}
+        save_teacher_text(folder / SAMPLED_CALIBRATION_NAME, sampled, settings)
 
 
 def calibration_summary(info: dict) -> str:
@@ -83,6 +112,12 @@ def calibration_summary(info: dict) -> str:
     if not info.get("user_windows"):
         return f"; calibration: {info['self_windows']} windows SRC sampled itself"
     return f"; calibration: {info['user_windows']} windows of {info['text']} and {info['self_windows']} SRC sampled itself"
+
+
+def gauge_note(report: dict) -> str:
+    """The summary's note of the gauge the compressed model was written in (empty when the report names none)."""
+    gauge = (report.get("options") or {}).get("gauge")
+    return f", {gauge} gauge" if gauge else ""
 
 
 def warn_if_fitted(name: str, evaluation: torch.Tensor, calibration: torch.Tensor) -> None:

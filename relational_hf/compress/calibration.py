@@ -17,7 +17,7 @@ worst domain's ratio (x2.85) at no cost on the user's own kind of text (x1.42).
   +0.01 on WikiText-2 (`benchmarks/results/cli_domains.json`).
 - `interleave`: several sets of windows in one (N, T) tensor whose every prefix holds each set in its share, so the
   steps that read the first windows (the plan's `plan_windows`) or hold the last ones back (the refinement's epoch
-  choice, `refit_holdout`) see the mixture too.
+  choice, `refit_holdout`) see the mixture too; `deinterleave` takes such a tensor apart again.
 - `mixed_calibration`: the user's windows and sampled ones at a given share, the job's and the command's one entry.
 """
 
@@ -97,29 +97,52 @@ def added_self_windows(n_user: int, share: float) -> int:
     return 0 if share == 0.0 else max(1, round(n_user * share / (1.0 - share)))
 
 
+def _interleave_order(sizes: list[int], shares: list[float] | None = None) -> list[int]:
+    """Which part gives each row of `interleave`: at each position the part furthest behind its share (of its size
+    by default) gives its next row, the first such part on a tie."""
+    total = sum(sizes)
+    weights = [n / total for n in sizes] if shares is None else [float(s) for s in shares]
+    taken = [0] * len(sizes)
+    order = []
+    for k in range(total):
+        behind = [
+            (weights[i] * (k + 1) - taken[i], -i) if taken[i] < sizes[i] else (float("-inf"), -i)
+            for i in range(len(sizes))
+        ]
+        i = -max(behind)[1]
+        order.append(i)
+        taken[i] += 1
+    return order
+
+
 def interleave(parts: list[torch.Tensor], shares: list[float] | None = None) -> torch.Tensor:
     """The rows of `parts` (each (n_i, T), the same T) in one tensor (sum n_i, T), in order within each part, spread so
     that every prefix holds each part in proportion to its size (or to `shares`): at each position the part furthest
-    behind its share gives its next row. Deterministic."""
+    behind its share gives its next row. Deterministic; `deinterleave` takes it apart."""
     parts = [p for p in parts if p.shape[0] > 0]
     if not parts:
         raise ValueError("interleave needs at least one non-empty set of windows")
     widths = {p.shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(f"windows to interleave must have one length, got {sorted(widths)}")
-    total = sum(p.shape[0] for p in parts)
-    weights = [p.shape[0] / total for p in parts] if shares is None else [float(s) for s in shares]
     taken = [0] * len(parts)
     rows = []
-    for k in range(total):
-        behind = [
-            (weights[i] * (k + 1) - taken[i], -i) if taken[i] < parts[i].shape[0] else (float("-inf"), -i)
-            for i in range(len(parts))
-        ]
-        i = -max(behind)[1]
+    for i in _interleave_order([p.shape[0] for p in parts], shares):
         rows.append(parts[i][taken[i]])
         taken[i] += 1
     return torch.stack(rows)
+
+
+def deinterleave(windows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The parts (each (sizes[i], T), empty for a size of 0) that `interleave` put into `windows` (sum sizes, T), in
+    their own order: `deinterleave(interleave(parts), [len(p) for p in parts])` gives `parts` back."""
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != windows.shape[0]:
+        raise ValueError(f"sizes {sizes} must be counts adding up to the {windows.shape[0]} windows")
+    kept = [i for i, n in enumerate(sizes) if n]
+    rows: list[list[torch.Tensor]] = [[] for _ in sizes]
+    for row, j in zip(windows, _interleave_order([sizes[i] for i in kept])):
+        rows[kept[j]].append(row)
+    return [torch.stack(r) if r else windows.new_empty((0, windows.shape[1])) for r in rows]
 
 
 def sampled_calibration(
@@ -200,6 +223,7 @@ __all__ = [
     "DEFAULT_SELF_SHARE",
     "added_self_windows",
     "check_share",
+    "deinterleave",
     "interleave",
     "approximate_parameters",
     "mixed_calibration",

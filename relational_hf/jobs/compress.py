@@ -254,6 +254,7 @@ def compress_checkpoint(
     lock=None,
     report_extra: dict | None = None,
     evaluations: dict[str, torch.Tensor] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
     **options: Any,
 ) -> dict:
     """`compress_model(method="relational")` of the safetensors checkpoint folder or GGUF file `src`, one decoder layer in memory
@@ -267,7 +268,8 @@ def compress_checkpoint(
     time too: eval_perplexity_before/after); evaluations: named token ids (N, T) each measured the same way, reported
 as `compress.eval.eval_table` under "eval" (instead of `evaluation`; the first of them also as
 eval_windows and eval_perplexity_before/after); report_extra: entries added to
-the report; options: the fields of
+the report; write_extra: called with the staged folder to write files of the caller's into it (they land with the
+model, or not at all); options: the fields of
     `LowRankOptions` except `fisher_metric`. No healing (it trains the whole model): heal the result in memory if it
     fits. Returns the report (also in the folder), with per-layer seconds and the peak resident memory."""
     from ..compress.options import LowRankOptions
@@ -341,6 +343,8 @@ the report; options: the fields of
             report["eval"] = eval_table(eval_before, after, {n: list(ids.shape) for n, ids in evaluations.items()})
             report["eval_perplexity_after"] = after[first]
         report.update(report_extra or {})
+        if write_extra is not None:
+            write_extra(stage)
         report["seconds"] = round(time.perf_counter() - start, 2)
         report["peak_rss_mib"] = round(_peak_rss_mib(), 1)
         (stage / "compression_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
