@@ -80,6 +80,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         "the plan spends the budget by each token's error relative to its residual energy (the default plans by the "
         "predicted KL of the next-token distributions, from Fisher directions on the calibration windows)",
     ),
+    "remove-20": (
+        "compressed-remove20",
+        ["--remove", "0.20"],
+        "20% of the stored parameters removed instead of 25% (the option given last wins): what the decoder layers "
+        "keep if a factorised tied embedding took the other 5% (benchmarks/embedding_rank.py --model)",
+    ),
     "self-half": (
         "compressed-self-half",
         ["--self-calibration", "0.5"],
