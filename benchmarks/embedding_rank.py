@@ -151,7 +151,8 @@ def plot(payload: dict, path: Path) -> None:
                         textcoords="offset points", xytext=(2, 4))  # fmt: skip
         ax.set_title(f"tied embedding at rank r ({choice}), dense otherwise")
         ax.set_xlabel("share of all stored parameters saved (%)")
-        ax.set_ylabel("perplexity / unchanged model")
+        ax.set_ylabel("perplexity / unchanged model (log)")
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("SmolLM2-135M-Instruct: what a factorised tied embedding costs, per held-out domain")
