@@ -150,6 +150,9 @@ def compression_markdown(report: dict[str, Any]) -> str:
             text += f" and {own} sampled from the source itself" if own else ""
         elif own:
             text += ", all sampled from the source itself (no text given)"
+        kept = (calibration.get("sampling") or {}).get("file")
+        if own and kept:  # the command keeps the sampled windows beside the model, never the user's
+            text += f"; the sampled windows are in `{_text_name(kept)}`"
         lines.append(text + ".")
     heal = report.get("heal")
     if heal:
