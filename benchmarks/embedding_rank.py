@@ -86,7 +86,12 @@ def factorised_parameters(vocab: int, d: int, rank: int) -> int:
 
 
 def measure(
-    model, texts: dict[str, torch.Tensor], ranks: list[int], calibration: torch.Tensor, source: dict | None = None
+    model,
+    texts: dict[str, torch.Tensor],
+    ranks: list[int],
+    calibration: torch.Tensor,
+    source: dict | None = None,
+    choices: tuple[str, ...] = CHOICES,
 ) -> dict:
     """Per choice and rank: the embedding's stored numbers, the share of the model saved, and each domain's
     perplexity with E replaced by E P (the model restored afterwards), its ratio to the unchanged model's.
@@ -108,7 +113,7 @@ def measure(
     print("dense " + "  ".join(f"{k} {v:.2f}" for k, v in dense.items()), file=sys.stderr)
     covariance = hidden_covariance(model, calibration)
     cells: dict[str, dict] = {}
-    for choice in CHOICES:
+    for choice in choices:
         for rank in ranks:
             started = time.perf_counter()
             p = projection(original, rank, choice, covariance)
@@ -140,22 +145,29 @@ def plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, choice in zip(axes, CHOICES, strict=True):
-        cells = sorted((c for c in payload["cells"].values() if c["choice"] == choice), key=lambda c: c["saved_share"])
-        x = [100 * c["saved_share"] for c in cells]
+    present = [c for c in CHOICES if any(cell["choice"] == c for cell in payload["cells"].values())]
+    compressed = any("ratio_to_source" in cell for cell in payload["cells"].values())
+    key, share = ("ratio_to_source", "removed_share_total") if compressed else ("ratio", "saved_share")
+    fig, axes = plt.subplots(1, len(present), figsize=(5.5 * len(present), 4.2), squeeze=False)
+    axes = axes[0]
+    for ax, choice in zip(axes, present, strict=True):
+        cells = sorted((c for c in payload["cells"].values() if c["choice"] == choice), key=lambda c: c[share])
+        x = [100 * c[share] for c in cells]
         for domain in DOMAINS:
-            ax.plot(x, [c["ratio"][domain] for c in cells], marker="o", label=domain)
+            ax.plot(x, [c[key][domain] for c in cells], marker="o", label=domain)
         for c in cells:
-            ax.annotate(f"r={c['rank']}", (100 * c["saved_share"], c["ratio"]["worst"]), fontsize=7,
+            ax.annotate(f"r={c['rank']}", (100 * c[share], c[key]["worst"]), fontsize=7,
                         textcoords="offset points", xytext=(2, 4))  # fmt: skip
-        ax.set_title(f"tied embedding at rank r ({choice}), dense otherwise")
-        ax.set_xlabel("share of all stored parameters saved (%)")
-        ax.set_ylabel("perplexity / unchanged model (log)")
+        ax.set_title(f"tied embedding at rank r ({choice})" + ("" if compressed else ", dense otherwise"))
+        ax.set_xlabel(
+            "share of the source's stored parameters removed in all (%)" if compressed
+            else "share of all stored parameters saved (%)"
+        )  # fmt: skip
+        ax.set_ylabel(("perplexity / source's" if compressed else "perplexity / unchanged model") + " (log)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct: what a factorised tied embedding costs, per held-out domain")
+    fig.suptitle(f"{payload['protocol']['model'].split(';')[0]}: a factorised tied embedding, per held-out domain")
     save_figure(fig, path)
 
 
@@ -182,6 +194,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=WORKDIR, help="the texts of gguf_llamacpp.py --prepare-only")
     parser.add_argument("--ranks", type=int, nargs="+", default=[576, 512, 448, 384, 320, 256])
+    parser.add_argument("--choices", nargs="+", choices=CHOICES, default=list(CHOICES))
     parser.add_argument("--calibration-windows", type=int, default=16,
                         help="WikiText-2 calibration windows for the 'hidden' choice's covariance (default 16)")  # fmt: skip
     parser.add_argument("--model", type=Path, default=None,
@@ -215,7 +228,7 @@ def main() -> int:
     texts = {d_: torch.load(texts_dir / f"{d_}.pt") for d_ in DOMAINS}
     calibration = torch.load(texts_dir / "calibration.pt")[: args.calibration_windows]
     started = time.perf_counter()
-    result = measure(model, texts, sorted(set(args.ranks), reverse=True), calibration, source)
+    result = measure(model, texts, sorted(set(args.ranks), reverse=True), calibration, source, tuple(args.choices))
     payload = {
         "protocol": {
             "model": (

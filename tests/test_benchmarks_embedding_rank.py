@@ -110,3 +110,42 @@ def test_an_untied_head_is_refused(embedding_rank):
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     with pytest.raises(SystemExit, match="untied"):
         embedding_rank.measure(model, {"a": torch.randint(0, 50, (2, 8))}, [4], torch.randint(0, 50, (2, 8)))
+
+
+def test_a_compressed_checkpoint_is_measured_against_its_source(tmp_path, embedding_rank):
+    """With the source's figures (as `--model` reads them from the compression report), each cell also holds its
+    ratios to the source and the share removed in all: the compression's and the factorisation's; both kinds of
+    payload plot."""
+    import json
+
+    model = _tiny_tied()
+    g = torch.Generator().manual_seed(5)
+    texts = {d: torch.randint(0, 50, (2, 10), generator=g) for d in ("wikitext", "shakespeare", "python", "chat", "prose")}
+    from relational_hf.compress.eval import perplexity_on_windows, stored_parameters
+
+    own = {d: perplexity_on_windows(model, ids) for d, ids in texts.items()}
+    total = stored_parameters(model)["total"]
+    source = {"perplexity": {d: 2 * p for d, p in own.items()}, "stored_parameters": 2 * total}
+    result = embedding_rank.measure(model, texts, [16, 8], texts["wikitext"], source, ("hidden",))
+    full, low = result["cells"]["hidden@16"], result["cells"]["hidden@8"]
+    assert set(result["cells"]) == {"hidden@16", "hidden@8"}
+    assert all(abs(full["ratio_to_source"][d] - 0.5) < 1e-5 for d in texts)
+    assert full["removed_share_total"] == 0.5  # the source stored twice as many
+    saved = 50 * 16 - (50 * 8 + 8 * 16)
+    assert low["saved_share"] == saved / (2 * total)
+    assert abs(low["removed_share_total"] - (1 - (total - saved) / (2 * total))) < 1e-12
+    embedding_rank.plot({"protocol": {"model": "tiny; compressed"}, **result}, tmp_path / "compressed.png")
+    dense = embedding_rank.measure(model, texts, [8], texts["wikitext"])
+    embedding_rank.plot({"protocol": {"model": "tiny; dense"}, **dense}, tmp_path / "dense.png")
+    assert (tmp_path / "compressed.png").stat().st_size > 0 and (tmp_path / "dense.png").stat().st_size > 0
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    with pytest.raises(SystemExit, match="no compression_report.json"):
+        embedding_rank.source_figures(folder)
+    rows = {f"{d}.pt": {"perplexity_before": 3.0, "perplexity_after": 4.0} for d in texts}
+    (folder / "compression_report.json").write_text(json.dumps({"eval": {"texts": rows}, "parameters_before": 99}))
+    assert embedding_rank.source_figures(folder) == {"perplexity": dict.fromkeys(texts, 3.0), "stored_parameters": 99}
+    del rows["chat.pt"]
+    (folder / "compression_report.json").write_text(json.dumps({"eval": {"texts": rows}, "parameters_before": 99}))
+    with pytest.raises(SystemExit, match="chat"):
+        embedding_rank.source_figures(folder)
