@@ -356,7 +356,10 @@ def load_teacher_text(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") != _FORMAT or "input_ids" not in f.keys():
-                raise ValueError(f"{path} is not a teacher-text file written by relational-hf")
+                raise ValueError(
+                    f"{path} is not a teacher-text file written by relational-hf (the heal_text.safetensors or "
+                    "calibration_sampled.safetensors that `compress` leaves in its output)"
+                )
             ids = f.get_tensor("input_ids")
     except (OSError, RuntimeError, SafetensorError) as err:  # not a safetensors file
         raise ValueError(f"{path} is not a readable teacher-text file ({err})") from None
