@@ -139,15 +139,18 @@ def plot(payload: dict, path: Path) -> None:
     names = list(cells)
     fig, ax = plt.subplots(figsize=(9, 4.2))
     width = 0.8 / max(1, len(names))
+    colours = plt.get_cmap("tab20").colors  # one colour per variant (the default cycle repeats after ten)
     for i, name in enumerate(names):
         r = cells[name]["ratio"]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(DOMAINS))]
-        ax.bar(xs, [r.get(d, 0.0) for d in DOMAINS], width, label=f"{name} (worst x{cells[name]['worst_of_four']:.2f})")
+        ax.bar(xs, [r.get(d, 0.0) for d in DOMAINS], width, label=f"{name} (worst x{cells[name]['worst_of_four']:.2f})",
+               color=colours[i % len(colours)])  # fmt: skip
     ax.axhline(1.6, color="grey", ls="--", lw=0.8)
     ax.text(-0.45, 1.62, "target x1.6", ha="left", va="bottom", fontsize=8, color="grey")
     ax.set_xticks(range(len(DOMAINS)), DOMAINS)
     ax.set_ylabel("perplexity / dense perplexity")
-    ax.set_title("relational-hf compress --remove 0.25 (SmolLM2-135M-Instruct): held-out domains", fontsize=10)
+    ax.set_title("relational-hf compress --remove 0.25 unless the variant says (SmolLM2-135M-Instruct): held-out domains",
+                 fontsize=10)  # fmt: skip
     top = max(max(c["ratio"].values()) for c in cells.values())
     ax.set_ylim(0, top * 1.35)  # room above the bars for the legend
     ax.legend(fontsize=8, ncol=3, loc="upper center")

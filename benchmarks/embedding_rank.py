@@ -110,7 +110,7 @@ def measure(
     base = source["stored_parameters"] if source else total
     original = weight.detach().clone()
     dense = {name: perplexity_on_windows(model, ids) for name, ids in texts.items()}
-    print("dense " + "  ".join(f"{k} {v:.2f}" for k, v in dense.items()), file=sys.stderr)
+    print("unchanged " + "  ".join(f"{k} {v:.2f}" for k, v in dense.items()), file=sys.stderr)
     covariance = hidden_covariance(model, calibration)
     cells: dict[str, dict] = {}
     for choice in choices:
@@ -136,7 +136,8 @@ def measure(
             cells[f"{choice}@{rank}"] = cell
             worst = cell["ratio"].get("worst", max(cell["ratio"].values()))
             print(f"{choice}@{rank}: saved {cell['saved_share']:.3f}, worst x{worst:.3f}", file=sys.stderr)
-    return {"unchanged": dense, "stored_parameters": total, "embedding_shape": [vocab, d], "cells": cells}
+    result = {"unchanged": dense, "stored_parameters": total, "embedding_shape": [vocab, d], "cells": cells}
+    return result | ({"source": source} if source else {})
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -153,12 +154,18 @@ def plot(payload: dict, path: Path) -> None:
     for ax, choice in zip(axes, present, strict=True):
         cells = sorted((c for c in payload["cells"].values() if c["choice"] == choice), key=lambda c: c[share])
         x = [100 * c[share] for c in cells]
+        ys = {domain: [c[key][domain] for c in cells] for domain in DOMAINS}
+        if compressed:  # the compressed model as it is, the embedding whole: where each line starts
+            x.insert(0, 100 * (1 - payload["stored_parameters"] / payload["source"]["stored_parameters"]))
+            for domain in DOMAINS:
+                ys[domain].insert(0, payload["unchanged"][domain] / payload["source"]["perplexity"][domain])
         for domain in DOMAINS:
-            ax.plot(x, [c[key][domain] for c in cells], marker="o", label=domain)
+            ax.plot(x, ys[domain], marker="o", label=domain)
         for c in cells:
             ax.annotate(f"r={c['rank']}", (100 * c[share], c[key]["worst"]), fontsize=7,
                         textcoords="offset points", xytext=(2, 4))  # fmt: skip
-        ax.set_title(f"tied embedding at rank r ({choice})" + ("" if compressed else ", dense otherwise"))
+        model = payload["protocol"]["model"].split(",")[0].split(" (")[0]
+        ax.set_title(f"{model}: tied embedding at rank r ({choice})", fontsize=10)
         ax.set_xlabel(
             "share of the source's stored parameters removed in all (%)" if compressed
             else "share of all stored parameters saved (%)"
@@ -167,7 +174,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{payload['protocol']['model'].split(';')[0]}: a factorised tied embedding, per held-out domain")
+    fig.suptitle("What a factorised tied embedding costs, per held-out domain", fontsize=11)
     save_figure(fig, path)
 
 
