@@ -83,7 +83,7 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
     "remove-20": (
         "compressed-remove20",
         ["--remove", "0.20"],
-        "20% of the stored parameters removed instead of 25% (the option given last wins): what the decoder layers "
+        "20% of the stored parameters removed instead of 25%: what the decoder layers "
         "keep if a factorised tied embedding took the other 5% (benchmarks/embedding_rank.py --model)",
     ),
     "self-half": (
@@ -96,9 +96,11 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
 
 
 def compress_command(src: str, out: Path, texts: Path, extra: list[str]) -> list[str]:
+    """The variant's command line: the defaults at --remove 0.25 (unless the variant gives its own) and its options."""
     evals = [a for d in DOMAINS for a in ("--eval", str(texts / f"{d}.pt"))]
+    remove = [] if "--remove" in extra else ["--remove", "0.25"]
     return [
-        "compress", src, str(out), "--remove", "0.25", "--calibration", str(texts / "calibration.pt"),
+        "compress", src, str(out), *remove, "--calibration", str(texts / "calibration.pt"),
         "--calibration-windows", "128", "--window", "512", "--eval-windows", "12", *evals, *extra,
     ]  # fmt: skip
 
