@@ -29,6 +29,18 @@ from common import RESULTS, save_figure, write_json
 from domains import DESCRIPTIONS, DOMAINS, TARGET_DOMAINS
 
 WORKDIR = RESULTS / "gguf_runs" / "full"
+#: The conversational requests the "conversation" variant added to `compress.distill.CALIBRATION_PROMPTS` (advice and
+#: everyday questions, the kind of request a chat model serves; written for this project, none of GENERIC_PROMPTS).
+CONVERSATION_PROMPTS = (
+    "Can you help me choose a birthday present for my sister?",
+    "I get nervous before job interviews. What can I do about it?",
+    "What is the difference between weather and climate?",
+    "Could you suggest a weekly exercise routine for a beginner?",
+    "Why do cats purr? Please answer in a friendly way.",
+    "My laptop has become slow. What should I check first?",
+    "How can I politely turn down extra work from my manager?",
+    "What are some good habits for sleeping better?",
+)
 #: name -> (folder in the workdir, extra options of `relational-hf compress`, what it changes)
 VARIANTS: dict[str, tuple[str, list[str], str]] = {
     "generic-prompts": (
@@ -85,6 +97,18 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["--remove", "0.20"],
         "20% of the stored parameters removed instead of 25%: what the decoder layers "
         "keep if a factorised tied embedding took the other 5% (benchmarks/embedding_rank.py --model)",
+    ),
+    "conversation": (
+        "compressed-conversation",
+        [],
+        "the sampled calibration rows seeded by CALIBRATION_PROMPTS with eight conversational requests added (none of "
+        "GENERIC_PROMPTS, which seed the chat domain): made from a tree whose CALIBRATION_PROMPTS ended with "
+        + " / ".join(repr(p) for p in CONVERSATION_PROMPTS) + ", so the report names the prompt set 'calibration'",
+    ),
+    "refine-8": (
+        "compressed-refine8",
+        ["--refine-epochs", "8"],
+        "twice the refinement's automatic 4 epochs over the calibration windows",
     ),
     "self-half": (
         "compressed-self-half",

@@ -49,7 +49,7 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
 
 #: The healing's own settings a dense control must share (`training.heal.heal`'s report; earlier runs healed with the
 #: defaults, which these are).
-HEAL_DEFAULTS = {"learning_rate": 3e-4, "lora_rank": 16, "batch_size": 2}
+HEAL_DEFAULTS = {"learning_rate": 3e-4, "lora_rank": 16, "batch_size": 2, "block_size": 256}
 
 
 def _earlier_control(
@@ -64,7 +64,7 @@ def _earlier_control(
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
     same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
     with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
-    alone; the same prompts seeding the healing text; the same learning rate, LoRA rank and batch size, `settings`,
+    alone; the same prompts seeding the healing text; the same learning rate, LoRA rank, batch size and block size, `settings`,
     default `HEAL_DEFAULTS`)."""
     import json
 
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=HEAL_DEFAULTS["learning_rate"], help="LoRA learning rate")
     parser.add_argument("--rank", type=int, default=HEAL_DEFAULTS["lora_rank"], help="LoRA rank")
     parser.add_argument("--batch-size", type=int, default=HEAL_DEFAULTS["batch_size"], help="blocks a step takes")
+    parser.add_argument("--block-size", type=int, default=HEAL_DEFAULTS["block_size"], help="tokens in a block")
     parser.add_argument(
         "--no-dense-control", action="store_true", help="heal the compressed model alone (an exploratory run: the "
         "JSON then has no dense control, which a reported healed figure needs)",
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
-    settings = {"learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size}
+    settings = {
+        "learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size, "block_size": args.block_size
+    }
     torch.set_num_threads(args.threads)
     from relational_hf.compress.distill import calibration_share, healing_stream
     from relational_hf.training.heal import heal
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         healed, report = heal(
             model, text, steps=args.steps, loss="kd", teacher=dense, progress=True, heal_lr=args.lr,
-            heal_rank=args.rank, heal_batch_size=args.batch_size,
+            heal_rank=args.rank, heal_batch_size=args.batch_size, heal_block_size=args.block_size,
         )  # fmt: skip
         report["wall_seconds"] = time.perf_counter() - started
         reports[name] = report
