@@ -34,6 +34,8 @@ import torch
 from common import RESULTS, save_figure, write_json
 from domains import DOMAINS, TARGET_DOMAINS, ratios
 
+from relational_hf.training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK_SIZE, DEFAULT_HEAL_LR
+
 
 def _load(folder: Path):
     from transformers import AutoModelForCausalLM
@@ -49,7 +51,10 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
 
 #: The healing's own settings a dense control must share (`training.heal.heal`'s report; earlier runs healed with the
 #: defaults, which these are).
-HEAL_DEFAULTS = {"learning_rate": 3e-4, "lora_rank": 16, "batch_size": 2, "block_size": 256}
+HEAL_DEFAULTS = {
+    "learning_rate": DEFAULT_HEAL_LR["kd"], "lora_rank": 16, "batch_size": DEFAULT_HEAL_BATCH_SIZE,
+    "block_size": DEFAULT_HEAL_BLOCK_SIZE,
+}
 
 
 def _earlier_control(
@@ -64,8 +69,8 @@ def _earlier_control(
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
     same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
     with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
-    alone; the same prompts seeding the healing text; the same learning rate, LoRA rank, batch size and block size, `settings`,
-    default `HEAL_DEFAULTS`)."""
+    alone; the same prompts seeding the healing text; the same learning rate, LoRA rank, batch size and block
+    size, `settings`, default `HEAL_DEFAULTS`)."""
     import json
 
     earlier = json.loads(path.read_text(encoding="utf-8"))
