@@ -53,7 +53,7 @@ def _measure(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
 #: defaults, which these are).
 HEAL_DEFAULTS = {
     "learning_rate": DEFAULT_HEAL_LR["kd"], "lora_rank": 16, "batch_size": DEFAULT_HEAL_BATCH_SIZE,
-    "block_size": DEFAULT_HEAL_BLOCK_SIZE,
+    "block_size": DEFAULT_HEAL_BLOCK_SIZE, "adapter": "lora", "hidden_weight": 0.0,
 }
 
 
@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lr", type=float, default=HEAL_DEFAULTS["learning_rate"], help="LoRA learning rate")
     parser.add_argument("--rank", type=int, default=HEAL_DEFAULTS["lora_rank"], help="LoRA rank")
+    parser.add_argument(
+        "--adapter", choices=("lora", "full"), default="lora", help="what the healing trains: LoRA adapters merged "
+        "back (the CLI's) or the decoder maps' stored entries themselves (give --lr)",
+    )
     parser.add_argument("--batch-size", type=int, default=HEAL_DEFAULTS["batch_size"], help="blocks a step takes")
     parser.add_argument("--block-size", type=int, default=HEAL_DEFAULTS["block_size"], help="tokens in a block")
     parser.add_argument(
@@ -217,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
         "--heal-prompts", choices=("generic", "both"), default="generic", help="what the healing text's chat rows are "
         "seeded from: the CLI's GENERIC_PROMPTS (default), or those and CALIBRATION_PROMPTS together",
     )
+    parser.add_argument(
+        "--hidden-weight", type=float, default=0.0, help="add this weight times the residual streams' relative "
+        "distance to the dense model's to the distillation loss (default 0: the CLI's KL alone)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
     settings = {
-        "learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size, "block_size": args.block_size
+        "learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size, "block_size": args.block_size,
+        "adapter": args.adapter, "hidden_weight": args.hidden_weight,
     }
     torch.set_num_threads(args.threads)
     from relational_hf.compress.distill import calibration_share, healing_stream
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         healed, report = heal(
             model, text, steps=args.steps, loss="kd", teacher=dense, progress=True, heal_lr=args.lr,
             heal_rank=args.rank, heal_batch_size=args.batch_size, heal_block_size=args.block_size,
+            adapter=args.adapter, hidden_weight=args.hidden_weight,
         )  # fmt: skip
         report["wall_seconds"] = time.perf_counter() - started
         reports[name] = report

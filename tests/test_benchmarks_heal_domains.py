@@ -72,14 +72,16 @@ def test_a_dense_control_healed_on_text_seeded_otherwise_is_refused(tmp_path, he
 
 
 def test_a_dense_control_healed_with_other_settings_is_refused(tmp_path, heal_domains):
-    """A control healed at another learning rate, LoRA rank, batch size or block size controls nothing for today's
-    run; an earlier run that recorded none of them healed with the defaults, so it controls a run with the defaults
-    only."""
+    """A control healed at another learning rate, LoRA rank, batch size, block size, adapter or residual-stream weight
+    controls nothing for today's run; an earlier run that recorded none of them healed with the defaults, so it
+    controls a run with the defaults only."""
     dense = {d: 10.0 + i for i, d in enumerate(DOMAINS)}
     path, healed = _earlier(tmp_path, dense)
     defaults = dict(heal_domains.HEAL_DEFAULTS)
     assert heal_domains._earlier_control(path, 200, dense, settings=defaults)[0] == healed
-    for key, other in (("learning_rate", 6e-4), ("lora_rank", 64), ("batch_size", 4), ("block_size", 512)):
+    others = (("learning_rate", 6e-4), ("lora_rank", 64), ("batch_size", 4), ("block_size", 512), ("adapter", "full"),
+              ("hidden_weight", 1.0))  # fmt: skip
+    for key, other in others:
         with pytest.raises(SystemExit, match="settings"):
             heal_domains._earlier_control(path, 200, dense, settings=defaults | {key: other})
     payload = json.loads(path.read_text())

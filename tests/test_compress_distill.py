@@ -80,6 +80,34 @@ def test_next_token_kl_is_zero_on_itself_positive_otherwise_and_respects_the_mas
 # ---- the teacher's own text --------------------------------------------------------------------------------------
 
 
+def test_hidden_state_distance_is_zero_on_itself_scale_free_and_respects_the_mask():
+    """The residual streams' relative distance: 0 for a model against itself, the same when both streams are scaled
+    alike, the embedding's output left out, padded positions left out, and streams of another count or shape
+    refused."""
+    from relational_hf.lm.metrics import hidden_state_distance
+
+    torch.manual_seed(0)
+    teacher = [torch.randn(2, 5, 8) for _ in range(4)]
+    student = [teacher[0] + 5.0] + [t + 0.1 * torch.randn_like(t) for t in teacher[1:]]
+    assert hidden_state_distance(teacher, teacher).item() == 0.0
+    d = hidden_state_distance(student, teacher)
+    assert 0 < d.item() < 0.1
+    assert hidden_state_distance([3 * s for s in student], [3 * t for t in teacher]).item() == pytest.approx(d.item())
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    wild = [s.clone() for s in student]
+    for s in wild[1:]:
+        s[1, 3:] += 100.0
+    assert hidden_state_distance(wild, teacher, mask).item() == pytest.approx(
+        hidden_state_distance(student, teacher, mask).item()
+    )
+    assert hidden_state_distance(wild, teacher).item() > 10 * d.item()
+    with pytest.raises(ValueError, match="count"):
+        hidden_state_distance(student[:3], teacher)
+    with pytest.raises(ValueError, match="shape"):
+        hidden_state_distance([s[:, :4] for s in student], teacher)
+
+
 def test_teacher_text_is_reproducible_in_its_seed():
     """The same seed gives the same ids, another seed other ids; the settings name the source by its fingerprint;
     chat-seeded rows start with a generic prompt in the chat template."""
@@ -235,6 +263,65 @@ def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
     )  # fmt: skip
     assert _stored(healed) == stored
     assert teacher_kl(healed, source, held_out) < 0.85 * before
+
+
+def test_full_healing_trains_the_stored_map_entries_alone_and_keeps_the_gauge():
+    """adapter="full" trains the decoder maps' stored entries themselves: the KL to the source on held-out text falls,
+    the shapes, stored count and gauge layouts (pivots) stay, embeddings and norm gains are untouched, every parameter
+    is trainable again afterwards, and a missing learning rate or an unknown adapter is refused in one line."""
+    source = _llama(layers=2, seed=2, init=0.2)
+    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
+    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
+    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
+    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    before_kl = teacher_kl(compressed, source, held_out)
+    before = {k: v.clone() for k, v in compressed.state_dict().items()}
+    with pytest.raises(ValueError, match="heal_lr.*required"):
+        heal(compressed, text, steps=1, loss="kd", teacher=source, adapter="full", progress=False)
+    with pytest.raises(ValueError, match="adapter.*one of"):
+        heal(compressed, text, steps=1, loss="kd", teacher=source, adapter="dora", heal_lr=1e-3, progress=False)
+    healed, report = heal(
+        compressed, text, steps=60, loss="kd", teacher=source, heal_lr=2e-3, heal_batch_size=4, heal_block_size=24,
+        adapter="full", progress=False,
+    )  # fmt: skip
+    after = healed.state_dict()
+    assert report["adapter"] == "full" and report["lora_rank"] is None
+    assert after.keys() == before.keys() and all(after[k].shape == before[k].shape for k in before)
+    changed = {k for k in before if not torch.equal(after[k], before[k])}
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj") for k in changed), sorted(changed)  # fmt: skip
+    assert not any(k.endswith("pivots") for k in changed)
+    assert report["trainable_parameters"] == sum(before[k].numel() for k in before if k.endswith("proj.weight"))
+    assert all(p.requires_grad for p in healed.parameters())
+    assert teacher_kl(healed, source, held_out) < 0.85 * before_kl
+
+
+def test_distilling_the_residual_streams_brings_them_closer_to_the_source_s():
+    """hidden_weight > 0 adds the residual streams' distance to the KL: the same LoRA healing with it ends nearer the
+    source's streams on held-out text than without it; it is refused with the language-model loss and when negative."""
+    from relational_hf.lm.metrics import hidden_state_distance
+
+    source = _llama(layers=2, seed=2, init=0.2)
+    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
+    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
+    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
+    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+
+    def distance(model):
+        with torch.no_grad():
+            a = model(held_out, output_hidden_states=True).hidden_states
+            b = source(held_out, output_hidden_states=True).hidden_states
+        return hidden_state_distance(a, b).item()
+
+    kw = dict(steps=40, loss="kd", teacher=source, heal_lr=5e-3, heal_batch_size=4, heal_block_size=24, progress=False)
+    plain, _ = heal(copy.deepcopy(compressed), text, **kw)
+    streams, report = heal(copy.deepcopy(compressed), text, hidden_weight=10.0, **kw)
+    assert report["hidden_weight"] == 10.0
+    assert distance(streams) < 0.9 * distance(plain)
+    with pytest.raises(ValueError, match="hidden_weight"):
+        heal(compressed, text, steps=1, loss="lm", hidden_weight=1.0, progress=False)
+    with pytest.raises(ValueError, match="hidden_weight"):
+        heal(compressed, text, steps=1, loss="kd", teacher=source, hidden_weight=-1.0, progress=False)
 
 
 def test_compress_model_distils_by_default_and_refuses_bad_heal_options():

@@ -111,6 +111,31 @@ def next_token_kl(
     return per_position.mean() * temperature**2
 
 
+def hidden_state_distance(
+    student_hidden: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    teacher_hidden: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean over layers and positions of the relative squared distance ||h_s - h_t||^2 / ||h_t||^2 between the two
+    models' residual streams (each a sequence of (B, T, d) states, as `output_hidden_states` gives them; the first,
+    the embedding's output, is left out). Per position, so tokens with massive activations weigh like the others.
+    Meaningful only where both streams share a basis (a compressed model and its source: compression keeps the
+    residual basis). Computed in float32; differentiable in the student's states."""
+    if len(student_hidden) != len(teacher_hidden) or len(student_hidden) < 2:
+        raise ValueError(f"the models' hidden states differ in count: {len(student_hidden)} vs {len(teacher_hidden)}")
+    terms = []
+    for s, t in zip(student_hidden[1:], teacher_hidden[1:]):
+        if s.shape != t.shape:
+            raise ValueError(f"hidden states differ in shape: {tuple(s.shape)} vs {tuple(t.shape)}")
+        s, t = s.float(), t.float()
+        terms.append((s - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12))  # (B, T)
+    per_position = torch.stack(terms).mean(0)
+    if attention_mask is not None:
+        mask = attention_mask.to(per_position.dtype)
+        return (per_position * mask).sum() / mask.sum().clamp_min(1.0)
+    return per_position.mean()
+
+
 @torch.no_grad()
 def teacher_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
     """Mean KL(p_teacher || p_student) per token position (nats) over the windows `input_ids` (N, T), each window on
