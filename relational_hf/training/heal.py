@@ -128,17 +128,12 @@ def heal(
             disable_tqdm=not progress,
         )
         dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
-        if loss == "kd":
-            trainer = DistillationTrainer(
-                model=peft_model,
-                args=args,
-                train_dataset=dataset,
-                callbacks=callbacks,
-                teacher=teacher,
-                hidden_weight=hidden_weight,
-            )
-        else:
-            trainer = RelationalTrainer(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks)
+        trainer_class, extra = (
+            (DistillationTrainer, {"teacher": teacher, "hidden_weight": hidden_weight})
+            if loss == "kd"
+            else (RelationalTrainer, {})
+        )
+        trainer = trainer_class(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks, **extra)
         if not progress:  # without a progress bar the Trainer prints each log line to stdout instead: quiet is quiet
             trainer.remove_callback(PrinterCallback)
         output = trainer.train()
