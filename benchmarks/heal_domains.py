@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration-share", type=float, default=None, help="share of the healing's blocks drawn from the "
         "compression's calibration windows (default: the CLI's, 0.5; 0 heals on the sampled text alone)",
     )
-    parser.add_argument("--lr", type=float, default=HEAL_DEFAULTS["learning_rate"], help="LoRA learning rate")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default: the CLI's for LoRA; required with --adapter full)"
+    )
     parser.add_argument("--rank", type=int, default=HEAL_DEFAULTS["lora_rank"], help="LoRA rank")
     parser.add_argument(
         "--adapter", choices=("lora", "full"), default="lora", help="what the healing trains: LoRA adapters merged "
@@ -228,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tag", default="", help="suffix of the result files (heal_domains_TAG.json)")
     args = parser.parse_args(argv)
+    if args.lr is None and args.adapter == "full":
+        parser.error("--adapter full needs --lr (the LoRA default does not carry over)")
+    if args.lr is None:
+        args.lr = HEAL_DEFAULTS["learning_rate"]
     settings = {
         "learning_rate": args.lr, "lora_rank": args.rank, "batch_size": args.batch_size, "block_size": args.block_size,
         "adapter": args.adapter, "hidden_weight": args.hidden_weight,

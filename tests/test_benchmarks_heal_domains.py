@@ -140,3 +140,12 @@ def test_a_calibration_the_workdir_cannot_rebuild_is_refused(tmp_path, heal_doma
     _workdir(tmp_path, user_windows=64)
     with pytest.raises(SystemExit, match="cannot be rebuilt"):
         heal_domains.calibration_windows(tmp_path, tmp_path / "compressed", teacher=None)
+
+
+def test_full_healing_without_a_learning_rate_is_refused_before_anything_loads(tmp_path, heal_domains, capsys):
+    """The LoRA learning rate is no default for training the maps' own entries: --adapter full without --lr stops at
+    the command line, in one line naming --lr, before the workdir is read."""
+    with pytest.raises(SystemExit) as stop:
+        heal_domains.main(["--workdir", str(tmp_path / "absent"), "--adapter", "full"])
+    assert stop.value.code == 2
+    assert "--adapter full needs --lr" in capsys.readouterr().err
