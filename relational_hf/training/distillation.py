@@ -35,10 +35,10 @@ class DistillationTrainer(RelationalTrainer):
             raise ValueError(f"`teacher` must be a model (nn.Module), got {type(teacher).__name__}")
         if not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"`temperature` must be a finite number > 0, got {temperature}")
-        if isinstance(hidden_weight, bool) or not isinstance(hidden_weight, (int, float)) or not hidden_weight >= 0:
+        if isinstance(hidden_weight, bool) or not isinstance(hidden_weight, (int, float)):
             raise ValueError(f"`hidden_weight` must be a number >= 0, got {hidden_weight!r}")
-        if not math.isfinite(hidden_weight):
-            raise ValueError(f"`hidden_weight` must be finite, got {hidden_weight!r}")
+        if not (math.isfinite(hidden_weight) and hidden_weight >= 0):
+            raise ValueError(f"`hidden_weight` must be a finite number >= 0, got {hidden_weight!r}")
         super().__init__(*args, **kwargs)
         if self.suppression is not None:
             raise ValueError("parallel suppression is not combined with distillation (the loss is the KL alone)")

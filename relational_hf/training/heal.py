@@ -65,8 +65,8 @@ def heal(
     merged back. `adapter="full"` trains the decoder maps' own stored entries instead (the free entries of a
     gauge-fixed map, so the model stays in its gauge and keeps its shapes; no adapter, nothing to merge; `heal_rank`
     does not apply); its learning rate has no default and must be given. `hidden_weight` (kd only) adds that weight
-    times the residual streams' relative distance to the teacher's (`DistillationTrainer`). `loss`: "lm" (next-token cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token
-    distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
+    times the residual streams' relative distance to the teacher's (`DistillationTrainer`). `loss`: "lm" (next-token
+    cross-entropy on the ids) or "kd" (KL to `teacher`'s next-token distributions on the ids; `teacher` is required then and stays frozen). The defaults are the settings measured
     by `benchmarks/heal.py` on SmolLM2, with `DEFAULT_HEAL_BATCH_SIZE` blocks a step (`training.heal_settings`).
     `progress=False`: no progress bar and nothing printed (the loss is in the report and the `callbacks`' logs).
     `callbacks`: extra `transformers.TrainerCallback`s (e.g. a held-out evaluation every k steps; they see the
@@ -101,6 +101,7 @@ def heal(
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [t for t in RELATIONAL_LORA_TARGETS if t in present]
     model.train()
+    frozen: list[nn.Parameter] = []
     if adapter == "full":
         peft_model, frozen = model, _train_maps_only(model, set(targets))
     else:
@@ -111,38 +112,37 @@ def heal(
             torch.manual_seed(heal_seed)
             peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = RelationalTrainingArguments(
-            output_dir=tmp,
-            per_device_train_batch_size=heal_batch_size,
-            max_steps=steps,
-            learning_rate=heal_lr,
-            lr_scheduler_type="cosine",
-            warmup_steps=max(1, steps // 10),
-            logging_steps=max(1, steps // 5),
-            save_strategy="no",
-            report_to=[],
-            seed=heal_seed,
-            dataloader_num_workers=0,
-            use_cpu=not torch.cuda.is_available(),
-            disable_tqdm=not progress,
-        )
-        dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
-        trainer_class, extra = (
-            (DistillationTrainer, {"teacher": teacher, "hidden_weight": hidden_weight})
-            if loss == "kd"
-            else (RelationalTrainer, {})
-        )
-        trainer = trainer_class(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks, **extra)
-        if not progress:  # without a progress bar the Trainer prints each log line to stdout instead: quiet is quiet
-            trainer.remove_callback(PrinterCallback)
-        output = trainer.train()
-    if adapter == "full":
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = RelationalTrainingArguments(
+                output_dir=tmp,
+                per_device_train_batch_size=heal_batch_size,
+                max_steps=steps,
+                learning_rate=heal_lr,
+                lr_scheduler_type="cosine",
+                warmup_steps=max(1, steps // 10),
+                logging_steps=max(1, steps // 5),
+                save_strategy="no",
+                report_to=[],
+                seed=heal_seed,
+                dataloader_num_workers=0,
+                use_cpu=not torch.cuda.is_available(),
+                disable_tqdm=not progress,
+            )
+            dataset = RandomBlockDataset(ids, block, steps * heal_batch_size, seed=heal_seed)
+            trainer_class, extra = (
+                (DistillationTrainer, {"teacher": teacher, "hidden_weight": hidden_weight})
+                if loss == "kd"
+                else (RelationalTrainer, {})
+            )
+            trainer = trainer_class(model=peft_model, args=args, train_dataset=dataset, callbacks=callbacks, **extra)
+            if not progress:  # without a bar the Trainer prints each log line to stdout instead: quiet is quiet
+                trainer.remove_callback(PrinterCallback)
+            output = trainer.train()
+    finally:  # what adapter="full" froze is trainable again, whether the healing ends or fails
         for p in frozen:
             p.requires_grad_(True)
-        merged = model.eval()
-    else:
-        merged = merge_and_unload(peft_model).eval()
+    merged = model.eval() if adapter == "full" else merge_and_unload(peft_model).eval()
     report = {
         "loss": loss,
         "steps": steps,
