@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from common import RESULTS, save_figure, write_json
 from domains import DESCRIPTIONS, DOMAINS, TARGET_DOMAINS
 
@@ -116,16 +117,66 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         "half the calibration windows sampled: every WikiText-2 window kept and as many sampled ones added (128 + 128; "
         "the default adds half as many, 128 + 64)",
     ),
+    "prompted-only": (
+        "compressed-prompted-only",
+        [],
+        "every sampled calibration row seeded by a request of CALIBRATION_PROMPTS (the default seeds half of them "
+        "from one random vocabulary token): the same 64 sampled windows' count, presampled and given as a second "
+        "--calibration text with --self-calibration 0",
+    ),
+    "seed-2": (
+        "compressed-seed2",
+        [],
+        "the default's sampled calibration windows drawn again with another seed (2; the default's is 1), presampled "
+        "and given as a second --calibration text with --self-calibration 0: how far the sampling alone moves each "
+        "domain",
+    ),
 }
+#: variants whose sampled calibration windows are drawn here, before the command (it then samples none): name ->
+#: the sampling's settings (`compress.calibration.sampled_calibration`'s, the default's 64 windows of 512 tokens)
+PRESAMPLED: dict[str, dict] = {
+    "prompted-only": {"seed": 1, "chat_share": 1.0},
+    "seed-2": {"seed": 2, "chat_share": 0.5},
+}
+PRESAMPLED_WINDOWS = 64
+
+
+def presampled_options(name: str, texts: Path) -> list[str]:
+    """The options that give a PRESAMPLED variant its windows: the WikiText-2 calibration and the presampled file."""
+    file = texts / f"sampled_{name}.safetensors"
+    return [
+        "--calibration", str(texts / "calibration.pt"), str(file), "--self-calibration", "0",
+        "--calibration-windows", str(128 + PRESAMPLED_WINDOWS),
+    ]  # fmt: skip
+
+
+def presample(name: str, texts: Path) -> None:
+    """Sample a PRESAMPLED variant's calibration windows from the source once (kept in texts/)."""
+    file = texts / f"sampled_{name}.safetensors"
+    if file.is_file():
+        return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relational_hf.compress.calibration import sampled_calibration
+    from relational_hf.compress.distill import save_teacher_text
+    from relational_hf.pretrained import smollm2_checkpoint
+
+    source = smollm2_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids, settings = sampled_calibration(model, tokenizer, n=PRESAMPLED_WINDOWS, window=512, **PRESAMPLED[name])
+    save_teacher_text(file, ids, settings)
 
 
 def compress_command(src: str, out: Path, texts: Path, extra: list[str]) -> list[str]:
     """The variant's command line: the defaults at --remove 0.25 (unless the variant gives its own) and its options."""
     evals = [a for d in DOMAINS for a in ("--eval", str(texts / f"{d}.pt"))]
     remove = [] if "--remove" in extra else ["--remove", "0.25"]
+    calibration = [] if "--calibration" in extra else [
+        "--calibration", str(texts / "calibration.pt"), "--calibration-windows", "128"
+    ]  # fmt: skip
     return [
-        "compress", src, str(out), *remove, "--calibration", str(texts / "calibration.pt"),
-        "--calibration-windows", "128", "--window", "512", "--eval-windows", "12", *evals, *extra,
+        "compress", src, str(out), *remove, *calibration, "--window", "512", "--eval-windows", "12", *evals, *extra,
     ]  # fmt: skip
 
 
@@ -201,14 +252,19 @@ def main() -> int:
     for name in args.variants:
         folder_name, extra, what = VARIANTS[name]
         folder = args.workdir / folder_name
+        shown = extra
+        if name in PRESAMPLED:
+            extra, shown = presampled_options(name, texts) + extra, presampled_options(name, Path("texts")) + extra
         commands[name] = "relational-hf " + " ".join(
-            compress_command("SMOLLM2", Path(folder_name), Path("texts"), extra)
+            compress_command("SMOLLM2", Path(folder_name), Path("texts"), shown)
         )
         found = read_variant(folder)
         if found is None and name == "generic-prompts":
             print(f"{name}: no report in {folder} (made by an earlier version; not rerun)", file=sys.stderr)
         elif found is None and not args.no_run:
             started = time.perf_counter()
+            if name in PRESAMPLED:
+                presample(name, texts)
             _cli(*compress_command(str(smollm2_checkpoint()), folder, texts, extra), log=args.workdir / f"{folder_name}.log")
             print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
             found = read_variant(folder)

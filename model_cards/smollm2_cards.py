@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from relational_hf.hub.card import _text_name
+
 HERE = Path(__file__).resolve().parent
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONVERTED_NAME = "smollm2-135m-instruct-relational"
@@ -286,14 +288,26 @@ def _is_wikitext(report: dict) -> bool:
     return str(report.get("eval_file", "")).startswith("wikitext2")
 
 
-def compressed_card_inputs(report: dict) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+def compressed_card_inputs(
+    report: dict, wikitext_eval: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
     """(settings rows, model-index results, parameter tables) of a compress report: every scalar field becomes a
     row; the held-out perplexities on WikiText-2 (`eval_perplexity_*`) become model-index results naming the dataset,
     its configuration and split and the windows; the other perplexities (calibration text, a text of another kind)
     are described in the card's figures (`compressed_figures`), not posed as datasets; dicts of parameter counts
-    become tables."""
+    become tables. `wikitext_eval`: the name of the report's --eval text (of several) that is the held-out
+    WikiText-2 side; its two perplexities become the model-index results (SystemExit when the report has no such
+    text)."""
     settings: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
+    if wikitext_eval is not None:
+        row = ((report.get("eval") or {}).get("texts") or {}).get(wikitext_eval)
+        if row is None:
+            raise SystemExit(f"--wikitext-eval {wikitext_eval}: the report has no such --eval text")
+        n, t = row["windows"]
+        for key in ("before", "after"):
+            label = EVAL_LABELS["eval_perplexity_before"] if key == "before" else "perplexity, compressed"
+            results.append(wikitext_result(label, row[f"perplexity_{key}"], int(n), int(t), HELD_OUT))
     windows, window = (report.get("eval_windows") or [0, 0])[:2]
     for key, value in _flatten(report):
         lower = key.lower()
@@ -315,14 +329,51 @@ def _cell(value: Any) -> str:
     return f"{float(value):.2f}" if _is_number(value) else "-"
 
 
-def compressed_figures(report: dict, control: dict | None = None) -> list[str]:
+def _domain_report_texts(report: dict, names: list[str], calibration_note: str | None) -> list[str]:
+    """The texts block of a report measured on several --eval texts (their table is the card's Compression
+    section): each named, and the calibration as the report records it, the windows the source sampled included."""
+    n, t = report.get("eval_windows") or ["?", "?"]
+    cal = report.get("calibration") or {}
+    windows = report.get("calibration_windows") or ["?", "?"]
+    sampling = cal.get("sampling") or {}
+    seen = f"{cal.get('user_windows', windows[0])} windows of `{_text_name(cal.get('text', '--calibration'))}`"
+    if cal.get("self_windows"):
+        seen += (
+            f" and {cal['self_windows']} the source sampled itself at temperature {sampling.get('temperature', 1):g} "
+            f"(seed {sampling.get('seed')}; {float(sampling.get('chat_share', 0)):.0%} of the rows start from a "
+            f"request of the '{sampling.get('prompts')}' prompt set in its chat template, the others from one random "
+            f"token; kept beside the model as `{_text_name(sampling.get('file', '-'))}`)"
+        )
+    return [
+        "\n".join([
+            "**The texts.**",
+            "",
+            f"- *Held-out evaluation texts* ({', '.join(f'`{_text_name(x)}`' for x in names)}; {n} windows of {t} "
+            "tokens each): the domains of the Compression section above and of the table below, none of them in "
+            "the calibration.",
+            f"- *Calibration text* ({windows[0]} windows of {windows[1]} tokens): {seen}"
+            + (f"; {calibration_note}" if calibration_note else "")
+            + ". Seen by the compression (its fits and its plan); perplexity on it "
+            f"{_cell(report.get('calibration_perplexity_before'))} (source) and "
+            f"{_cell(report.get('calibration_perplexity_after'))} (this checkpoint), a measure of fit, not of "
+            "generalisation.",
+        ])  # fmt: skip
+    ]
+
+
+def compressed_figures(report: dict, control: dict | None = None, calibration_note: str | None = None) -> list[str]:
     """The card body's figures, one markdown block each (a caller adds its own, e.g. a table per domain): the texts
     the compression and the healing saw, described (the calibration text and the text the source sampled itself are
-    not evaluation datasets), and the perplexity on each text before compression, after it and after healing."""
+    not evaluation datasets), and the perplexity on each text before compression, after it and after healing. A
+    report measured on several --eval texts gets the texts described only: its per-text table is the Compression
+    section's, and its per-domain block the caller's (`cli_domain_figures`)."""
     heal = report.get("heal") or {}
     text = heal.get("text") if isinstance(heal.get("text"), dict) else {}
     calibration = report.get("calibration_windows") or ["?", "?"]
     eval_windows = report.get("eval_windows") or ["?", "?"]
+    several = list((report.get("eval") or {}).get("texts") or {})
+    if len(several) > 1:
+        return _domain_report_texts(report, several, calibration_note)
     texts = [
         "**The texts.**",
         "",
@@ -379,7 +430,7 @@ def compressed_figures(report: dict, control: dict | None = None) -> list[str]:
     others = [
         f"- `{key}`: {float(value):.4f}"
         for key, value in _flatten(report)
-        if _is_number(value) and "perplexity" in key.lower() and key not in shown
+        if _is_number(value) and "perplexity" in key.lower() and key not in shown and not key.startswith("eval.texts.")
     ]
     blocks = ["\n".join(texts), "\n".join(rows)]
     if others:
@@ -423,6 +474,64 @@ def domain_figures(payload: dict, calibration_text: str = "wikitext") -> str:
             + f" | x{r.get('worst', float('nan')):.2f} |"
         )
     lines += ["", "Domains: " + "; ".join(f"*{n}*: {domains[n]['what']}" for n in names) + "."]
+    return "\n".join(lines)
+
+
+#: The command line's per-domain measurement (`benchmarks/cli_domains.py`): the domains' descriptions and the
+#: calibration's, shown with a checkpoint whose report holds the same perplexities (one of its variants).
+CLI_DOMAINS_JSON = "benchmarks/results/cli_domains_keptchat.json"
+
+
+def _same_figures(ours: dict[str, float], theirs: dict[str, float], tolerance: float = 1e-5) -> bool:
+    """Whether two {domain: perplexity} dicts hold the same domains and figures (to a relative tolerance)."""
+    return set(ours) == set(theirs) and all(abs(ours[d] - theirs[d]) <= tolerance * abs(ours[d]) for d in ours)
+
+
+def cli_domain_figures(report: dict, folder: str, domains: dict, healed: dict | None = None) -> str:
+    """The card's per-domain block of a checkpoint measured on several --eval texts: each domain's dense perplexity,
+    then this checkpoint's ratio to it, and with `healed` (a `benchmarks/heal_domains.py` result on this very
+    checkpoint) what `--heal-steps` makes of it and the dense source through the same healing (the control), the
+    worst of the first four beside each row. `domains`: a `benchmarks/cli_domains.py` result that measured this
+    checkpoint (the domains' and the calibration's descriptions). SystemExit when either file measured another
+    model than the report's."""
+    texts = (report.get("eval") or {}).get("texts") or {}
+    dense = {Path(n).stem: r["perplexity_before"] for n, r in texts.items()}
+    after = {Path(n).stem: r["perplexity_after"] for n, r in texts.items()}
+    if not any(_same_figures(after, v.get("perplexity", {})) for v in domains.get("variants", {}).values()):
+        raise SystemExit(f"--domains-from: {CLI_DOMAINS_JSON} holds no variant measured as {folder} is")
+    names = list(dense)
+    n, t = report.get("eval_windows") or ["?", "?"]
+    rows = [("this checkpoint, as the command wrote it", {d: after[d] / dense[d] for d in names})]
+    lead = "this checkpoint's perplexity as a multiple of the source's"
+    if healed is not None:
+        measured = (healed.get("perplexity") or {}).get("compressed") or {}
+        if Path(str(healed.get("compressed"))).name != folder or not _same_figures(after, measured):
+            raise SystemExit(f"--healed-domains: measured {healed.get('compressed')!r}, not {folder}")
+        ratios, steps = healed["ratio_to_dense"], healed.get("steps")
+        rows += [
+            (f"the same after `--heal-steps {steps}`", ratios["compressed, healed"]),
+            ("the dense source through the same healing (the control)", ratios["dense, healed"]),
+        ]
+        lead += (
+            f", then after `--heal-steps {steps}` (the command's default healing: distillation from the source on "
+            "text it samples itself and on the calibration windows; measured by `benchmarks/heal_domains.py` on this "
+            "checkpoint, which is published unhealed), and the dense source through the same healing, which bounds "
+            "what the healing adapts rather than repairs"
+        )
+    protocol = domains.get("protocol") or {}
+    described = protocol.get("domains") or {}
+    lines = [
+        f"**By domain.** Held-out perplexity on {len(names)} unlike domains, {n} windows of {t} tokens each, none "
+        f"of them in the calibration (`{CLI_DOMAINS_JSON}`): the dense source's perplexity on each, then {lead}.",
+        "",
+        "| | " + " | ".join(names) + " | worst of the first four |",
+        "| --- | " + " | ".join("---:" for _ in names) + " | ---: |",
+        "| dense source, perplexity | " + " | ".join(f"{dense[d]:.2f}" for d in names) + " | |",
+    ]
+    for label, r in rows:
+        worst = max(r[d] for d in names[:4])
+        lines.append(f"| {label} | " + " | ".join(f"x{r[d]:.2f}" for d in names) + f" | x{worst:.2f} |")
+    lines += ["", "Domains: " + "; ".join(f"*{d}*: {described.get(d, d)}" for d in names) + "."]
     return "\n".join(lines)
 
 
@@ -527,6 +636,29 @@ def _domain_blocks(calibration_text: str | None) -> list[str]:
     return [domain_figures(json.loads(path.read_text(encoding="utf-8")), calibration_text)]
 
 
+def public_paths(value: Any) -> Any:
+    """`value` (a report's JSON) with every absolute path of the machine that wrote it cut to its last component: a
+    card names texts and folders, never where they lay."""
+    if isinstance(value, dict):
+        return {k: public_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [public_paths(v) for v in value]
+    if isinstance(value, str) and (value.startswith("/") or value[1:3] in (":\\", ":/")) and "\n" not in value:
+        return _text_name(value)
+    return value
+
+
+def _read_json(path: str, flag: str) -> dict:
+    """A JSON object from a file, or SystemExit naming the option that gave it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"{flag} {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"{flag} {path}: not a JSON object")
+    return data
+
+
 def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     """The card of a compressed SmolLM2 checkpoint from its compress report (no re-measurement)."""
     from relational_hf.hub import build_model_card
@@ -538,7 +670,8 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     if not isinstance(report, dict):
         raise SystemExit(f"{report_path} does not hold a JSON object")
-    settings, results, tables = compressed_card_inputs(report)
+    report = public_paths(report)
+    settings, results, tables = compressed_card_inputs(report, args.wikitext_eval)
     settings["report"] = report_path.name
     control = None
     if args.control:
@@ -552,7 +685,15 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         settings.update(speed["settings"])
     if args.note:
         settings["note"] = args.note
-    card_command = f"python model_cards/build_reference.py smollm2-compressed --from {folder}"
+    domains = _read_json(args.domains_from, "--domains-from") if args.domains_from else None
+    healed = _read_json(args.healed_domains, "--healed-domains") if args.healed_domains else None
+    if healed is not None and domains is None:
+        raise SystemExit("--healed-domains needs --domains-from (the per-domain block it joins)")
+    card_command = f"python model_cards/build_reference.py smollm2-compressed --from {folder}" + "".join(
+        f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+        for flag in ("control", "speed", "domains", "domains_from", "healed_domains", "wikitext_eval")
+        if getattr(args, flag)
+    )
     settings["command"] = f"{args.compress_command}; {card_command}" if args.compress_command else card_command
     repo_id = args.repo_id or f"relational-hf/{COMPRESSED_NAME}"
     card = build_model_card(
@@ -565,7 +706,13 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         parameter_table=tables,
         settings_title="Compression (from the compress report)",
         figures="\n\n".join(
-            [*compressed_figures(report, control["control"] if control else None), *_domain_blocks(args.domains)]
+            [
+                *compressed_figures(
+                    report, control["control"] if control else None, (domains or {}).get("protocol", {}).get("calibration")
+                ),
+                *_domain_blocks(args.domains),
+                *([cli_domain_figures(report, folder.name, domains, healed)] if domains else []),
+            ]
         ),
     )
     numbers = {"name": COMPRESSED_NAME, "base_model": BASE_MODEL, "report_file": report_path.name, "report": report}
@@ -575,6 +722,9 @@ def build_compressed(args: argparse.Namespace) -> dict[str, Any]:
         numbers["speed"] = speed["speed"]
     if args.domains:
         numbers["domains"] = args.domains
+    for key, path in (("domains_from", args.domains_from), ("healed_domains", args.healed_domains)):
+        if path:
+            numbers[key] = Path(path).name
     path = _write_card(card, Path(args.card_dir), COMPRESSED_NAME, numbers, folder if args.write_readme else None)
     print(f"{COMPRESSED_NAME}: card {path} from {report_path}")
     return numbers
@@ -607,6 +757,21 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--domains", default=None, metavar="CALIBRATION",
         help=f"show {DOMAINS_JSON}'s per-domain cells, this calibration text's first (e.g. wikitext, wikitext+added-self)",
+    )  # fmt: skip
+    comp.add_argument(
+        "--domains-from", default=None, metavar="JSON",
+        help=f"a benchmarks/cli_domains.py result that measured DIR (e.g. {CLI_DOMAINS_JSON}): the per-domain block of "
+        "DIR's own --eval texts, with their descriptions",
+    )  # fmt: skip
+    comp.add_argument(
+        "--healed-domains", default=None, metavar="JSON",
+        help="a benchmarks/heal_domains.py result on DIR: what --heal-steps makes of it on each domain, with the dense "
+        "control",
+    )  # fmt: skip
+    comp.add_argument(
+        "--wikitext-eval", default=None, metavar="NAME",
+        help="the --eval text of DIR's report (e.g. wikitext.pt) that is WikiText-2's held-out validation documents: "
+        "its figures become the model-index results",
     )  # fmt: skip
     comp.add_argument(
         "--compress-command",

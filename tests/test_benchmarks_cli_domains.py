@@ -58,3 +58,19 @@ def test_the_committed_result_is_consistent():
         four = [cell["ratio"][d] for d in ("wikitext", "shakespeare", "python", "chat")]
         assert cell["worst_of_four"] == pytest.approx(max(four)), name
         assert cell["command"].startswith("relational-hf compress SMOLLM2 ")
+
+
+def test_a_presampled_variant_gives_its_file_as_a_second_calibration_text_and_samples_nothing(tmp_path, cli_domains):
+    """A variant whose sampled windows are drawn before the command passes the WikiText-2 windows and its file as two
+    --calibration texts, all of both counted (128 + the file's), with --self-calibration 0, and no second
+    --calibration; the other variants keep the 128 windows alone."""
+    for name in cli_domains.PRESAMPLED:
+        extra = cli_domains.presampled_options(name, tmp_path)
+        command = cli_domains.compress_command("SRC", tmp_path / "out", tmp_path, extra)
+        assert command.count("--calibration") == 1 and command.count("--calibration-windows") == 1
+        at = command.index("--calibration")
+        assert command[at + 1 : at + 3] == [str(tmp_path / "calibration.pt"), str(tmp_path / f"sampled_{name}.safetensors")]
+        assert command[command.index("--self-calibration") + 1] == "0"
+        assert command[command.index("--calibration-windows") + 1] == str(128 + cli_domains.PRESAMPLED_WINDOWS)
+    plain = cli_domains.compress_command("SRC", tmp_path / "out", tmp_path, [])
+    assert plain[plain.index("--calibration-windows") + 1] == "128" and "--self-calibration" not in plain

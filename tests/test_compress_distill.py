@@ -179,13 +179,21 @@ def test_teacher_text_follows_the_model_through_padding_and_cache():
 
 
 def test_teacher_text_file_round_trip_and_refusals(tmp_path):
-    """save_teacher_text / load_teacher_text give back the same ids and settings; a safetensors file that is not
-    teacher text, a file that is not safetensors at all, are refused with ValueError."""
+    """save_teacher_text / load_teacher_text give back the same ids and settings; the file gets the umask's mode
+    (safetensors' own writer leaves 0o600) and leaves no temporary file; a safetensors file that is not teacher
+    text, a file that is not safetensors at all, are refused with ValueError."""
+    import os
+    import stat
+
     ids = torch.randint(0, 50, (3, 9))
     settings = {"seed": 2, "samples": 3, "length": 9, "source": "abc"}
     save_teacher_text(tmp_path / "t.safetensors", ids, settings)
     back, back_settings = load_teacher_text(tmp_path / "t.safetensors")
     assert torch.equal(back, ids) and back_settings == settings
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "t.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
     save_file({"input_ids": ids}, str(tmp_path / "plain.safetensors"))
     with pytest.raises(ValueError, match="not a teacher-text file"):
         load_teacher_text(tmp_path / "plain.safetensors")

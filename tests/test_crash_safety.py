@@ -196,6 +196,36 @@ def test_a_save_replaces_only_the_files_it_wrote_before_whatever_their_names(two
     assert (out / "notes.txt").read_text() == "my notes" and (out / MARKER).is_file()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_a_save_writes_gets_the_umasks_mode_and_the_users_files_keep_theirs(two_models, umask):
+    """Writers that stage through a private temporary file (safetensors, hence `save_pretrained`) leave 0o600: a
+    saved checkpoint's files all get the mode a new file of the user's gets (0o666 less the umask), the model's
+    weights included, whatever the writer left; a file of the user's carried over keeps its own mode, and so does
+    a file of the user's that a writer's hard link shares."""
+    out, _old_fp, new, new_fp = two_models
+    elsewhere = out.parent / "elsewhere.bin"
+    elsewhere.write_bytes(b"the user's")
+    os.chmod(elsewhere, 0o600)
+
+    def write(folder):
+        new.save_pretrained(folder)
+        (folder / "private.json").write_text("{}")
+        os.chmod(folder / "private.json", 0o600)
+        os.link(elsewhere, folder / "linked.bin")
+
+    (out / "secret.txt").write_text("the user's")
+    os.chmod(out / "secret.txt", 0o600)
+    previous = os.umask(umask)
+    try:
+        stage_and_swap(out, write)
+    finally:
+        os.umask(previous)
+    assert loads(out) == new_fp
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["private.json"] == 0o666 & ~umask
+    assert modes["secret.txt"] == 0o600 and stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
+
+
 def test_a_save_refuses_to_replace_a_file_it_did_not_write_unless_overwrite(two_models):
     out, old_fp, new, new_fp = two_models
     (out / "config.json").write_text('{"written": "by the user"}')  # a name the save writes, no longer ours

@@ -340,11 +340,13 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def save_teacher_text(path: str | os.PathLike, ids: torch.Tensor, settings: dict[str, Any]) -> None:
     """Write the ids (N, T) and their settings (JSON-able, e.g. seed, samples, length, source fingerprint) to a
-    safetensors file at `path` (written as given: callers stage it, e.g. inside a `compress` output folder)."""
-    from safetensors.torch import save_file
+    safetensors file at `path`, atomically and with the umask's mode (`outputs.atomic_write_bytes`)."""
+    from safetensors.torch import save
+
+    from ..outputs.files import atomic_write_bytes
 
     meta = {"format": _FORMAT, "settings": json.dumps(settings, sort_keys=True)}
-    save_file({"input_ids": ids.to(torch.int64).contiguous()}, str(path), metadata=meta)
+    atomic_write_bytes(path, save({"input_ids": ids.to(torch.int64).contiguous()}, metadata=meta))
 
 
 def load_teacher_text(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, Any]]:

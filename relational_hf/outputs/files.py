@@ -124,16 +124,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def default_file_mode() -> int:
+    """The mode a new file gets from the process's umask (0o644 under the usual 0o022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def publish_file(tmp: Path, path: Path) -> None:
     """Rename the finished temporary file `tmp` over `path`, with the mode `path` had (a new file: the umask's
     default, not the temporary file's 0o600)."""
     if path.exists():
         shutil.copymode(path, tmp)
     else:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, default_file_mode())
     os.replace(tmp, path)
+
+
+def give_default_modes(folder: Path) -> None:
+    """Give every regular file below `folder` the umask's default mode: writers that stage through a private
+    temporary file (safetensors' `save_file`, hence `save_pretrained`) leave 0o600, which would keep the rest of
+    the user's group from reading a checkpoint whose other files they can read. Links are not followed, and a file
+    with another hard link (which could be a file of the user's elsewhere) is left as it is."""
+    mode = default_file_mode()
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            info = os.lstat(path)
+            if S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_mode & 0o7777 != mode:
+                os.chmod(path, mode)
 
 
 def remove_empty_folders(folder: Path) -> None:

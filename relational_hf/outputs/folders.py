@@ -23,6 +23,7 @@ from .files import (
     atomic_write_text,
     fingerprint,
     fsync_dir,
+    give_default_modes,
     remove_empty_folders,
     reporting_disk_full,
 )
@@ -439,6 +440,7 @@ def _write_staging(
     """Fill `staging`: the new output (`write`), the carried files of `out`, then the marker (last: a staging folder
     with the marker is complete), all fsynced."""
     write(staging)
+    give_default_modes(staging)  # before the user's files are linked in: theirs keep their modes
     written = set(_files(staging))
     manifest = {rel: fingerprint(staging / rel) for rel in written if not (staging / rel).is_symlink()}
     if out.is_dir():
