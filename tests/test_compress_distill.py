@@ -304,6 +304,29 @@ def test_full_healing_trains_the_stored_map_entries_alone_and_keeps_the_gauge():
     assert teacher_kl(healed, source, held_out) < 0.85 * before_kl
 
 
+def test_full_healing_of_a_family_with_biases_trains_the_maps_biases_and_keeps_the_rest():
+    """On a Qwen2 source (q/k/v biases) adapter="full" trains each map's stored entries, its bias included, and
+    nothing else (embeddings and norm gains untouched), keeps every shape, and brings the compressed model nearer
+    the source on held-out text."""
+    source = tiny_model("qwen2", seed=2, num_key_value_heads=2, hidden_size=48, intermediate_size=96,
+                        initializer_range=0.2, vocab_size=64).eval()  # fmt: skip
+    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
+    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
+    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
+    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    before_kl = teacher_kl(compressed, source, held_out)
+    before = {k: v.clone() for k, v in compressed.state_dict().items()}
+    healed, _ = heal(compressed, text, steps=40, loss="kd", teacher=source, heal_lr=2e-3, heal_batch_size=4,
+                     heal_block_size=24, adapter="full", progress=False)  # fmt: skip
+    after = healed.state_dict()
+    assert all(after[k].shape == before[k].shape for k in before)
+    changed = {k for k in before if not torch.equal(after[k], before[k])}
+    assert {k for k in changed if k.endswith("bias")} == {k for k in before if k.endswith(("q_proj.bias", "k_proj.bias",
+                                                                                            "v_proj.bias"))}  # fmt: skip
+    assert all(k.rsplit(".", 2)[-2].endswith("_proj") for k in changed), sorted(changed)
+    assert teacher_kl(healed, source, held_out) < 0.9 * before_kl
+
+
 def test_distilling_the_residual_streams_brings_them_closer_to_the_source_s():
     """hidden_weight > 0 adds the residual streams' distance to the KL: the same LoRA healing with it ends nearer the
     source's streams on held-out text than without it; it is refused with the language-model loss and when negative."""
