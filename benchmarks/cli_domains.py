@@ -131,6 +131,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         "and given as a second --calibration text with --self-calibration 0: how far the sampling alone moves each "
         "domain",
     ),
+    "plan-24": (
+        "compressed-plan24",
+        ["--plan-windows", "24"],
+        "the plan measured on the first 24 calibration windows instead of 8 (16 WikiText-2 and 8 sampled, interleaved, "
+        "instead of 5 and 3)",
+    ),
 }
 #: variants whose sampled calibration windows are drawn here, before the command (it then samples none): name ->
 #: the sampling's settings (`compress.calibration.sampled_calibration`'s, the default's 64 windows of 512 tokens)

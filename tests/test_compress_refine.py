@@ -234,3 +234,40 @@ def test_cli_refuses_plan_error_for_the_slice_method_in_one_line(tmp_path, capsy
     assert not (tmp_path / "out").exists()
     assert main([*args[:-2], "--plan-error", "kl"]) == 2
     assert "--plan-error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_the_plan_reads_the_first_plan_windows_alone_on_either_path(tmp_path, capsys, byte_llama_checkpoint, stream):
+    """`compress --plan-windows N` plans on the first N calibration windows: the report records N, and two
+    calibrations that share their first N windows but not the others get the same widths (and other weights, which
+    every window fits); N is refused below 1 and with the slice method, in one line."""
+    import json
+
+    first = "the quick brown fox jumps over the lazy dog. " * 12
+    reports = []
+    for i, rest in enumerate(("numbers 0123456789 and symbols %$#@! " * 12, "a completely different tail text. " * 12)):
+        text = tmp_path / f"cal{i}.txt"
+        text.write_text(first + rest)
+        out = tmp_path / f"out{i}"
+        args = ["compress", str(byte_llama_checkpoint), str(out), "--remove", "0.3", "--calibration", str(text),
+                "--window", "64", "--calibration-windows", "12", "--refine-epochs", "0", "--plan-windows", "4", "--self-calibration",
+                "0", stream]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        reports.append(json.loads((out / "compression_report.json").read_text()))
+    assert reports[0]["options"]["plan_windows"] == 4
+    assert reports[0]["widths"] == reports[1]["widths"]
+    weights = [(tmp_path / f"out{i}" / "model.safetensors").read_bytes() for i in (0, 1)]
+    assert weights[0] != weights[1]  # the fits read every window: the two calibrations differ past the plan's
+    base = ["compress", str(byte_llama_checkpoint), str(tmp_path / "bad"), "--remove", "0.3", "--calibration",
+            str(tmp_path / "cal0.txt")]  # fmt: skip
+    for extra in (["--plan-windows", "0"], ["--plan-windows", "2", "--method", "slice"]):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert "--plan-windows" in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+    from tiny_models import tiny_relational
+
+    from relational_hf.compress.lowrank import LowRankOptions, compress_relational
+
+    with pytest.raises(ValueError, match="plan_windows"):
+        compress_relational(tiny_relational(), torch.zeros(2, 8, dtype=torch.long), 10**6, LowRankOptions(plan_windows=0))

@@ -51,6 +51,7 @@ from ..training.heal_settings import DEFAULT_HEAL_BATCH_SIZE, DEFAULT_HEAL_BLOCK
 from .checks import check_model_argument, check_token_ids, text_or_ids
 from .compress_texts import (
     calibration_summary,
+    check_heal_options,
     eval_name,
     eval_summary,
     gauge_note,
@@ -212,6 +213,12 @@ class CompressOptions:
         metavar="N",
     )
     refine_lr: OpenFraction | None = option(None, "learning rate of --refine-epochs (default: 3e-4)", metavar="LR")
+    plan_windows: PositiveInt | None = option(
+        None,
+        "calibration windows the plan measures its error curves on, the first N of them (default 8); the plan's time "
+        "grows with N",
+        metavar="N",
+    )
     plan_error: Literal["fisher", "token"] | None = option(
         None,
         "the error the plan spends the budget by across layers and kinds: fisher (the default: the predicted KL of the "
@@ -306,27 +313,7 @@ def check(args: CompressArguments) -> None:
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
         raise UsageError(f"--eval: two files are named {twice}; the report names each text by its file name")
-    if args.heal_text is not None:
-        if Path(args.heal_text).suffix == ".safetensors":
-            if not Path(args.heal_text).is_file():
-                raise UsageError(f"--heal-text {args.heal_text}: no such file")
-        else:
-            text_or_ids(args.heal_text, "--heal-text")
-    generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
-    if not args.heal_steps:
-        given = ["heal_loss", "heal_text", "heal_lr", "heal_batch_size", "heal_calibration_share", *generation]
-        given = [f for f in given if getattr(args, f) is not None]
-        if given:
-            raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
-    share = args.heal_calibration_share
-    if share is not None and args.heal_loss == "lm":
-        raise UsageError("--heal-calibration-share mixes calibration windows into distillation: not with --heal-loss lm")
-    if generation and share == 1.0:
-        flag = generation[0].replace("_", "-")
-        raise UsageError(f"--{flag} sets the text SRC generates; --heal-calibration-share 1 uses none")
-    if generation and (args.heal_loss == "lm" or args.heal_text is not None):
-        reason = "--heal-text gives the text" if args.heal_text is not None else "--heal-loss lm generates none"
-        raise UsageError(f"--{generation[0].replace('_', '-')} sets the text SRC generates for --heal-loss kd; {reason}")
+    check_heal_options(args)
     if args.mlp_order != "auto" and args.method != "relational":
         raise UsageError("--mlp-order applies to --method relational (the slice method keeps every unit)")
     if args.refit_holdout and args.method != "relational":
@@ -352,6 +339,8 @@ def check(args: CompressArguments) -> None:
         raise UsageError("--refine-epochs holds calibration windows back to choose its epoch: give --calibration-windows >= 2")
     if args.gauge is not None and args.method != "relational":
         raise UsageError("--gauge applies to --method relational (the slice method writes the pivot gauge)")
+    if args.plan_windows is not None and args.method != "relational":
+        raise UsageError("--plan-windows applies to --method relational (the slice method plans nothing)")
     if args.plan_error is not None and args.method != "relational":
         raise UsageError("--plan-error sets the plan of --method relational (the slice method plans no widths)")
     if args.width_multiple and args.method != "relational":
@@ -556,7 +545,8 @@ def _relational_options(args: CompressArguments) -> dict:
     so that the library's defaults hold."""
     kinds = tuple(args.kinds) if list(args.kinds) != list(KINDS) else None
     given = {"gauge": args.gauge, "refit_prior": args.refit_prior, "width_multiple": args.width_multiple,
-             "kinds": kinds, "refine_lr": args.refine_lr, "sensitivity": args.plan_error}  # fmt: skip
+             "kinds": kinds, "refine_lr": args.refine_lr, "sensitivity": args.plan_error,
+             "plan_windows": args.plan_windows}  # fmt: skip
     fixed = {"correction": args.correction, "mlp_order": args.mlp_order, "refit_holdout": args.refit_holdout,
              "refit_blend": args.refit_blend, "refine_epochs": args.refine_epochs}  # fmt: skip
     return fixed | {k: v for k, v in given.items() if v is not None}

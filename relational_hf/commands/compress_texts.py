@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from .checks import check_token_ids, read_token_ids
+from .checks import check_token_ids, read_token_ids, text_or_ids
 
 
 def eval_name(path: str) -> str:
@@ -144,3 +144,28 @@ def eval_summary(table: dict, evaluations: dict[str, torch.Tensor], calibration:
         parts.append(f"{name} perplexity {row['perplexity_before']:.2f} -> {row['perplexity_after']:.2f}{fitted}")
     worst = f"; worst x{table['worst_ratio']:.2f} of SRC ({table['worst_text']})" if len(parts) > 1 else ""
     return "; " + "; ".join(parts) + worst
+
+
+def check_heal_options(args) -> None:
+    """The compress command's checks of its healing options (--heal-*), before a model is loaded."""
+    if args.heal_text is not None:
+        if Path(args.heal_text).suffix == ".safetensors":
+            if not Path(args.heal_text).is_file():
+                raise UsageError(f"--heal-text {args.heal_text}: no such file")
+        else:
+            text_or_ids(args.heal_text, "--heal-text")
+    generation = [f for f in ("heal_samples", "heal_length", "heal_seed") if getattr(args, f) is not None]
+    if not args.heal_steps:
+        given = ["heal_loss", "heal_text", "heal_lr", "heal_batch_size", "heal_calibration_share", *generation]
+        given = [f for f in given if getattr(args, f) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --heal-steps N (N >= 1)")
+    share = args.heal_calibration_share
+    if share is not None and args.heal_loss == "lm":
+        raise UsageError("--heal-calibration-share mixes calibration windows into distillation: not with --heal-loss lm")
+    if generation and share == 1.0:
+        flag = generation[0].replace("_", "-")
+        raise UsageError(f"--{flag} sets the text SRC generates; --heal-calibration-share 1 uses none")
+    if generation and (args.heal_loss == "lm" or args.heal_text is not None):
+        reason = "--heal-text gives the text" if args.heal_text is not None else "--heal-loss lm generates none"
+        raise UsageError(f"--{generation[0].replace('_', '-')} sets the text SRC generates for --heal-loss kd; {reason}")

@@ -164,6 +164,9 @@ def _check(config: RelationalConfig, calibration: torch.Tensor, opts: LowRankOpt
         raise ValueError(f"`refit_prior` must be 'zero' or 'dense', got {opts.refit_prior!r}")
     if opts.correction not in ("dense", "local", "none"):
         raise ValueError(f"`correction` must be 'dense', 'local' or 'none', got {opts.correction!r}")
+    plan = opts.plan_windows
+    if isinstance(plan, bool) or not isinstance(plan, int) or plan < 1:
+        raise ValueError(f"`plan_windows` must be a number of calibration windows >= 1, got {plan!r}")
     held = opts.refit_holdout
     if isinstance(held, bool) or not isinstance(held, int) or held < 0:
         raise ValueError(f"`refit_holdout` must be a number of calibration windows >= 0, got {held!r}")
