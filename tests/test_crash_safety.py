@@ -336,8 +336,9 @@ TINY_TRAIN = [
 
 
 def test_train_resumes_from_the_complete_checkpoint_and_keeps_user_files(tmp_path, small_text, capsys):
-    """A foreign folder is used only with --overwrite, and its files survive; after a crash during a later
-    checkpoint save, --resume continues from the last complete one."""
+    """A foreign folder is used only with --overwrite, and its files survive; every file the run wrote, the trainer
+    checkpoint's included, has the umask's mode; after a crash during a later checkpoint save, --resume continues
+    from the last complete one."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "thesis.tex").write_text("precious")
@@ -348,6 +349,10 @@ def test_train_resumes_from_the_complete_checkpoint_and_keeps_user_files(tmp_pat
     assert (out / "thesis.tex").read_text() == "precious" and loads(out) is not None
     ckpt = out / "trainer_state" / "checkpoint-6"
     assert outputs.checkpoint_is_complete(ckpt)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.relative_to(out): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # the trainer checkpoint's weights too, not 0o600
     shutil.copytree(ckpt, out / "trainer_state" / "checkpoint-9")  # a later save, killed before its state file
     (out / "trainer_state" / "checkpoint-9" / "trainer_state.json").unlink()
     assert cli.main([*common, "--max-steps", "8", "--resume"]) == 0  # no --overwrite needed: our own output now

@@ -93,9 +93,13 @@ def remove_checkpoint(folder: str | os.PathLike) -> bool:
 
 def rotate_checkpoints(trainer_dir: str | os.PathLike, keep: int = 1) -> None:
     """After a save: record the newest `checkpoint-N` (`record_checkpoint`) and remove all but the `keep` newest with
-    `remove_checkpoint` (the Trainer's own rotation would delete them whole, with the user's files)."""
+    `remove_checkpoint` (the Trainer's own rotation would delete them whole, with the user's files). The new
+    checkpoint's files get the umask's mode, as every output's (`files.give_default_modes`)."""
+    from .files import give_default_modes
+
     found = _checkpoints(Path(trainer_dir))
     if found:
+        give_default_modes(found[-1][1])
         record_checkpoint(found[-1][1])
     for _step, folder in found[: max(len(found) - keep, 0)]:
         remove_checkpoint(folder)
