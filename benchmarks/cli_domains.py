@@ -196,14 +196,16 @@ def read_variant(folder: Path) -> dict | None:
     after = {Path(n).stem: row["perplexity_after"] for n, row in texts.items()}
     ratios = {d: after[d] / dense[d] for d in after}
     held = [ratios[d] for d in TARGET_DOMAINS if d in ratios]
-    sampling = (report.get("calibration") or {}).get("sampling") or {}
+    cal = report.get("calibration") or {}
+    sampling = cal.get("sampling") or {}
     return {
         "stored": report.get("parameters_after"),
         "stored_before": report.get("parameters_before"),
         "removed_share": report.get("removed_share"),
         "seconds": report.get("seconds"),
         "calibration": {k: v for k, v in (report.get("calibration") or {}).items() if k != "sampling"}
-        | {"prompts": sampling.get("prompts", "generic"), "sampling_seed": sampling.get("seed")},
+        | {"prompts": sampling.get("prompts", "generic" if cal.get("self_windows") else None),
+           "sampling_seed": sampling.get("seed")},
         "width_multiple": (report.get("options") or {}).get("width_multiple"),
         "dense": dense,
         "perplexity": after,
@@ -274,6 +276,12 @@ def main() -> int:
             _cli(*compress_command(str(smollm2_checkpoint()), folder, texts, extra), log=args.workdir / f"{folder_name}.log")
             print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
             found = read_variant(folder)
+        if found is not None and name in PRESAMPLED:  # the sampling's settings, which the command did not see
+            from relational_hf.compress.distill import load_teacher_text
+
+            kept = ("seed", "chat_share", "prompts", "samples", "length", "source")
+            settings = load_teacher_text(texts / f"sampled_{name}.safetensors")[1]
+            found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings}
         if found is not None:
             variants[name] = {"what": what, "command": commands[name]} | found
     if not variants:
