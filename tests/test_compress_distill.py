@@ -255,14 +255,20 @@ def test_healing_without_progress_prints_nothing_and_still_logs_to_callbacks(cap
     assert any("loss" in logs for logs in Logs.seen)
 
 
-def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
-    """A compressed model distilled from its source on the source's own text comes closer to the source on other
-    text the source wrote (another seed), keeping its compressed shapes and stored size."""
-    source = _llama(layers=2, seed=2, init=0.2)  # a wide init: peaked next-token distributions to lose and regain
+def _compressed_with_texts(source):
+    """(the source compressed by 25% on 4 windows it sampled, 16 rows of its own text to heal on, 6 held-out rows)."""
     calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
     compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
     text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
     held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    return compressed, text, held_out
+
+
+def test_distillation_lowers_the_kl_to_the_source_on_held_out_teacher_text():
+    """A compressed model distilled from its source on the source's own text comes closer to the source on other
+    text the source wrote (another seed), keeping its compressed shapes and stored size."""
+    source = _llama(layers=2, seed=2, init=0.2)  # a wide init: peaked next-token distributions to lose and regain
+    compressed, text, held_out = _compressed_with_texts(source)
     before = teacher_kl(compressed, source, held_out)
     stored = _stored(compressed)
     healed, report = heal(
@@ -278,10 +284,7 @@ def test_full_healing_trains_the_stored_map_entries_alone_and_keeps_the_gauge():
     the shapes, stored count and gauge layouts (pivots) stay, embeddings and norm gains are untouched, every parameter
     is trainable again afterwards, and a missing learning rate or an unknown adapter is refused in one line."""
     source = _llama(layers=2, seed=2, init=0.2)
-    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
-    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
-    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
-    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    compressed, text, held_out = _compressed_with_texts(source)
     before_kl = teacher_kl(compressed, source, held_out)
     before = {k: v.clone() for k, v in compressed.state_dict().items()}
     with pytest.raises(ValueError, match="heal_lr.*required"):
@@ -310,10 +313,7 @@ def test_full_healing_of_a_family_with_biases_trains_the_maps_biases_and_keeps_t
     the source on held-out text."""
     source = tiny_model("qwen2", seed=2, num_key_value_heads=2, hidden_size=48, intermediate_size=96,
                         initializer_range=0.2, vocab_size=64).eval()  # fmt: skip
-    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
-    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
-    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
-    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    compressed, text, held_out = _compressed_with_texts(source)
     before_kl = teacher_kl(compressed, source, held_out)
     before = {k: v.clone() for k, v in compressed.state_dict().items()}
     healed, _ = heal(compressed, text, steps=40, loss="kd", teacher=source, heal_lr=2e-3, heal_batch_size=4,
@@ -333,10 +333,7 @@ def test_distilling_the_residual_streams_brings_them_closer_to_the_source_s():
     from relational_hf.lm.metrics import hidden_state_distance
 
     source = _llama(layers=2, seed=2, init=0.2)
-    calibration = generate_teacher_text(source, None, samples=4, length=32, seed=5, progress=False)
-    compressed, _ = compress_model(source, remove=0.25, calibration=calibration, progress=False, plan_windows=2)
-    text = generate_teacher_text(source, None, samples=16, length=32, seed=0, progress=False)
-    held_out = generate_teacher_text(source, None, samples=6, length=32, seed=1, progress=False)
+    compressed, text, held_out = _compressed_with_texts(source)
 
     def distance(model):
         with torch.no_grad():
