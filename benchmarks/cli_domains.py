@@ -147,9 +147,14 @@ PRESAMPLED: dict[str, dict] = {
 PRESAMPLED_WINDOWS = 64
 
 
+def presampled_file(name: str, texts: Path) -> Path:
+    """Where a PRESAMPLED variant's sampled windows are kept."""
+    return texts / f"sampled_{name}.safetensors"
+
+
 def presampled_options(name: str, texts: Path) -> list[str]:
     """The options that give a PRESAMPLED variant its windows: the WikiText-2 calibration and the presampled file."""
-    file = texts / f"sampled_{name}.safetensors"
+    file = presampled_file(name, texts)
     return [
         "--calibration", str(texts / "calibration.pt"), str(file), "--self-calibration", "0",
         "--calibration-windows", str(128 + PRESAMPLED_WINDOWS),
@@ -158,7 +163,7 @@ def presampled_options(name: str, texts: Path) -> list[str]:
 
 def presample(name: str, texts: Path) -> None:
     """Sample a PRESAMPLED variant's calibration windows from the source once (kept in texts/)."""
-    file = texts / f"sampled_{name}.safetensors"
+    file = presampled_file(name, texts)
     if file.is_file():
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -280,7 +285,7 @@ def main() -> int:
             from relational_hf.compress.distill import load_teacher_text
 
             kept = ("seed", "chat_share", "prompts", "samples", "length", "source")
-            settings = load_teacher_text(texts / f"sampled_{name}.safetensors")[1]
+            settings = load_teacher_text(presampled_file(name, texts))[1]
             found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings}
         if found is not None:
             variants[name] = {"what": what, "command": commands[name]} | found
