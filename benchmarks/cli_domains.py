@@ -131,6 +131,18 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         "and given as a second --calibration text with --self-calibration 0: how far the sampling alone moves each "
         "domain",
     ),
+    "remove-20-same": (
+        "compressed-remove20-same",
+        ["--remove", "0.20"],
+        "20% of the stored parameters removed instead of 25%, on the default's very calibration windows (its 64 kept "
+        "sampled ones given as a second --calibration text with --self-calibration 0): what the last 5% of the "
+        "budget costs, without the sampling's draw",
+    ),
+    "remove-22.5-same": (
+        "compressed-remove22.5-same",
+        ["--remove", "0.225"],
+        "22.5% of the stored parameters removed, on the default's very calibration windows (as remove-20-same)",
+    ),
     "plan-24": (
         "compressed-plan24",
         ["--plan-windows", "24"],
@@ -139,17 +151,21 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
     ),
 }
 #: variants whose sampled calibration windows are drawn here, before the command (it then samples none): name ->
-#: the sampling's settings (`compress.calibration.sampled_calibration`'s, the default's 64 windows of 512 tokens)
+#: the sampling's settings (`compress.calibration.sampled_calibration`'s, the default's 64 windows of 512 tokens), or
+#: {"from": FOLDER}: the very windows the command kept in that variant's folder (copied into texts/)
 PRESAMPLED: dict[str, dict] = {
     "prompted-only": {"seed": 1, "chat_share": 1.0},
     "seed-2": {"seed": 2, "chat_share": 0.5},
+    "remove-20-same": {"from": VARIANTS["default"][0]},
+    "remove-22.5-same": {"from": VARIANTS["default"][0]},
 }
 PRESAMPLED_WINDOWS = 64
 
 
 def presampled_file(name: str, texts: Path) -> Path:
-    """Where a PRESAMPLED variant's sampled windows are kept."""
-    return texts / f"sampled_{name}.safetensors"
+    """Where a PRESAMPLED variant's sampled windows are kept (one file for every variant taking a folder's)."""
+    folder = PRESAMPLED[name].get("from")
+    return texts / (f"sampled_{name}.safetensors" if folder is None else f"sampled_{folder}.safetensors")
 
 
 def presampled_options(name: str, texts: Path) -> list[str]:
@@ -165,6 +181,16 @@ def presample(name: str, texts: Path) -> None:
     """Sample a PRESAMPLED variant's calibration windows from the source once (kept in texts/)."""
     file = presampled_file(name, texts)
     if file.is_file():
+        return
+    folder = PRESAMPLED[name].get("from")
+    if folder is not None:  # the windows another run of the command kept, copied as they are
+        from relational_hf.commands.compress_texts import SAMPLED_CALIBRATION_NAME
+        from relational_hf.compress.distill import load_teacher_text, save_teacher_text
+
+        kept = texts.parent / folder / SAMPLED_CALIBRATION_NAME
+        if not kept.is_file():
+            raise SystemExit(f"{name} takes the calibration windows kept in {kept}: make that variant first")
+        save_teacher_text(file, *load_teacher_text(kept))
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -286,7 +312,9 @@ def main() -> int:
 
             kept = ("seed", "chat_share", "prompts", "samples", "length", "source")
             settings = load_teacher_text(presampled_file(name, texts))[1]
-            found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings}
+            found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings} | (
+                {"from": PRESAMPLED[name]["from"]} if "from" in PRESAMPLED[name] else {}
+            )
         if found is not None:
             variants[name] = {"what": what, "command": commands[name]} | found
     if not variants:

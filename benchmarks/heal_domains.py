@@ -65,19 +65,22 @@ def _earlier_control(
     stream: dict | None = None,
     settings: dict | None = None,
     prompts: str = "generic",
+    same_tokens=None,
 ) -> tuple[dict, dict]:
     """The healed dense model's perplexities and heal report from an earlier run, if it healed the same way on the
     same windows (its unhealed dense figures equal today's to 1e-6, its steps equal, the same calibration share and,
     with a share above 0, the same calibration windows: runs that recorded no share healed on the sampled text
     alone; the same prompts seeding the healing text; the same learning rate, LoRA rank, batch size and block
-    size, `settings`, default `HEAL_DEFAULTS`)."""
+    size, `settings`, default `HEAL_DEFAULTS`). Calibration windows described otherwise are the same when
+    `same_tokens(earlier run's JSON)` says the stream it rebuilds from that run's recorded folder holds today's very
+    tokens (e.g. the same sampled windows, read from another file)."""
     import json
 
     earlier = json.loads(path.read_text(encoding="utf-8"))
     same_windows = all(abs(earlier["perplexity"]["dense"][d] / dense[d] - 1) < 1e-6 for d in DOMAINS)
     same_stream = (
         earlier.get("calibration_share", 0.0) == share
-        and (share == 0.0 or earlier.get("stream") == stream)
+        and (share == 0.0 or earlier.get("stream") == stream or (same_tokens is not None and same_tokens(earlier)))
         and earlier.get("heal_prompts", "generic") == prompts
     )
     healed_with = (earlier.get("heal") or {}).get("dense") or {}
@@ -144,6 +147,9 @@ def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch
 
     report = json.loads((compressed / "compression_report.json").read_text(encoding="utf-8"))
     info = report.get("calibration") or {}
+    given = info.get("texts") or {}
+    if len(given) == 2 and "calibration.pt" in given and not info.get("self_windows"):  # presampled (cli_domains.py)
+        return _presampled_calibration(workdir, compressed, given)
     user = torch.load(workdir / "texts" / "calibration.pt")[: info.get("user_windows", 0)]
     sampling = info.get("sampling")
     if not info.get("self_windows"):
@@ -164,6 +170,25 @@ def calibration_windows(workdir: Path, compressed: Path, teacher) -> tuple[torch
     share = info["self_windows"] / (info["self_windows"] + info["user_windows"])
     windows, mixed = mixed_calibration(user, share, sampled=rows)
     return windows, mixed | {"sampling": {k: settings.get(k, sampling.get(k)) for k in (*keys, "prompts", "from")}}
+
+
+def _presampled_calibration(workdir: Path, compressed: Path, given: dict[str, int]) -> tuple[torch.Tensor, dict]:
+    """The calibration of a variant whose sampled windows were given as a second --calibration text (`cli_domains.py`'s
+    PRESAMPLED): the workdir's calibration.pt and that file from texts/, interleaved as the command interleaves
+    several texts (`compress.calibration.interleave`), described as the command's own sampled calibration is."""
+    from relational_hf.compress.calibration import interleave
+    from relational_hf.compress.distill import load_teacher_text
+
+    name = next(n for n in given if n != "calibration.pt")
+    path = workdir / "texts" / name
+    if not path.is_file():
+        raise SystemExit(f"{compressed.name}: its calibration names {name}, which is not in {path.parent}")
+    user = torch.load(workdir / "texts" / "calibration.pt")[: given["calibration.pt"]]
+    rows, settings = load_teacher_text(path)
+    rows = rows[: given[name]]
+    keys = ("samples", "length", "seed", "chat_share", "prompts")
+    sampling = {k: settings.get(k) for k in keys} | {"from": f"texts/{name}"}
+    return interleave([user, rows]), {"user_windows": user.shape[0], "self_windows": rows.shape[0], "sampling": sampling}
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -252,14 +277,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     text = heal_text(args.workdir, dense, args.heal_prompts)
     stream: dict = {"calibration_share": share, "text_tokens": text.numel()}
+    sampled = text
     if share > 0.0:
         calibration, info = calibration_windows(args.workdir, args.workdir / args.compressed, dense)
         text, stream = healing_stream(text, calibration, share)
         stream["calibration"] = info
+
+    def same_tokens(earlier: dict) -> bool:
+        """Whether the earlier run's stream, rebuilt from its recorded folder, is today's token for token."""
+        folder = args.workdir / str(earlier.get("compressed"))
+        if not (folder / "compression_report.json").is_file():
+            return False
+        rebuilt = healing_stream(sampled, calibration_windows(args.workdir, folder, dense)[0], share)[0]
+        return torch.equal(rebuilt, text)
+
     perplexity = {"dense": _measure(dense, windows)}
     reports = {}
     control = (
-        _earlier_control(args.dense_control, args.steps, perplexity["dense"], share, stream, settings, args.heal_prompts)
+        _earlier_control(
+            args.dense_control, args.steps, perplexity["dense"], share, stream, settings, args.heal_prompts, same_tokens
+        )
         if args.dense_control else None
     )  # fmt: skip
     healing_dense = not control and not args.no_dense_control

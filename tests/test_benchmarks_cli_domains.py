@@ -69,8 +69,36 @@ def test_a_presampled_variant_gives_its_file_as_a_second_calibration_text_and_sa
         command = cli_domains.compress_command("SRC", tmp_path / "out", tmp_path, extra)
         assert command.count("--calibration") == 1 and command.count("--calibration-windows") == 1
         at = command.index("--calibration")
-        assert command[at + 1 : at + 3] == [str(tmp_path / "calibration.pt"), str(tmp_path / f"sampled_{name}.safetensors")]
+        assert command[at + 1 : at + 3] == [str(tmp_path / "calibration.pt"), str(cli_domains.presampled_file(name, tmp_path))]
+        assert cli_domains.presampled_file(name, tmp_path).parent == tmp_path
         assert command[command.index("--self-calibration") + 1] == "0"
         assert command[command.index("--calibration-windows") + 1] == str(128 + cli_domains.PRESAMPLED_WINDOWS)
     plain = cli_domains.compress_command("SRC", tmp_path / "out", tmp_path, [])
     assert plain[plain.index("--calibration-windows") + 1] == "128" and "--self-calibration" not in plain
+
+
+def test_a_variant_on_another_folders_windows_copies_them_as_they_are(tmp_path, cli_domains):
+    """A PRESAMPLED variant that takes the windows another run of the command kept ({"from": FOLDER}) copies that
+    folder's calibration_sampled.safetensors into texts/ token for token with its settings, one file for every such
+    variant; without the folder's file it stops in one line and writes nothing."""
+    import torch
+
+    from relational_hf.commands.compress_texts import SAMPLED_CALIBRATION_NAME
+    from relational_hf.compress.distill import load_teacher_text, save_teacher_text
+
+    takers = [n for n, s in cli_domains.PRESAMPLED.items() if "from" in s]
+    assert takers, "no variant takes another folder's windows"
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    folder = tmp_path / cli_domains.PRESAMPLED[takers[0]]["from"]
+    with pytest.raises(SystemExit, match="make that variant first"):
+        cli_domains.presample(takers[0], texts)
+    assert list(texts.iterdir()) == []
+    folder.mkdir()
+    ids = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(0))
+    save_teacher_text(folder / SAMPLED_CALIBRATION_NAME, ids, {"seed": 1, "samples": 3, "length": 8})
+    for name in takers:
+        cli_domains.presample(name, texts)
+        got, settings = load_teacher_text(cli_domains.presampled_file(name, texts))
+        assert torch.equal(got, ids) and settings == {"seed": 1, "samples": 3, "length": 8}
+    assert len({cli_domains.presampled_file(n, texts) for n in takers}) == 1 == len(list(texts.iterdir()))

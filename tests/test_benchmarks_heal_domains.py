@@ -149,3 +149,43 @@ def test_full_healing_without_a_learning_rate_is_refused_before_anything_loads(t
         heal_domains.main(["--workdir", str(tmp_path / "absent"), "--adapter", "full"])
     assert stop.value.code == 2
     assert "--adapter full needs --lr" in capsys.readouterr().err
+
+
+def test_a_dense_control_on_the_very_same_tokens_is_taken_however_described(tmp_path, heal_domains):
+    """Calibration windows described otherwise (e.g. the same sampled windows read from another file) are the same
+    stream when the earlier run's stream, rebuilt, is today's token for token; told otherwise, they are refused."""
+    dense = {d: 10.0 + i for i, d in enumerate(DOMAINS)}
+    path, healed = _earlier(tmp_path, dense)
+    payload = json.loads(path.read_text()) | {"calibration_share": 0.5, "stream": {"from": "a"}, "compressed": "x"}
+    path.write_text(json.dumps(payload))
+    seen = []
+    same = lambda earlier: seen.append(earlier["compressed"]) or True  # noqa: E731
+    assert heal_domains._earlier_control(path, 200, dense, 0.5, {"from": "b"}, same_tokens=same)[0] == healed
+    assert seen == ["x"]
+    with pytest.raises(SystemExit, match="healing stream"):
+        heal_domains._earlier_control(path, 200, dense, 0.5, {"from": "b"}, same_tokens=lambda earlier: False)
+
+
+def test_a_presampled_calibration_is_rebuilt_as_the_command_interleaves_it(tmp_path, heal_domains):
+    """A compression given the WikiText-2 windows and a sampled file as two --calibration texts is rebuilt as the
+    command builds it (`commands.compress_texts.user_calibration`: counts from the report, interleaved), described
+    like the command's own sampled calibration; a file missing from texts/ stops in one line."""
+    import torch
+
+    from relational_hf.commands.compress_texts import user_calibration
+    from relational_hf.compress.distill import save_teacher_text
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    user = torch.arange(6 * 8).reshape(6, 8)
+    sampled = 1000 + torch.arange(4 * 8).reshape(4, 8)
+    torch.save(user, texts / "calibration.pt")
+    save_teacher_text(texts / "sampled_x.safetensors", sampled, {"seed": 3, "samples": 4, "length": 8, "prompts": "p"})
+    paths = [str(texts / "calibration.pt"), str(texts / "sampled_x.safetensors")]
+    command, taken = user_calibration(paths, None, 8, 9, 10_000)
+    windows, info = heal_domains._presampled_calibration(tmp_path, tmp_path / "c", taken)
+    assert taken == {"calibration.pt": 5, "sampled_x.safetensors": 4}
+    assert torch.equal(windows, command) and (info["user_windows"], info["self_windows"]) == (5, 4)
+    assert info["sampling"]["seed"] == 3 and info["sampling"]["from"] == "texts/sampled_x.safetensors"
+    with pytest.raises(SystemExit, match="not in"):
+        heal_domains._presampled_calibration(tmp_path, tmp_path / "c", {"calibration.pt": 6, "gone.safetensors": 3})

@@ -238,11 +238,12 @@ def test_cli_reports_every_eval_text_and_the_mixture(tmp_path, capsys, texts, mo
         )
 
 
-def test_cli_several_calibration_texts_share_the_windows_interleaved(tmp_path, capsys, texts):
+def test_cli_several_calibration_texts_share_the_windows_interleaved(tmp_path, capsys, caplog, texts):
     """--calibration A B: the --calibration-windows are shared evenly among the texts and interleaved (the windows
     the compression fitted are those of each text, alternating); a text too short for its share gives what it holds
     and the others make up for it; the report names each text with its count, the card too; two texts with one name
-    are refused in one line before any work."""
+    are refused in one line before any work. A text short of the whole count is not warned about when the others
+    make up for it (each text used to be warned about against the whole count); a mixture short in all is, once."""
     from relational_hf.commands.compress_texts import user_calibration
     from relational_hf.commands.main import main
     from relational_hf.hub import build_model_card
@@ -256,8 +257,17 @@ def test_cli_several_calibration_texts_share_the_windows_interleaved(tmp_path, c
     short = tmp_path / "short.txt"
     short.write_text("a tiny text, " * 5)  # one window of 32 bytes at most
     few = user_calibration([str(short)], tokenizer, 32, 6, len(tokenizer))[0].shape[0]
+    assert f"asked for 6 windows of 32 tokens, the text has only {few}" in caplog.text  # alone, it is short
+    caplog.clear()
     windows, taken = user_calibration([str(short), str(code)], tokenizer, 32, 6, len(tokenizer))
     assert taken == {"short.txt": few, "code.txt": 6 - few} and windows.shape[0] == 6
+    assert "the text has only" not in caplog.text and "hold only" not in caplog.text  # made up for: nothing to warn
+    all_of_code = user_calibration([str(code)], tokenizer, 32, 1000, len(tokenizer))[0].shape[0]
+    caplog.clear()
+    windows, _ = user_calibration([str(short), str(code)], tokenizer, 32, 1000, len(tokenizer))
+    assert windows.shape[0] == few + all_of_code  # short in all: one warning with the totals, none per text
+    assert f"asked for 1000 calibration windows of 32 tokens, the 2 texts hold only {few + all_of_code}" in caplog.text
+    assert "the text has only" not in caplog.text
 
     out = tmp_path / "mixed"
     args = [*COMMON, "--calibration", str(prose), str(code), "--self-calibration", "0", "--eval", str(prose)]

@@ -17,11 +17,14 @@ def eval_name(path: str) -> str:
     return Path(path).name
 
 
-def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int) -> torch.Tensor:
+def windows_of(
+    source: Path | str, tokenizer, window: int, n: int, flag: str, vocab: int, short_ok: bool = False
+) -> torch.Tensor:
     """Consecutive windows (n', window) of token ids of a text file or string, of a .pt tensor of token ids (each a
     row of the model's `vocab` embedding rows), or of a sampled-text .safetensors file that `compress` or its healing
     wrote (its rows read in order) (n' <= n). `tokenizer` is the tokenizer of SRC, or the
-    error that kept it from loading (a UsageError for a text, which needs one)."""
+    error that kept it from loading (a UsageError for a text, which needs one). A text with fewer than n windows is
+    warned about unless `short_ok` (`compress.eval.id_windows`)."""
     from ..compress.eval import id_windows, text_windows
 
     ids = None
@@ -39,7 +42,9 @@ def windows_of(source: Path | str, tokenizer, window: int, n: int, flag: str, vo
         what = f"{flag} {source}" if isinstance(source, Path) else f"{flag} (not given: the built-in text)"
         raise UsageError(f"{what}: SRC has no tokenizer ({tokenizer}); pass a .pt tensor of token ids")
     try:
-        return id_windows(ids, window, n) if ids is not None else text_windows(str(source), tokenizer, window=window, n=n)
+        if ids is not None:
+            return id_windows(ids, window, n, short_ok=short_ok)
+        return text_windows(str(source), tokenizer, window=window, n=n, short_ok=short_ok)
     except ValueError as err:
         raise UsageError(f"{flag}: {err} (--window {window})") from None
 
@@ -54,8 +59,9 @@ def user_calibration(
     {text name: windows taken})."""
     from ..compress.calibration import interleave
 
-    full = [windows_of(Path(p), tokenizer, window, n, "--calibration", vocab) for p in paths]
-    if len(full) == 1:
+    several = len(paths) > 1  # a short text is then warned about only if the others cannot make up for it
+    full = [windows_of(Path(p), tokenizer, window, n, "--calibration", vocab, short_ok=several) for p in paths]
+    if not several:
         return full[0], {Path(paths[0]).name: int(full[0].shape[0])}
     counts = [0] * len(full)
     left = n
@@ -68,6 +74,10 @@ def user_calibration(
                 break
             counts[i] += 1
             left -= 1
+    if left:
+        logging.getLogger(__name__).warning(
+            "asked for %d calibration windows of %d tokens, the %d texts hold only %d", n, window, len(paths), n - left
+        )
     parts = [w[:c] for w, c in zip(full, counts)]
     return interleave(parts), {Path(p).name: c for p, c in zip(paths, counts)}
 

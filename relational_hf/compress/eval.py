@@ -51,6 +51,7 @@ def text_windows(
     split: str = "all",
     fraction: float = 0.1,
     spread: bool = False,
+    short_ok: bool = False,
 ) -> torch.Tensor:
     """Non-overlapping windows (n, window) of token ids of a text file (or a text given as a string).
 
@@ -59,7 +60,8 @@ def text_windows(
     each side; a text without headings is cut at a line). "first" windows are taken from the start, "last" windows
     from the start of the held-out part too. `n` (default: all that fit) caps the number of windows; with `spread`
     the n windows are spread evenly over the whole (split) text instead of being its first n (more documents for the
-    same number of tokens). A text too short for one window raises ValueError."""
+    same number of tokens). A text too short for one window raises ValueError; one with fewer than n windows gives
+    what it has, with a warning unless `short_ok` (a caller that makes up for it from other texts)."""
     if split not in TEXT_SPLITS:
         raise ValueError(f"split must be one of {', '.join(TEXT_SPLITS)}, got {split!r}")
     if not isinstance(window, int) or window < 2:
@@ -74,12 +76,14 @@ def text_windows(
         first, last = document_split(text, fraction)
         text = first if split == "first" else last
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    return id_windows(torch.tensor(ids, dtype=torch.long), window, n, spread)
+    return id_windows(torch.tensor(ids, dtype=torch.long), window, n, spread, short_ok)
 
 
-def id_windows(ids: torch.Tensor, window: int, n: int | None = None, spread: bool = False) -> torch.Tensor:
+def id_windows(
+    ids: torch.Tensor, window: int, n: int | None = None, spread: bool = False, short_ok: bool = False
+) -> torch.Tensor:
     """Non-overlapping windows (n, window) of a sequence of token ids (any shape, read in order), from its start;
-    `n` and `spread` as in `text_windows`. Too few ids for one window raise ValueError."""
+    `n`, `spread` and `short_ok` as in `text_windows`. Too few ids for one window raise ValueError."""
     if not isinstance(window, int) or window < 2:
         raise ValueError(f"window must be an integer >= 2 tokens, got {window!r}")
     if n is not None and (not isinstance(n, int) or n < 1):
@@ -89,7 +93,7 @@ def id_windows(ids: torch.Tensor, window: int, n: int | None = None, spread: boo
     if available < 1:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window}")
     count = available if n is None else min(n, available)
-    if n is not None and n > available:
+    if n is not None and n > available and not short_ok:
         logger.warning("asked for %d windows of %d tokens, the text has only %d", n, window, available)
     windows = ids[: available * window].view(available, window)
     if spread and count < available:
