@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from relational_hf.hub.card import _text_name
+from relational_hf.hub.card import calibration_description, text_name
 
 HERE = Path(__file__).resolve().parent
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -331,27 +331,16 @@ def _cell(value: Any) -> str:
 
 def _domain_report_texts(report: dict, names: list[str], calibration_note: str | None) -> list[str]:
     """The texts block of a report measured on several --eval texts (their table is the card's Compression
-    section): each named, and the calibration as the report records it, the windows the source sampled included."""
+    section): each named, and the calibration as the library's card describes it (`hub.card.calibration_description`)."""
     n, t = report.get("eval_windows") or ["?", "?"]
-    cal = report.get("calibration") or {}
-    windows = report.get("calibration_windows") or ["?", "?"]
-    sampling = cal.get("sampling") or {}
-    seen = f"{cal.get('user_windows', windows[0])} windows of `{_text_name(cal.get('text', '--calibration'))}`"
-    if cal.get("self_windows"):
-        seen += (
-            f" and {cal['self_windows']} the source sampled itself at temperature {sampling.get('temperature', 1):g} "
-            f"(seed {sampling.get('seed')}; {float(sampling.get('chat_share', 0)):.0%} of the rows start from a "
-            f"request of the '{sampling.get('prompts')}' prompt set in its chat template, the others from one random "
-            f"token; kept beside the model as `{_text_name(sampling.get('file', '-'))}`)"
-        )
     return [
         "\n".join([
             "**The texts.**",
             "",
-            f"- *Held-out evaluation texts* ({', '.join(f'`{_text_name(x)}`' for x in names)}; {n} windows of {t} "
+            f"- *Held-out evaluation texts* ({', '.join(f'`{text_name(x)}`' for x in names)}; {n} windows of {t} "
             "tokens each): the domains of the Compression section above and of the table below, none of them in "
             "the calibration.",
-            f"- *Calibration text* ({windows[0]} windows of {windows[1]} tokens): {seen}"
+            f"- *Calibration text*: {calibration_description(report) or 'not recorded'}"
             + (f"; {calibration_note}" if calibration_note else "")
             + ". Seen by the compression (its fits and its plan); perplexity on it "
             f"{_cell(report.get('calibration_perplexity_before'))} (source) and "
@@ -644,7 +633,7 @@ def public_paths(value: Any) -> Any:
     if isinstance(value, list):
         return [public_paths(v) for v in value]
     if isinstance(value, str) and (value.startswith("/") or value[1:3] in (":\\", ":/")) and "\n" not in value:
-        return _text_name(value)
+        return text_name(value)
     return value
 
 

@@ -306,7 +306,11 @@ def test_cli_keeps_the_sampled_windows_and_they_reproduce_the_compression(tmp_pa
     assert sampled.shape == (3, 32) and settings["source"] == report["calibration"]["sampling"]["source"]
     from relational_hf.hub import build_model_card
 
-    assert f"the sampled windows are in `{SAMPLED_CALIBRATION_NAME}`" in str(build_model_card(first, "someone/c"))
+    card = str(build_model_card(first, "someone/c"))
+    assert f"the sampled windows are in `{SAMPLED_CALIBRATION_NAME}`" in card
+    sampling = report["calibration"]["sampling"]  # the card says how they were drawn, as the report records it
+    assert f"at temperature {sampling['temperature']:g}, seed {sampling['seed']}; " in card
+    assert f"{sampling['chat_share']:.0%} of the rows start from a request of the '{sampling['prompts']}' prompt set" in card
     tokenizer = AutoTokenizer.from_pretrained(src)
     user = torch.tensor(tokenizer(prose.read_text())["input_ids"][: 6 * 32]).view(6, 32)
     assert not any(torch.equal(row, u) for row in sampled for u in user)  # SRC's own text, none of the user's

@@ -154,7 +154,7 @@ def test_a_card_of_several_domains_shows_each_beside_the_source_and_refuses_figu
     assert "| the same after `--heal-steps 200` | x1.26 | x1.62 | x1.35 | x1.80 | x1.98 | x1.80 |" in card.text
     assert "| the dense source through the same healing (the control) | x1.00 |" in card.text
     assert "*code*: source code" in card.text and "four windows of a text" in card.text
-    assert "4 windows of `cal.pt` and 2 the source sampled itself" in card.text
+    assert ": 4 of `cal.pt` and 2 sampled from the source itself (" in card.text  # the library card's description
     assert "/somewhere" not in (tmp_path / "cards" / "smollm2-135m-instruct-relational-compressed.md").read_text()
     values = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert values == {"perplexity, the dense source (converted exactly)": 30.0, "perplexity, compressed": 42.0}

@@ -118,9 +118,51 @@ def _format(value: Any) -> str:
 COMPRESSION_REPORT = "compression_report.json"
 
 
-def _text_name(name: Any) -> str:
+def text_name(name: Any) -> str:
     """A text's or folder's name for the card: its last path component (no path of the machine that compressed)."""
     return Path(str(name)).name.replace("|", "\\|")
+
+
+def calibration_description(report: dict[str, Any]) -> str | None:
+    """What a `compress` report's calibration was, in one sentence without its full stop (None when the report records
+    no calibration windows): the windows, each text by name with its count, the windows the source sampled itself
+    with the sampling's settings as recorded, and the file beside the model that keeps them. The one description the
+    library's card and the reference cards share."""
+    calibration = report.get("calibration") or {}
+    windows = report.get("calibration_windows")
+    if not windows:
+        return None
+    text = f"{windows[0]} windows of {windows[1]} tokens"
+    user, own = calibration.get("user_windows"), calibration.get("self_windows")
+    several = calibration.get("texts") or {}
+    named = len(several) > 1 or bool(calibration.get("text") and user is not None)
+    if len(several) > 1:
+        text += ": " + ", ".join(f"{k} of `{text_name(name)}`" for name, k in several.items())
+    elif named:
+        text += f": {user} of `{text_name(calibration['text'])}`"
+    if own:
+        text += f" and {own} sampled from the source itself" if named else ", all sampled from the source itself (no text given)"
+        text += _sampling_settings(calibration.get("sampling") or {})
+    kept = (calibration.get("sampling") or {}).get("file")
+    if own and kept:  # the command keeps the sampled windows beside the model, never the user's
+        text += f"; the sampled windows are in `{text_name(kept)}`"
+    return text
+
+
+def _sampling_settings(sampling: dict[str, Any]) -> str:
+    """" (at temperature 1, seed 1; 50% of the rows ...)" from a report's sampling record, what it holds of it."""
+    parts = []
+    if sampling.get("temperature") is not None:
+        parts.append(f"at temperature {float(sampling['temperature']):g}")
+    if sampling.get("seed") is not None:
+        parts.append(f"seed {sampling['seed']}")
+    said = ", ".join(parts)
+    if sampling.get("chat_share") is not None:
+        share = float(sampling["chat_share"])
+        prompts = f"the '{sampling['prompts']}' prompt set" if sampling.get("prompts") else "a prompt set"
+        rows = f"{share:.0%} of the rows start from a request of {prompts} in its chat template"
+        said += ("; " if said else "") + rows + (", the others from one random token" if share < 1 else "")
+    return f" ({said})" if said else ""
 
 
 def compression_markdown(report: dict[str, Any]) -> str:
@@ -132,28 +174,13 @@ def compression_markdown(report: dict[str, Any]) -> str:
     lines = []
     before, after = report.get("parameters_before"), report.get("parameters_after")
     what = f"Compressed with `relational-hf compress` (method `{report.get('method', 'relational')}`"
-    what += f") from `{_text_name(report['source'])}`" if report.get("source") else ")"
+    what += f") from `{text_name(report['source'])}`" if report.get("source") else ")"
     if before and after:
         what += f": {before:,} stored parameters -> {after:,} ({1 - after / before:.1%} fewer)"
     lines.append(what + ".")
-    calibration = report.get("calibration") or {}
-    windows = report.get("calibration_windows")
-    if windows:
-        text = f"Calibration: {windows[0]} windows of {windows[1]} tokens"
-        user, own = calibration.get("user_windows"), calibration.get("self_windows")
-        several = calibration.get("texts") or {}
-        if len(several) > 1:
-            text += ": " + ", ".join(f"{k} of `{_text_name(name)}`" for name, k in several.items())
-            text += f" and {own} sampled from the source itself" if own else ""
-        elif calibration.get("text") and user is not None:
-            text += f": {user} of `{_text_name(calibration['text'])}`"
-            text += f" and {own} sampled from the source itself" if own else ""
-        elif own:
-            text += ", all sampled from the source itself (no text given)"
-        kept = (calibration.get("sampling") or {}).get("file")
-        if own and kept:  # the command keeps the sampled windows beside the model, never the user's
-            text += f"; the sampled windows are in `{_text_name(kept)}`"
-        lines.append(text + ".")
+    calibration = calibration_description(report)
+    if calibration:
+        lines.append(f"Calibration: {calibration}.")
     heal = report.get("heal")
     if heal:
         lines.append(f"Healed {heal.get('steps', '?')} steps after the compression (the figures below are after it).")
@@ -169,15 +196,15 @@ def compression_markdown(report: dict[str, Any]) -> str:
         for name, row in evaluation.items():
             n, t = row["windows"]
             lines.append(
-                f"| `{_text_name(name)}` | {n} x {t} | {row['perplexity_before']:.2f} | {row['perplexity_after']:.2f} "
+                f"| `{text_name(name)}` | {n} x {t} | {row['perplexity_before']:.2f} | {row['perplexity_after']:.2f} "
                 f"| x{row['ratio']:.2f} |"
             )
         worst = report["eval"].get("worst_text")
         if worst is not None and len(evaluation) > 1:
-            lines += ["", f"Worst ratio: x{report['eval']['worst_ratio']:.2f} (`{_text_name(worst)}`)."]
+            lines += ["", f"Worst ratio: x{report['eval']['worst_ratio']:.2f} (`{text_name(worst)}`)."]
     elif report.get("eval_perplexity_before") and report.get("eval_perplexity_after"):
         b, a = report["eval_perplexity_before"], report["eval_perplexity_after"]
-        lines.append(f"Held-out perplexity of `{_text_name(report.get('eval_file', 'the evaluation text'))}`: "
+        lines.append(f"Held-out perplexity of `{text_name(report.get('eval_file', 'the evaluation text'))}`: "
                      f"{b:.2f} (source) -> {a:.2f} (x{a / b:.2f}); no other text was measured.")
     return "\n".join(lines)
 
