@@ -150,7 +150,8 @@ def calibration_description(report: dict[str, Any]) -> str | None:
 
 
 def _sampling_settings(sampling: dict[str, Any]) -> str:
-    """" (at temperature 1, seed 1; 50% of the rows ...)" from a report's sampling record, what it holds of it."""
+    """The sampling's settings in parentheses, e.g. ` (at temperature 1, seed 1; 50% of the rows start from ...)`,
+    from a report's sampling record: what it holds of them, nothing when it holds none."""
     parts = []
     if sampling.get("temperature") is not None:
         parts.append(f"at temperature {float(sampling['temperature']):g}")
