@@ -174,3 +174,40 @@ def test_a_card_of_several_domains_shows_each_beside_the_source_and_refuses_figu
         module.main(argv[:5] + ["--healed-domains", str(files["healed"])])
     with pytest.raises(SystemExit, match="--wikitext-eval test.pt"):
         module.main(argv[:-1] + ["test.pt"])
+
+
+@pytest.mark.parametrize(
+    ("calibration", "expected", "absent"),
+    [
+        # the user's text alone: nothing sampled, no sampling settings
+        ({"text": "/data/cal.txt", "user_windows": 8, "self_windows": 0}, "8 windows of 64 tokens: 8 of `cal.txt`", "("),
+        # no text given: every window sampled, with the settings the report records and only those
+        (
+            {"self_windows": 8, "sampling": {"seed": 3, "file": "calibration_sampled.safetensors"}},
+            "8 windows of 64 tokens, all sampled from the source itself (no text given) (seed 3); the sampled "
+            "windows are in `calibration_sampled.safetensors`",
+            "temperature",
+        ),
+        # a report from before the settings were recorded: the windows, no empty parentheses
+        ({"text": "cal.txt", "user_windows": 6, "self_windows": 2, "sampling": {}},
+         "8 windows of 64 tokens: 6 of `cal.txt` and 2 sampled from the source itself", "()"),  # fmt: skip
+        # every sampled row from a request: no "others" to describe
+        (
+            {"text": "cal.txt", "user_windows": 6, "self_windows": 2,
+             "sampling": {"temperature": 1.0, "chat_share": 1.0, "prompts": "calibration"}},  # fmt: skip
+            "2 sampled from the source itself (at temperature 1; 100% of the rows start from a request of the "
+            "'calibration' prompt set in its chat template)",
+            "random token",
+        ),
+    ],
+)
+def test_the_calibration_is_described_from_what_the_report_records(calibration, expected, absent):
+    """The one description of a compression's calibration (the library's card and the reference cards): each text by
+    its name only, the sampled windows with the settings recorded and no others, the file that keeps them."""
+    from relational_hf.hub.card import calibration_description, compression_markdown
+
+    report = {"calibration_windows": [8, 64], "calibration": calibration}
+    said = calibration_description(report)
+    assert expected in said and absent not in said and "/data" not in said
+    assert f"Calibration: {said}." in compression_markdown(report)
+    assert calibration_description({"calibration": calibration}) is None  # no windows recorded: nothing claimed
