@@ -143,6 +143,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["--remove", "0.225"],
         "22.5% of the stored parameters removed, on the default's very calibration windows (as remove-20-same)",
     ),
+    "plan-24-seed-2": (
+        "compressed-plan24-seed2",
+        ["--plan-windows", "24"],
+        "the plan on 24 windows (as plan-24) on seed-2's very calibration windows: whether the plan's gain holds on "
+        "another draw of the sampled windows",
+    ),
     "plan-24": (
         "compressed-plan24",
         ["--plan-windows", "24"],
@@ -152,18 +158,22 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
 }
 #: variants whose sampled calibration windows are drawn here, before the command (it then samples none): name ->
 #: the sampling's settings (`compress.calibration.sampled_calibration`'s, the default's 64 windows of 512 tokens), or
-#: {"from": FOLDER}: the very windows the command kept in that variant's folder (copied into texts/)
+#: {"from": FOLDER}: the very windows the command kept in that variant's folder (copied into texts/), or
+#: {"same_as": NAME}: the file of another PRESAMPLED variant
 PRESAMPLED: dict[str, dict] = {
     "prompted-only": {"seed": 1, "chat_share": 1.0},
     "seed-2": {"seed": 2, "chat_share": 0.5},
     "remove-20-same": {"from": VARIANTS["default"][0]},
     "remove-22.5-same": {"from": VARIANTS["default"][0]},
+    "plan-24-seed-2": {"same_as": "seed-2"},
 }
 PRESAMPLED_WINDOWS = 64
 
 
 def presampled_file(name: str, texts: Path) -> Path:
-    """Where a PRESAMPLED variant's sampled windows are kept (one file for every variant taking a folder's)."""
+    """Where a PRESAMPLED variant's sampled windows are kept (one file for every variant taking a folder's, or
+    another variant's)."""
+    name = PRESAMPLED[name].get("same_as", name)
     folder = PRESAMPLED[name].get("from")
     return texts / (f"sampled_{name}.safetensors" if folder is None else f"sampled_{folder}.safetensors")
 
@@ -179,6 +189,7 @@ def presampled_options(name: str, texts: Path) -> list[str]:
 
 def presample(name: str, texts: Path) -> None:
     """Sample a PRESAMPLED variant's calibration windows from the source once (kept in texts/)."""
+    name = PRESAMPLED[name].get("same_as", name)
     file = presampled_file(name, texts)
     if file.is_file():
         return
@@ -312,9 +323,9 @@ def main() -> int:
 
             kept = ("seed", "chat_share", "prompts", "samples", "length", "source")
             settings = load_teacher_text(presampled_file(name, texts))[1]
-            found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings} | (
-                {"from": PRESAMPLED[name]["from"]} if "from" in PRESAMPLED[name] else {}
-            )
+            found["calibration"]["presampled"] = {k: settings[k] for k in kept if k in settings} | {
+                k: PRESAMPLED[name][k] for k in ("from", "same_as") if k in PRESAMPLED[name]
+            }
         if found is not None:
             variants[name] = {"what": what, "command": commands[name]} | found
     if not variants:

@@ -71,6 +71,8 @@ def test_a_presampled_variant_gives_its_file_as_a_second_calibration_text_and_sa
         at = command.index("--calibration")
         assert command[at + 1 : at + 3] == [str(tmp_path / "calibration.pt"), str(cli_domains.presampled_file(name, tmp_path))]
         assert cli_domains.presampled_file(name, tmp_path).parent == tmp_path
+        other = cli_domains.PRESAMPLED[name].get("same_as")  # another variant's very windows: its file
+        assert other is None or cli_domains.presampled_file(name, tmp_path) == cli_domains.presampled_file(other, tmp_path)
         assert command[command.index("--self-calibration") + 1] == "0"
         assert command[command.index("--calibration-windows") + 1] == str(128 + cli_domains.PRESAMPLED_WINDOWS)
     plain = cli_domains.compress_command("SRC", tmp_path / "out", tmp_path, [])
