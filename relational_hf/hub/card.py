@@ -132,20 +132,18 @@ def calibration_description(report: dict[str, Any]) -> str | None:
     windows = report.get("calibration_windows")
     if not windows:
         return None
-    text = f"{windows[0]} windows of {windows[1]} tokens"
     user, own = calibration.get("user_windows"), calibration.get("self_windows")
-    several = calibration.get("texts") or {}
-    named = len(several) > 1 or bool(calibration.get("text") and user is not None)
-    if len(several) > 1:
-        text += ": " + ", ".join(f"{k} of `{text_name(name)}`" for name, k in several.items())
-    elif named:
-        text += f": {user} of `{text_name(calibration['text'])}`"
+    sampling = calibration.get("sampling") or {}
+    texts = calibration.get("texts") or {}
+    if len(texts) <= 1:  # one text (or none): its name and the user's windows, as the report records them
+        texts = {calibration["text"]: user} if calibration.get("text") and user is not None else {}
+    text = f"{windows[0]} windows of {windows[1]} tokens"
+    text += (": " + ", ".join(f"{k} of `{text_name(name)}`" for name, k in texts.items())) if texts else ""
     if own:
-        text += f" and {own} sampled from the source itself" if named else ", all sampled from the source itself (no text given)"
-        text += _sampling_settings(calibration.get("sampling") or {})
-    kept = (calibration.get("sampling") or {}).get("file")
-    if own and kept:  # the command keeps the sampled windows beside the model, never the user's
-        text += f"; the sampled windows are in `{text_name(kept)}`"
+        text += f" and {own} sampled from the source itself" if texts else ", all sampled from the source itself (no text given)"
+        text += _sampling_settings(sampling)
+        # the command keeps the sampled windows beside the model, never the user's
+        text += f"; the sampled windows are in `{text_name(sampling['file'])}`" if sampling.get("file") else ""
     return text
 
 
